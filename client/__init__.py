@@ -1,0 +1,15 @@
+"""fuyou_client: the training process's side of Fuyou.
+
+`connect()` opens a session with the host's fuyoud; `start_daemon()` runs a private one.
+"""
+from fuyou_client.buffers import SharedBuffer
+from fuyou_client.daemon import DaemonProcess, start_daemon
+from fuyou_client.errors import (DaemonUnavailable, DataLoss, FuyouClientError, InvalidArgument, NamespaceBusy,
+                                 ObjectNotFound, PermissionDenied, ResourceExhausted, SessionClosed)
+from fuyou_client.session import In, ObjectInfo, Out, Session, connect
+
+__all__ = [
+    "connect", "Session", "SharedBuffer", "ObjectInfo", "In", "Out", "start_daemon", "DaemonProcess",
+    "FuyouClientError", "DaemonUnavailable", "DataLoss", "InvalidArgument", "NamespaceBusy", "ObjectNotFound",
+    "PermissionDenied", "ResourceExhausted", "SessionClosed",
+]

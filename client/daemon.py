@@ -1,0 +1,119 @@
+"""A private fuyoud for demos, notebooks and tests: started as a child process with a
+generated config, ready when it says READY=1 (the systemd notify protocol), stopped
+with SIGTERM.
+
+    with fuyou_client.start_daemon(state_dir="/tmp/fy") as daemon:
+        with fuyou_client.connect(daemon.socket) as session:
+            ...
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fuyou_client.errors import DaemonUnavailable
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    s = str(v).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{s}"'
+
+
+def to_toml(config: dict[str, dict[str, Any]]) -> str:
+    return "".join(f"[{section}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in values.items()) + "\n"
+                   for section, values in config.items())
+
+
+class DaemonProcess:
+    def __init__(self, process: subprocess.Popen, state_dir: Path, socket: str, config_path: Path, log_path: Path):
+        self.process = process
+        self.state_dir = state_dir
+        self.socket = socket
+        self.config_path = config_path
+        self.log_path = log_path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait; returns the exit code (SIGKILL after ``timeout``)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+    def __enter__(self) -> "DaemonProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_daemon(state_dir: str | os.PathLike | None = None, config: dict[str, dict[str, Any]] | None = None,
+                 timeout: float = 60.0, env: dict[str, str] | None = None) -> DaemonProcess:
+    """Start fuyoud in the background with the embedded defaults, its state (data files,
+    index, sockets) under ``state_dir`` (a new temporary directory by default), plus any
+    ``config`` overrides ({"section": {"key": value}}). Returns once it serves."""
+    state = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="fuyoud-"))
+    state.mkdir(parents=True, exist_ok=True)
+    merged: dict[str, dict[str, Any]] = {
+        "daemon": {"state_dir": str(state), "runtime_dir": str(state / "run")},
+        "metrics": {"listen": "127.0.0.1:0"},
+    }
+    for section, values in (config or {}).items():
+        merged.setdefault(section, {}).update(values)
+    config_path = state / "fuyoud.toml"
+    config_path.write_text(to_toml(merged))
+    log_path = state / "fuyoud.log"
+    sock = merged["daemon"].get("control_socket") or str(Path(merged["daemon"]["runtime_dir"]) / "fuyoud.sock")
+
+    notify_path = state / "notify.sock"
+    if notify_path.exists():
+        notify_path.unlink()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as notify:
+        notify.bind(str(notify_path))
+        child_env = dict(os.environ if env is None else env, NOTIFY_SOCKET=str(notify_path))
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "fuyoud", "--config", str(config_path)],
+                                    stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            notify.settimeout(0.2)
+            try:
+                if b"READY=1" in notify.recv(4096):
+                    break
+            except socket.timeout:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise DaemonUnavailable(f"fuyoud did not become ready (exit code {proc.returncode}); log:\n{tail}")
+    notify_path.unlink()
+    return DaemonProcess(proc, state, sock, config_path, log_path)

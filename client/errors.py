@@ -1,0 +1,65 @@
+"""Exceptions of fuyou_client: one per failure a caller can act on differently."""
+from __future__ import annotations
+
+import grpc
+
+
+class FuyouClientError(Exception):
+    """Base class. ``code`` is the daemon's gRPC status code name where there is one."""
+
+    code = "UNKNOWN"
+
+
+class InvalidArgument(FuyouClientError):
+    code = "INVALID_ARGUMENT"
+
+
+class ObjectNotFound(FuyouClientError, KeyError):
+    code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class PermissionDenied(FuyouClientError):
+    code = "PERMISSION_DENIED"
+
+
+class NamespaceBusy(FuyouClientError):
+    code = "ALREADY_EXISTS"
+
+
+class ResourceExhausted(FuyouClientError):
+    """A pinned-memory budget is spent or the SSD array is full."""
+    code = "RESOURCE_EXHAUSTED"
+
+
+class DataLoss(FuyouClientError):
+    """The SSD failed a transfer; the message names the device and the object."""
+    code = "DATA_LOSS"
+
+
+class DaemonUnavailable(FuyouClientError):
+    """No daemon at the socket, or it died or is shutting down."""
+    code = "UNAVAILABLE"
+
+
+class SessionClosed(FuyouClientError):
+    code = "UNAUTHENTICATED"
+
+
+_BY_CODE = {cls.code: cls for cls in (InvalidArgument, ObjectNotFound, PermissionDenied, NamespaceBusy,
+                                      ResourceExhausted, DataLoss, DaemonUnavailable, SessionClosed)}
+
+
+def from_code(code: str, message: str) -> FuyouClientError:
+    return _BY_CODE.get(code, FuyouClientError)(message)
+
+
+def from_rpc_error(exc: grpc.RpcError) -> FuyouClientError:
+    code = exc.code()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return DaemonUnavailable(f"fuyoud is not reachable: {exc.details()}")
+    err = from_code(code.name, exc.details() or code.name)
+    err.code = code.name
+    return err

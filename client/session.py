@@ -1,0 +1,250 @@
+"""A client session with fuyoud: the session socket, the gRPC channel, shared memory.
+
+    with fuyou_client.connect() as s:              # the host's daemon
+        buf = s.allocate(1 << 30)                  # pinned shared memory, mapped here
+        buf.tensor(torch.float32)[:] = ...         # fill it in place
+        s.swap_out("weights/0", buf)               # to the SSD array
+        s.swap_in("weights/0", buf)                # and back
+
+Transfers take whole buffers or ranges of them; ``*_async`` variants return futures and
+``swap_out_many`` / ``swap_in_many`` batch several objects into one request.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import grpc
+
+from fuyou_client import errors
+from fuyou_client.buffers import Segment, SharedBuffer
+from fuyou_proto import SESSION_METADATA_KEY, pb, rpc
+
+MAX_MESSAGE = 64 * 1024
+
+
+def default_socket() -> str:
+    """$FUYOUD_SOCKET, else the daemon's default control socket for this user."""
+    env = os.environ.get("FUYOUD_SOCKET")
+    if env:
+        return env
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return str(Path(base) / f"fuyoud-{os.getuid()}" / "fuyoud.sock")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    name: str
+    namespace: str
+    size: int
+    persistent: bool
+    devices: int
+    version: int
+
+    @classmethod
+    def from_pb(cls, m: pb.ObjectInfo) -> "ObjectInfo":
+        return cls(m.name, m.namespace, m.size, m.persistent, m.devices, m.version)
+
+
+@dataclass
+class Out:
+    """One object of a batched swap-out: ``length`` bytes of ``buffer`` from ``offset``."""
+    name: str
+    buffer: SharedBuffer
+    offset: int = 0
+    length: int | None = None
+    persistent: bool = False
+
+    def to_pb(self) -> pb.SwapOutItem:
+        length = self.buffer.size - self.offset if self.length is None else self.length
+        return pb.SwapOutItem(name=self.name, buffer=self.buffer.ref, offset=self.offset, length=length,
+                              persistent=self.persistent)
+
+
+@dataclass
+class In:
+    """One object of a batched swap-in: object bytes from ``object_offset`` into the buffer."""
+    name: str
+    buffer: SharedBuffer
+    offset: int = 0
+    length: int | None = None  # None: the rest of the object
+    object_offset: int = 0
+
+    def to_pb(self) -> pb.SwapInItem:
+        return pb.SwapInItem(name=self.name, buffer=self.buffer.ref, offset=self.offset,
+                             object_offset=self.object_offset, length=self.length or 0)
+
+
+def _call(fn, request, metadata, timeout=None):
+    try:
+        return fn(request, metadata=metadata, timeout=timeout)
+    except grpc.RpcError as exc:
+        raise errors.from_rpc_error(exc) from None
+
+
+def _wrap_future(call: grpc.Future, convert=lambda r: r) -> Future:
+    """A concurrent.futures.Future that raises fuyou_client errors."""
+    fut: Future = Future()
+
+    def done(c: grpc.Future) -> None:
+        exc = c.exception()
+        if exc is None:
+            fut.set_result(convert(c.result()))
+        elif isinstance(exc, grpc.RpcError):
+            fut.set_exception(errors.from_rpc_error(exc))
+        else:
+            fut.set_exception(exc)
+
+    call.add_done_callback(done)
+    return fut
+
+
+class Session:
+    def __init__(self, socket_path: str | None = None, namespace: str | None = None, timeout: float = 10.0):
+        self.socket_path = socket_path or default_socket()
+        self._channel = grpc.insecure_channel(f"unix:{self.socket_path}")
+        self._stub = rpc.FuyouStub(self._channel)
+        try:
+            status = self._stub.Status(pb.StatusRequest(), timeout=timeout, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            self._channel.close()
+            raise errors.DaemonUnavailable(
+                f"no fuyoud answers at {self.socket_path} ({exc.code().name}): start it with "
+                "`systemctl start fuyoud` or `fuyoud`, or use fuyou_client.start_daemon()") from None
+        self.daemon_status = status
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            self._sock.connect(status.session_socket)
+            self._sock.sendall(json.dumps({"hello": 1, "namespace": namespace, "client": "fuyou_client"}).encode())
+            reply = json.loads(self._sock.recv(MAX_MESSAGE) or b"null")
+        except (OSError, ValueError) as exc:
+            self._sock.close()
+            self._channel.close()
+            raise errors.DaemonUnavailable(f"session handshake with {status.session_socket} failed: {exc}") from None
+        if not isinstance(reply, dict) or "error" in reply or "token" not in reply:
+            self._sock.close()
+            self._channel.close()
+            err = (reply or {}).get("error", {"code": "UNKNOWN", "message": f"unexpected reply {reply!r}"})
+            raise errors.from_code(err["code"], err["message"])
+        self.id: int = reply["session"]
+        self.namespace: str = reply["namespace"]
+        self._metadata = ((SESSION_METADATA_KEY, reply["token"]),)
+        self._segments: dict[int, Segment] = {}
+        self._seg_lock = threading.Lock()
+        self.closed = False
+
+    # -- memory ---------------------------------------------------------------------
+    def allocate(self, nbytes: int) -> SharedBuffer:
+        """Pinned shared memory of ``nbytes`` bytes, mapped in this process."""
+        ref = _call(self._stub.Allocate, pb.AllocateRequest(size=nbytes), self._metadata)
+        segment = self._segment(ref.segment)
+        segment.live_buffers += 1
+        return SharedBuffer(self, ref, segment, nbytes)
+
+    def _segment(self, segment_id: int) -> Segment:
+        """The mapping of a segment; its fd arrived on the session socket before the reply."""
+        with self._seg_lock:
+            while segment_id not in self._segments:
+                msg, fds, _, _ = socket.recv_fds(self._sock, MAX_MESSAGE, 4)
+                if not msg:
+                    raise errors.DaemonUnavailable("fuyoud closed the session socket")
+                info = json.loads(msg)
+                if "segment" not in info or len(fds) != 1:
+                    for fd in fds:
+                        os.close(fd)
+                    raise errors.FuyouClientError(f"unexpected message on the session socket: {info!r}")
+                self._segments[info["segment"]] = Segment(info["segment"], info["size"], fds[0])
+            return self._segments[segment_id]
+
+    def _free(self, buf: SharedBuffer) -> None:
+        if self.closed:
+            return
+        _call(self._stub.Free, buf.ref, self._metadata)
+        with self._seg_lock:
+            seg = buf._segment
+            seg.live_buffers -= 1
+            if seg.live_buffers == 0:  # the daemon dropped the segment: drop our mapping too
+                self._segments.pop(seg.id, None)
+                seg.close()
+
+    # -- objects --------------------------------------------------------------------
+    def swap_out(self, name: str, buffer: SharedBuffer, offset: int = 0, length: int | None = None,
+                 persistent: bool = False) -> ObjectInfo:
+        """Store ``buffer[offset:offset+length]`` as object ``name``; returns when it is committed."""
+        return self.swap_out_many([Out(name, buffer, offset, length, persistent)])[0]
+
+    def swap_out_many(self, items: Sequence[Out]) -> list[ObjectInfo]:
+        reply = _call(self._stub.SwapOut, pb.SwapOutRequest(items=[i.to_pb() for i in items]), self._metadata)
+        return [ObjectInfo.from_pb(o) for o in reply.objects]
+
+    def swap_out_async(self, items: Sequence[Out]) -> Future:
+        """Start a batched swap-out; the future's result is the list of ObjectInfo."""
+        call = self._stub.SwapOut.future(pb.SwapOutRequest(items=[i.to_pb() for i in items]), metadata=self._metadata)
+        return _wrap_future(call, lambda r: [ObjectInfo.from_pb(o) for o in r.objects])
+
+    def swap_in(self, name: str, buffer: SharedBuffer, offset: int = 0, length: int | None = None,
+                object_offset: int = 0) -> None:
+        """Copy object bytes (from ``object_offset``; all the rest by default) into the buffer."""
+        self.swap_in_many([In(name, buffer, offset, length, object_offset)])
+
+    def swap_in_many(self, items: Sequence[In]) -> None:
+        _call(self._stub.SwapIn, pb.SwapInRequest(items=[i.to_pb() for i in items]), self._metadata)
+
+    def swap_in_async(self, items: Sequence[In]) -> Future:
+        call = self._stub.SwapIn.future(pb.SwapInRequest(items=[i.to_pb() for i in items]), metadata=self._metadata)
+        return _wrap_future(call, lambda r: None)
+
+    def delete(self, *names: str, missing_ok: bool = False) -> None:
+        _call(self._stub.Delete, pb.DeleteRequest(names=list(names), missing_ok=missing_ok), self._metadata)
+
+    def stat(self, name: str) -> ObjectInfo:
+        return ObjectInfo.from_pb(_call(self._stub.Stat, pb.StatRequest(name=name), self._metadata))
+
+    def objects(self, prefix: str = "") -> list[ObjectInfo]:
+        reply = _call(self._stub.ListObjects, pb.ListObjectsRequest(prefix=prefix), self._metadata)
+        return [ObjectInfo.from_pb(o) for o in reply.objects]
+
+    @property
+    def stub(self) -> rpc.FuyouStub:
+        """The raw gRPC stub (with ``metadata`` below) for calls this class does not wrap."""
+        return self._stub
+
+    @property
+    def metadata(self) -> tuple:
+        return self._metadata
+
+    # -- lifetime -------------------------------------------------------------------
+    def close(self) -> None:
+        """End the session: the daemon releases its memory and transient objects."""
+        if self.closed:
+            return
+        try:
+            self._stub.CloseSession(pb.Empty(), metadata=self._metadata, timeout=10)
+        except grpc.RpcError:
+            pass  # the daemon is gone or the session already ended: nothing left to release
+        self.closed = True
+        self._sock.close()
+        self._channel.close()
+        with self._seg_lock:
+            for seg in self._segments.values():
+                seg.close()
+            self._segments.clear()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect(socket_path: str | None = None, namespace: str | None = None, timeout: float = 10.0) -> Session:
+    """Open a session with the daemon at ``socket_path`` (default: $FUYOUD_SOCKET or the
+    default path). ``namespace`` names where persistent objects live; one live session at
+    a time may hold a namespace."""
+    return Session(socket_path, namespace, timeout)

@@ -1,0 +1,5 @@
+import sys
+
+from fuyoud.cli import main
+
+sys.exit(main())

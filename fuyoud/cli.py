@@ -1,0 +1,46 @@
+"""`fuyoud [--config FILE]`: run the daemon in the foreground (systemd runs it so too)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from fuyoud import __version__
+from fuyoud.config import ConfigError, load
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fuyoud", description="The Fuyou daemon: SSD-backed memory for fine-tuning.")
+    parser.add_argument("--config", metavar="FILE", help="TOML config (default: the embedded defaults)")
+    parser.add_argument("--check-config", action="store_true", help="validate the config and exit")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                        help="override [daemon.log_level]")
+    parser.add_argument("--version", action="version", version=f"fuyoud {__version__}")
+    args = parser.parse_args(argv)
+    try:
+        config = load(args.config)
+    except ConfigError as exc:
+        print(f"fuyoud: bad config: {exc}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        print(f"fuyoud: {args.config or 'embedded defaults'}: OK")
+        return 0
+    setup_logging(args.log_level or config.daemon.log_level)
+    from fuyoud.server import Daemon  # heavy imports after argument checks
+
+    try:
+        daemon = Daemon(config)
+    except Exception as exc:  # start-up failures: say what and stop
+        logging.getLogger("fuyoud").error("cannot start: %s", exc)
+        return 1
+    daemon.run_until_signalled()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""fuyoud's configuration: a TOML file over embedded defaults.
+
+Every option has a default that works with no file at all: data under a local state
+directory, sockets under a runtime directory, metrics on 127.0.0.1. Unknown keys and
+bad values are refused with a message naming the key, so a typo never silently falls
+back to a default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fuyoud.units import parse_size
+
+PAGE = 4096
+
+
+class ConfigError(ValueError):
+    """A config file or value that fuyoud refuses; the message names the key."""
+
+
+def _default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return Path(base) / "fuyoud"
+
+
+def _default_runtime_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return Path(base) / f"fuyoud-{os.getuid()}"
+
+
+def _default_pinned_budget() -> int:
+    """A quarter of physical memory, at most 8 GiB: room for a demo, not the whole host."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(total // 4, 8 << 30) // PAGE * PAGE
+
+
+@dataclass
+class DaemonSection:
+    state_dir: Path = field(default_factory=_default_state_dir)
+    runtime_dir: Path = field(default_factory=_default_runtime_dir)
+    # Empty means "<runtime_dir>/fuyoud.sock" and "<runtime_dir>/session.sock".
+    control_socket: str = ""
+    session_socket: str = ""
+    socket_mode: int = 0o660
+    # "host:port" to also serve gRPC over TCP (sessions still need the unix socket).
+    tcp_listen: str = ""
+    grpc_workers: int = 16
+    log_level: str = "info"
+
+    @property
+    def control_path(self) -> Path:
+        return Path(self.control_socket) if self.control_socket else self.runtime_dir / "fuyoud.sock"
+
+    @property
+    def session_path(self) -> Path:
+        return Path(self.session_socket) if self.session_socket else self.runtime_dir / "session.sock"
+
+
+@dataclass
+class MemorySection:
+    pinned_budget: int = field(default_factory=_default_pinned_budget)
+    session_budget: int = 0  # 0 means: the whole pinned budget
+    segment_size: int = 64 << 20
+    # mlock the shared segments: "auto" tries and carries on unlocked if refused.
+    lock: str = "auto"
+    # Daemon-private bounce buffers for unaligned heads and tails.
+    staging_size: int = 16 << 20
+
+
+@dataclass
+class StorageSection:
+    # One directory per SSD; empty means "<state_dir>/data".
+    data_dirs: list[Path] = field(default_factory=list)
+    capacity_per_device: int = 16 << 30
+    stripe_size: int = 4 << 20
+    direct_io: bool = True
+
+
+@dataclass
+class IOSection:
+    engine: str = "auto"  # "auto" | "io_uring" | "threadpool"
+    queue_depth: int = 32
+    chunk_size: int = 1 << 20
+    threads: int = 16
+
+
+@dataclass
+class MetricsSection:
+    enabled: bool = True
+    listen: str = "127.0.0.1:9464"  # port 0 picks a free port (tests)
+
+
+@dataclass
+class Config:
+    daemon: DaemonSection = field(default_factory=DaemonSection)
+    memory: MemorySection = field(default_factory=MemorySection)
+    storage: StorageSection = field(default_factory=StorageSection)
+    io: IOSection = field(default_factory=IOSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+
+    @property
+    def data_dirs(self) -> list[Path]:
+        return self.storage.data_dirs or [self.daemon.state_dir / "data"]
+
+    @property
+    def session_budget(self) -> int:
+        return self.memory.session_budget or self.memory.pinned_budget
+
+
+_SIZE_KEYS = {
+    "memory.pinned_budget", "memory.session_budget", "memory.segment_size", "memory.staging_size",
+    "storage.capacity_per_device", "storage.stripe_size", "io.chunk_size",
+}
+_CHOICES = {
+    "memory.lock": {"auto", "yes", "no"},
+    "io.engine": {"auto", "io_uring", "threadpool"},
+    "daemon.log_level": {"debug", "info", "warning", "error"},
+}
+_POSITIVE = {"daemon.grpc_workers", "io.queue_depth", "io.threads"}
+_PAGE_MULTIPLES = {
+    "memory.segment_size", "memory.staging_size", "storage.stripe_size", "io.chunk_size",
+    "storage.capacity_per_device",
+}
+
+
+def _convert(key: str, annotation: Any, value: Any) -> Any:
+    if key in _SIZE_KEYS:
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            raise ConfigError(f"[{key}]: {exc}") from None
+    expected = {"int": int, "str": str, "bool": bool, "Path": (str,), "list[Path]": list}[annotation]
+    if not isinstance(value, expected) or (annotation == "int" and isinstance(value, bool)):
+        raise ConfigError(f"[{key}]: expected {annotation}, got {type(value).__name__} {value!r}")
+    if annotation == "Path":
+        return Path(os.path.expanduser(value))
+    if annotation == "list[Path]":
+        if not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(f"[{key}]: expected a list of directory paths, got {value!r}")
+        return [Path(os.path.expanduser(v)) for v in value]
+    return value
+
+
+def _validate(cfg: Config) -> None:
+    for key, choices in _CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in choices:
+            raise ConfigError(f"[{key}]: {value!r} is not one of {sorted(choices)}")
+    for key in _POSITIVE | _PAGE_MULTIPLES:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value <= 0:
+            raise ConfigError(f"[{key}]: must be positive, got {value}")
+        if key in _PAGE_MULTIPLES and value % PAGE:
+            raise ConfigError(f"[{key}]: must be a multiple of {PAGE} bytes, got {value}")
+    if cfg.memory.pinned_budget < cfg.memory.segment_size:
+        raise ConfigError("[memory.pinned_budget] is smaller than [memory.segment_size]")
+    if cfg.memory.session_budget > cfg.memory.pinned_budget:
+        raise ConfigError("[memory.session_budget] exceeds [memory.pinned_budget]")
+    if len(set(cfg.data_dirs)) != len(cfg.data_dirs):
+        raise ConfigError("[storage.data_dirs] lists a directory twice")
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Build a validated Config from parsed TOML (missing keys take their defaults)."""
+    cfg = Config()
+    for section_name, section_value in data.items():
+        if section_name not in {f.name for f in dataclasses.fields(Config)}:
+            raise ConfigError(f"unknown section [{section_name}]")
+        if not isinstance(section_value, dict):
+            raise ConfigError(f"[{section_name}] must be a table")
+        section = getattr(cfg, section_name)
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        for key, value in section_value.items():
+            if key not in fields:
+                raise ConfigError(
+                    f"unknown key [{section_name}.{key}] (known: {', '.join(sorted(fields))})")
+            setattr(section, key, _convert(f"{section_name}.{key}", fields[key].type, value))
+    _validate(cfg)
+    return cfg
+
+
+def load(path: str | os.PathLike | None) -> Config:
+    """Read a TOML file (``None``: the embedded defaults only)."""
+    if path is None:
+        return from_dict({})
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    try:
+        return from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None

@@ -1,0 +1,51 @@
+"""Errors the daemon reports to clients. Each carries the gRPC status code it maps to;
+the message says what was wrong and, where it helps, what to do."""
+from __future__ import annotations
+
+import grpc
+
+
+class FuyouError(Exception):
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    kind: str = "internal"  # bounded label value for fuyoud_errors_total
+
+
+class InvalidArgument(FuyouError):
+    code, kind = grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"
+
+
+class NotFound(FuyouError):
+    code, kind = grpc.StatusCode.NOT_FOUND, "not_found"
+
+
+class AlreadyExists(FuyouError):
+    code, kind = grpc.StatusCode.ALREADY_EXISTS, "already_exists"
+
+
+class PermissionDenied(FuyouError):
+    code, kind = grpc.StatusCode.PERMISSION_DENIED, "permission_denied"
+
+
+class Unauthenticated(FuyouError):
+    code, kind = grpc.StatusCode.UNAUTHENTICATED, "unauthenticated"
+
+
+class ResourceExhausted(FuyouError):
+    code, kind = grpc.StatusCode.RESOURCE_EXHAUSTED, "resource_exhausted"
+
+
+class OutOfMemoryBudget(ResourceExhausted):
+    kind = "memory_budget"
+
+
+class StorageFull(ResourceExhausted):
+    kind = "storage_full"
+
+
+class DataLoss(FuyouError):
+    """The SSD failed a transfer (errno) or returned fewer bytes than asked."""
+    code, kind = grpc.StatusCode.DATA_LOSS, "io_error"
+
+
+class Unavailable(FuyouError):
+    code, kind = grpc.StatusCode.UNAVAILABLE, "unavailable"

@@ -1,0 +1,74 @@
+"""Shared-memory segments: memfd files mapped by the daemon and by one client.
+
+A segment belongs to exactly one session: its fd is only ever sent to that session
+(over the session socket, SCM_RIGHTS), and every buffer inside it is that session's.
+The daemon maps it MAP_SHARED and prefaults it; with ``lock`` it also mlocks the pages
+so that swapping never moves them while the SSD reads or writes them (pinned memory).
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import mmap
+import os
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.munlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+
+
+def buffer_address(buf) -> int:
+    """Address of the first byte of a buffer (mmap, bytearray, memoryview, read-only too)."""
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
+
+
+def mlock(buf: mmap.mmap) -> int:
+    """mlock a mapping; returns 0 or the errno that refused it."""
+    holder = ctypes.c_char.from_buffer(buf)
+    try:
+        if _libc.mlock(ctypes.addressof(holder), len(buf)) != 0:
+            return ctypes.get_errno()
+        return 0
+    finally:
+        del holder
+
+
+class Segment:
+    def __init__(self, segment_id: int, size: int, session_id: int, lock: bool):
+        self.id = segment_id
+        self.size = size
+        self.session_id = session_id
+        self.fd = os.memfd_create(f"fuyou-seg-{segment_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, size)
+            # The size is fixed for the segment's life: the client may not shrink it under us.
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self.map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.locked = False
+        if lock:
+            err = mlock(self.map)
+            self.locked = err == 0
+            if err:
+                log.debug("mlock of segment %d refused: %s", segment_id, os.strerror(err))
+
+    def view(self, offset: int, length: int) -> memoryview:
+        return memoryview(self.map)[offset:offset + length]
+
+    def close(self) -> None:
+        os.close(self.fd)
+        try:
+            self.map.close()  # also unlocks; the client's mapping keeps its own pages alive
+        except BufferError:
+            # An I/O still holds a view (only possible while a reclaim races a transfer);
+            # the mapping goes when the last view is dropped.
+            log.warning("segment %d still referenced at close; unmapped later", self.id)
+

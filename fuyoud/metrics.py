@@ -1,0 +1,111 @@
+"""Prometheus metrics: `fuyoud_` prefix, base units in names, bounded labels.
+
+Counters and histograms are updated on the I/O path; gauges (memory, sessions, objects,
+devices) are read from the live components at scrape time by a custom collector, so
+they are never stale. Each daemon has its own registry (several can run in one test
+process).
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+
+from fuyoud import __version__
+
+if TYPE_CHECKING:
+    from fuyoud.server import Daemon
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.io_bytes = Counter("fuyoud_io_bytes", "Bytes moved between memory and the SSD array",
+                                ["device", "direction"], registry=r)
+        self.io_ops = Counter("fuyoud_io_operations", "I/O requests completed by the engine",
+                              ["device", "direction"], registry=r)
+        self.io_seconds = Histogram(
+            "fuyoud_io_batch_duration_seconds",
+            "Time from submitting a batch of requests to a device to the completion of its last one",
+            ["device", "direction"], buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("fuyoud_requests", "Control requests served", ["method"], registry=r)
+        self.request_seconds = Histogram("fuyoud_request_duration_seconds", "Control request latency",
+                                         ["method"], buckets=LATENCY_BUCKETS, registry=r)
+        self.errors = Counter("fuyoud_errors", "Errors returned to clients or met internally", ["kind"],
+                              registry=r)
+        self.sessions_closed = Counter("fuyoud_sessions_closed", "Sessions ended", ["reason"], registry=r)
+        self.reclaimed_bytes = Counter("fuyoud_reclaimed_pinned_bytes",
+                                       "Pinned bytes given back when sessions ended", registry=r)
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def observe_io(self, device: int, direction: str, nbytes: int, ops: int, seconds: float) -> None:
+        dev = str(device)
+        self.io_bytes.labels(dev, direction).inc(nbytes)
+        self.io_ops.labels(dev, direction).inc(ops)
+        self.io_seconds.labels(dev, direction).observe(seconds)
+
+    def attach(self, daemon: "Daemon") -> None:
+        self.registry.register(_DaemonCollector(daemon))
+
+    def serve(self, listen: str) -> str:
+        """Start the HTTP endpoint; returns its URL (port 0 picks a free one)."""
+        host, _, port = listen.rpartition(":")
+        self._server, self._thread = start_http_server(int(port), addr=host or "127.0.0.1",
+                                                       registry=self.registry)
+        return f"http://{host or '127.0.0.1'}:{self._server.server_port}/metrics"
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+
+class _DaemonCollector:
+    def __init__(self, daemon: "Daemon"):
+        self.daemon = daemon
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        d = self.daemon
+        info = InfoMetricFamily("fuyoud_build", "Version of the running daemon")
+        info.add_metric([], {"version": __version__})
+        yield info
+        engine = GaugeMetricFamily("fuyoud_io_engine", "The I/O engine in use (1 for the active one)",
+                                   labels=["engine"])
+        engine.add_metric([d.engine.name], 1)
+        yield engine
+
+        pool = d.pool.usage()
+        pinned = GaugeMetricFamily("fuyoud_pinned_bytes", "Shared pinned memory by state", labels=["state"])
+        pinned.add_metric(["allocated"], pool.allocated)
+        pinned.add_metric(["reserved"], pool.segments - pool.allocated)
+        pinned.add_metric(["staging"], d.staging.total_bytes)
+        yield pinned
+        yield GaugeMetricFamily("fuyoud_pinned_budget_bytes", "Pinned-memory budget of the daemon",
+                                value=pool.budget)
+        yield GaugeMetricFamily("fuyoud_sessions", "Live client sessions", value=len(d.sessions.all()))
+
+        usage = d.store.usage()
+        objects = GaugeMetricFamily("fuyoud_objects", "Objects in the store", labels=["kind"])
+        obj_bytes = GaugeMetricFamily("fuyoud_object_bytes", "Bytes of object data in the store", labels=["kind"])
+        for persistent, kind in ((True, "persistent"), (False, "transient")):
+            objects.add_metric([kind], usage.objects[persistent])
+            obj_bytes.add_metric([kind], usage.object_bytes[persistent])
+        yield objects
+        yield obj_bytes
+        cap = GaugeMetricFamily("fuyoud_device_capacity_bytes", "Size of each device's data file", labels=["device"])
+        used = GaugeMetricFamily("fuyoud_device_used_bytes", "Bytes allocated on each device", labels=["device"])
+        for i, (_, capacity, in_use) in enumerate(usage.devices):
+            cap.add_metric([str(i)], capacity)
+            used.add_metric([str(i)], in_use)
+        yield cap
+        yield used

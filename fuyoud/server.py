@@ -1,0 +1,146 @@
+"""The daemon: assembles memory, storage, I/O, sessions, gRPC and metrics, and stops
+them in the right order.
+
+Start-up: storage first (a full disk or a locked directory stops us before anything
+listens), then the control socket, the session socket, metrics, and READY=1.
+Shutdown (SIGTERM): STOPPING=1, refuse new sessions and new RPCs, let in-flight RPCs
+(and so their I/O) finish within the grace period, end every session, sync the
+devices, close the index.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from fuyou_proto import rpc
+from fuyoud import __version__
+from fuyoud.config import Config
+from fuyoud.io.engine import IOEngine
+from fuyoud.io.select import choose_engine
+from fuyoud.memory.pool import Pool
+from fuyoud.memory.staging import StagingPool
+from fuyoud.metrics import Metrics
+from fuyoud.sdnotify import notify
+from fuyoud.service import FuyouServicer
+from fuyoud.session_socket import SessionListener
+from fuyoud.sessions import Session, SessionRegistry
+from fuyoud.storage.device import Device
+from fuyoud.storage.index import IndexDB
+from fuyoud.storage.store import Store
+from fuyoud.units import format_size
+
+log = logging.getLogger("fuyoud")
+SERVICE_NAME = "fuyou.v1.Fuyou"
+
+
+class Daemon:
+    def __init__(self, config: Config, engine: IOEngine | None = None):
+        self.config = config
+        self.metrics = Metrics()
+        self.metrics_url = ""
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+        self.engine, self.engine_reason = (engine, "given") if engine is not None else choose_engine(config.io)
+        self.staging = StagingPool(config.memory.staging_size, config.io.chunk_size + 2 * 4096)
+        self.pool = Pool(config.memory.pinned_budget, config.session_budget, config.memory.segment_size,
+                         lock=config.memory.lock != "no")
+        self.store = self._open_store()
+        self.sessions = SessionRegistry(self._session_closed, self.store.index_db.namespace_owner,
+                                        self.store.index_db.claim_namespace)
+        self._grpc: grpc.Server | None = None
+        self._health = health.HealthServicer()
+        self._listener: SessionListener | None = None
+
+    def _open_store(self) -> Store:
+        cfg = self.config
+        devices: list[Device] = []
+        try:
+            for i, d in enumerate(cfg.data_dirs):
+                devices.append(Device(i, d, cfg.storage.capacity_per_device, cfg.storage.direct_io))
+            index = IndexDB(cfg.daemon.state_dir / "index.sqlite")
+            return Store(devices, index, self.engine, self.staging, cfg.io.chunk_size,
+                         cfg.storage.stripe_size, observer=self.metrics.observe_io)
+        except BaseException:
+            for dev in devices:
+                dev.close()
+            raise
+
+    def _session_closed(self, session: Session) -> None:
+        dropped = self.store.drop_transient(session.id)
+        freed = self.pool.release_session(session.id)
+        self.metrics.sessions_closed.labels("closed").inc()
+        self.metrics.reclaimed_bytes.inc(freed)
+        log.info("session %d: reclaimed %s pinned, %d transient objects", session.id, format_size(freed), dropped)
+
+    def start(self) -> "Daemon":
+        cfg = self.config.daemon
+        cfg.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="grpc"),
+                             options=[("grpc.so_reuseport", 0)])
+        rpc.add_FuyouServicer_to_server(FuyouServicer(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        control = cfg.control_path
+        if control.exists() or control.is_symlink():
+            control.unlink()
+        old = os.umask(0o777 & ~cfg.socket_mode)
+        try:
+            server.add_insecure_port(f"unix:{control}")
+        finally:
+            os.umask(old)
+        if cfg.tcp_listen:
+            server.add_insecure_port(cfg.tcp_listen)
+        server.start()
+        os.chmod(control, cfg.socket_mode)
+        self._grpc = server
+        self._listener = SessionListener(cfg.session_path, cfg.socket_mode, self.sessions)
+        self._listener.start()
+        if self.config.metrics.enabled:
+            self.metrics.attach(self)
+            self.metrics_url = self.metrics.serve(self.config.metrics.listen)
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("fuyoud %s serving on %s (sessions %s), I/O engine %s (%s), %d device(s), pinned budget %s%s",
+                 __version__, control, cfg.session_path, self.engine.name, self.engine_reason,
+                 len(self.store.devices), format_size(self.pool.budget),
+                 f", metrics {self.metrics_url}" if self.metrics_url else "")
+        notify(f"READY=1\nSTATUS=serving on {control}\nMAINPID={os.getpid()}")
+        return self
+
+    def stop(self, grace: float = 10.0) -> None:
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            notify("STOPPING=1")
+            log.info("stopping")
+            self.sessions.accepting = False
+            self._health.enter_graceful_shutdown()
+            if self._listener is not None:
+                self._listener.close()
+            if self._grpc is not None:
+                self._grpc.stop(grace).wait()  # in-flight RPCs (and their I/O) finish
+            self.sessions.close_all("daemon stopping")
+            self.store.close()
+            self.engine.close()
+            self.metrics.close()
+            self._stopped.set()
+            log.info("stopped")
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+    def run_until_signalled(self) -> None:
+        """Serve until SIGTERM or SIGINT, then stop cleanly."""
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        self.start()
+        while not stop.wait(1.0):
+            pass
+        self.stop()

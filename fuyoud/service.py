@@ -1,0 +1,183 @@
+"""The gRPC servicer: proto/fuyou.proto's `Fuyou` service over the daemon's parts.
+
+Every method except Status authenticates its session from the `x-fuyou-session`
+metadata, checks that the objects it names are in the session's namespace, and maps
+FuyouError subclasses to their gRPC status codes. Handlers are thin: the work is in
+the pool, the store and the session registry.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from fuyou_proto import SESSION_METADATA_KEY, pb, rpc
+from fuyoud import __version__
+from fuyoud.errors import FuyouError, InvalidArgument, PermissionDenied
+from fuyoud.memory.pool import BufferRef
+from fuyoud.storage.index import ObjectMeta
+from fuyoud.storage.store import ReadItem, WriteItem
+
+if TYPE_CHECKING:
+    from fuyoud.server import Daemon
+
+log = logging.getLogger(__name__)
+NAME_RE = re.compile(r"^[^\x00-\x1f/][^\x00-\x1f]{0,511}$")
+MAX_ITEMS = 65536
+
+
+def _handler(method):
+    """Authenticate, time, count and translate errors for one RPC method."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: "FuyouServicer", request, context: grpc.ServicerContext):
+        t0 = time.perf_counter()
+        metrics = self.daemon.metrics
+        try:
+            return method(self, request, context)
+        except FuyouError as exc:
+            metrics.errors.labels(exc.kind).inc()
+            context.abort(exc.code, str(exc))
+        except Exception:
+            metrics.errors.labels("internal").inc()
+            log.exception("%s failed", name)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the fuyoud log")
+        finally:
+            metrics.requests.labels(name).inc()
+            metrics.request_seconds.labels(name).observe(time.perf_counter() - t0)
+
+    return wrapper
+
+
+def _ref(msg: pb.BufferRef) -> BufferRef:
+    return BufferRef(msg.segment, msg.offset, msg.length, msg.generation)
+
+
+def _check_name(name: str) -> str:
+    if not NAME_RE.match(name):
+        raise InvalidArgument(f"bad object name {name!r}: 1-512 characters, no control characters, "
+                              "not starting with '/'")
+    return name
+
+
+def object_info(meta: ObjectMeta) -> pb.ObjectInfo:
+    return pb.ObjectInfo(name=meta.name, namespace=meta.namespace, size=meta.size, persistent=meta.persistent,
+                         devices=len(meta.layout.extents), version=meta.version)
+
+
+class FuyouServicer(rpc.FuyouServicer):
+    def __init__(self, daemon: "Daemon"):
+        self.daemon = daemon
+
+    def _session(self, context: grpc.ServicerContext):
+        token = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)
+        return self.daemon.sessions.authenticate(token)
+
+    @staticmethod
+    def _namespace(session, requested: str) -> str:
+        if requested and requested != session.namespace:
+            raise PermissionDenied(
+                f"namespace {requested!r} is not this session's ({session.namespace!r}): a session "
+                "reaches only its own objects")
+        return session.namespace
+
+    def _items(self, items) -> None:
+        if not items:
+            raise InvalidArgument("request has no items")
+        if len(items) > MAX_ITEMS:
+            raise InvalidArgument(f"too many items in one request ({len(items)} > {MAX_ITEMS})")
+
+    @_handler
+    def Status(self, request, context):
+        d = self.daemon
+        pool = d.pool.usage()
+        usage = d.store.usage()
+        return pb.StatusReply(
+            version=__version__, io_engine=d.engine.name, io_engine_reason=d.engine_reason,
+            devices=[pb.DeviceStatus(index=i, path=p, capacity_bytes=c, used_bytes=u)
+                     for i, (p, c, u) in enumerate(usage.devices)],
+            pinned_budget_bytes=pool.budget, pinned_used_bytes=pool.segments,
+            sessions=len(d.sessions.all()), objects=sum(usage.objects.values()), pid=os.getpid(),
+            metrics_url=d.metrics_url, session_socket=str(d.config.daemon.session_path))
+
+    @_handler
+    def Allocate(self, request, context):
+        session = self._session(context)
+        ref, new_segment = self.daemon.pool.allocate(session.id, request.size)
+        if new_segment is not None:
+            # The client must hold the segment before it can use the handle.
+            session.send_segment(new_segment.id, new_segment.size, new_segment.fd)
+        return pb.BufferRef(segment=ref.segment, offset=ref.offset, length=ref.length, generation=ref.generation)
+
+    @_handler
+    def Free(self, request, context):
+        session = self._session(context)
+        self.daemon.pool.free(session.id, _ref(request))
+        return pb.Empty()
+
+    @_handler
+    def SwapOut(self, request, context):
+        session = self._session(context)
+        self._items(request.items)
+        pool = self.daemon.pool
+        items, seen = [], set()
+        for it in request.items:
+            name = _check_name(it.name)
+            if name in seen:
+                raise InvalidArgument(f"object {name!r} appears twice in one SwapOut")
+            seen.add(name)
+            src = pool.view(session.id, _ref(it.buffer), it.offset, it.length or None)
+            items.append(WriteItem(self._namespace(session, it.namespace), name, src, it.persistent, session.id))
+        metas = self.daemon.store.write(items)
+        return pb.SwapOutReply(objects=[object_info(m) for m in metas])
+
+    @_handler
+    def SwapIn(self, request, context):
+        session = self._session(context)
+        self._items(request.items)
+        store, pool = self.daemon.store, self.daemon.pool
+        items = []
+        for it in request.items:
+            namespace, name = self._namespace(session, it.namespace), _check_name(it.name)
+            length = it.length
+            if not length:
+                size = store.stat(namespace, name).size
+                if it.object_offset > size:
+                    raise InvalidArgument(f"object offset {it.object_offset} is past the end of "
+                                          f"{it.name!r} ({size} bytes)")
+                length = size - it.object_offset
+            dst = pool.view(session.id, _ref(it.buffer), it.offset, length)
+            items.append(ReadItem(namespace, name, dst, it.object_offset))
+        store.read(items)
+        return pb.Empty()
+
+    @_handler
+    def Delete(self, request, context):
+        session = self._session(context)
+        self.daemon.store.delete(self._namespace(session, request.namespace),
+                                 [_check_name(n) for n in request.names], request.missing_ok)
+        return pb.Empty()
+
+    @_handler
+    def Stat(self, request, context):
+        session = self._session(context)
+        namespace = self._namespace(session, request.namespace)
+        return object_info(self.daemon.store.stat(namespace, _check_name(request.name)))
+
+    @_handler
+    def ListObjects(self, request, context):
+        session = self._session(context)
+        metas = self.daemon.store.list(self._namespace(session, request.namespace), request.prefix)
+        return pb.ListObjectsReply(objects=[object_info(m) for m in metas])
+
+    @_handler
+    def CloseSession(self, request, context):
+        session = self._session(context)
+        self.daemon.sessions.close(session, "closed by client")
+        return pb.Empty()

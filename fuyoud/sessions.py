@@ -1,0 +1,99 @@
+"""Sessions: one per client process, with its uid/pid, token and namespace.
+
+A session owns its shared-memory segments and its transient objects; persistent objects
+belong to its namespace, which is held by at most one live session at a time and
+belongs to the uid that first used it. Closing a session (CloseSession, or EOF on the
+session socket when the process dies) releases everything it held.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from fuyoud.errors import AlreadyExists, InvalidArgument, PermissionDenied, Unauthenticated, Unavailable
+
+log = logging.getLogger(__name__)
+NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass
+class Session:
+    id: int
+    token: str
+    uid: int
+    pid: int
+    namespace: str
+    started: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=time.time)
+    closed: bool = False
+    # Sends a segment's fd to the client (set by the session socket handler).
+    send_segment: Callable | None = None
+
+
+class SessionRegistry:
+    def __init__(self, on_close: Callable[[Session], None],
+                 namespace_owner: Callable[[str], int | None],
+                 claim_namespace: Callable[[str, int], None]):
+        self._on_close = on_close
+        self._namespace_owner = namespace_owner
+        self._claim_namespace = claim_namespace
+        self._lock = threading.Lock()
+        self._by_token: dict[str, Session] = {}
+        self._by_namespace: dict[str, Session] = {}
+        self._ids = itertools.count(1)
+        self.accepting = True
+
+    def open(self, uid: int, pid: int, namespace: str | None) -> Session:
+        with self._lock:
+            if not self.accepting:
+                raise Unavailable("fuyoud is shutting down and accepts no new sessions")
+            sid = next(self._ids)
+            if namespace is None:
+                namespace = f"session-{sid}-{secrets.token_hex(4)}"
+            elif not NAMESPACE_RE.match(namespace):
+                raise InvalidArgument(
+                    f"bad namespace {namespace!r}: 1-128 characters of letters, digits, '.', '_', '-'")
+            owner = self._namespace_owner(namespace)
+            if owner is not None and owner != uid and uid != 0:
+                raise PermissionDenied(f"namespace {namespace!r} belongs to uid {owner}")
+            holder = self._by_namespace.get(namespace)
+            if holder is not None:
+                raise AlreadyExists(
+                    f"namespace {namespace!r} is held by live session {holder.id} (pid {holder.pid})")
+            self._claim_namespace(namespace, uid if owner is None else owner)
+            session = Session(sid, secrets.token_urlsafe(32), uid, pid, namespace)
+            self._by_token[session.token] = session
+            self._by_namespace[namespace] = session
+        log.info("session %d opened: uid %d pid %d namespace %s", sid, uid, pid, namespace)
+        return session
+
+    def authenticate(self, token: str | None) -> Session:
+        session = self._by_token.get(token or "")
+        if session is None or session.closed:
+            raise Unauthenticated("missing or unknown session token: open a session on the session socket first")
+        session.last_active = time.time()
+        return session
+
+    def close(self, session: Session, reason: str) -> None:
+        with self._lock:
+            if session.closed:
+                return
+            session.closed = True
+            self._by_token.pop(session.token, None)
+            self._by_namespace.pop(session.namespace, None)
+        log.info("session %d closed (%s)", session.id, reason)
+        self._on_close(session)
+
+    def all(self) -> list[Session]:
+        with self._lock:
+            return list(self._by_token.values())
+
+    def close_all(self, reason: str) -> None:
+        for s in self.all():
+            self.close(s, reason)
