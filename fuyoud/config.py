@@ -68,6 +68,9 @@ class MemorySection:
     segment_size: int = 64 << 20
     # mlock the shared segments: "auto" tries and carries on unlocked if refused.
     lock: str = "auto"
+    # Page kind of shared segments: "auto" (hugetlb if reserved, else transparent huge
+    # pages, else 4 KiB), "hugetlb", "thp", "off". See fuyoud/memory/hugepages.py.
+    huge_pages: str = "auto"
     # Daemon-private bounce buffers for unaligned heads and tails.
     staging_size: int = 16 << 20
 
@@ -118,6 +121,7 @@ _SIZE_KEYS = {
 }
 _CHOICES = {
     "memory.lock": {"auto", "yes", "no"},
+    "memory.huge_pages": {"auto", "hugetlb", "thp", "off"},
     "io.engine": {"auto", "io_uring", "threadpool"},
     "daemon.log_level": {"debug", "info", "warning", "error"},
 }
@@ -159,6 +163,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"[{key}]: must be positive, got {value}")
         if key in _PAGE_MULTIPLES and value % PAGE:
             raise ConfigError(f"[{key}]: must be a multiple of {PAGE} bytes, got {value}")
+    if cfg.memory.segment_size % (2 << 20):
+        raise ConfigError(f"[memory.segment_size]: must be a multiple of 2 MiB, got {cfg.memory.segment_size}")
     if cfg.memory.pinned_budget < cfg.memory.segment_size:
         raise ConfigError("[memory.pinned_budget] is smaller than [memory.segment_size]")
     if cfg.memory.session_budget > cfg.memory.pinned_budget:

@@ -90,6 +90,11 @@ class _DaemonCollector:
         pinned.add_metric(["reserved"], pool.segments - pool.allocated)
         pinned.add_metric(["staging"], d.staging.total_bytes)
         yield pinned
+        pages = GaugeMetricFamily("fuyoud_shared_segment_bytes", "Shared segments by the pages behind them",
+                                  labels=["pages"])
+        for kind, nbytes in pool.by_pages.items():
+            pages.add_metric([kind], nbytes)
+        yield pages
         yield GaugeMetricFamily("fuyoud_pinned_budget_bytes", "Pinned-memory budget of the daemon",
                                 value=pool.budget)
         yield GaugeMetricFamily("fuyoud_sessions", "Live client sessions", value=len(d.sessions.all()))

@@ -24,6 +24,7 @@ from fuyoud import __version__
 from fuyoud.config import Config
 from fuyoud.io.engine import IOEngine
 from fuyoud.io.select import choose_engine
+from fuyoud.memory.hugepages import HugePagePolicy
 from fuyoud.memory.pool import Pool
 from fuyoud.memory.staging import StagingPool
 from fuyoud.metrics import Metrics
@@ -49,8 +50,9 @@ class Daemon:
         self._stop_lock = threading.Lock()
         self.engine, self.engine_reason = (engine, "given") if engine is not None else choose_engine(config.io)
         self.staging = StagingPool(config.memory.staging_size, config.io.chunk_size + 2 * 4096)
+        self.huge_pages = HugePagePolicy(config.memory.huge_pages)
         self.pool = Pool(config.memory.pinned_budget, config.session_budget, config.memory.segment_size,
-                         lock=config.memory.lock != "no")
+                         lock=config.memory.lock != "no", pages=self.huge_pages.choose)
         self.store = self._open_store()
         self.sessions = SessionRegistry(self._session_closed, self.store.index_db.namespace_owner,
                                         self.store.index_db.claim_namespace)
@@ -106,9 +108,9 @@ class Daemon:
             self.metrics_url = self.metrics.serve(self.config.metrics.listen)
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("fuyoud %s serving on %s (sessions %s), I/O engine %s (%s), %d device(s), pinned budget %s%s",
-                 __version__, control, cfg.session_path, self.engine.name, self.engine_reason,
-                 len(self.store.devices), format_size(self.pool.budget),
+        log.info("fuyoud %s serving on %s (sessions %s), I/O engine %s (%s), %d device(s), pinned budget %s, "
+                 "%s%s", __version__, control, cfg.session_path, self.engine.name, self.engine_reason,
+                 len(self.store.devices), format_size(self.pool.budget), self.huge_pages.describe(),
                  f", metrics {self.metrics_url}" if self.metrics_url else "")
         notify(f"READY=1\nSTATUS=serving on {control}\nMAINPID={os.getpid()}")
         return self

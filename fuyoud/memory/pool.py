@@ -18,6 +18,7 @@ from fuyoud.memory.segment import Segment
 from fuyoud.units import align_up, format_size
 
 PAGE = 4096
+HUGE = 2 << 20  # segments are whole huge pages, whatever backs them
 
 
 @dataclass(frozen=True)
@@ -47,16 +48,19 @@ class PoolUsage:
     segments: int  # bytes in segments (what is pinned)
     allocated: int  # bytes handed out as buffers
     by_session: dict[int, int]  # segment bytes per session
+    by_pages: dict[str, int]  # segment bytes per page kind ("hugetlb", "thp", "none")
 
 
 class Pool:
     def __init__(self, budget: int, session_budget: int, segment_size: int, lock: bool,
-                 segment_factory: Callable[[int, int, int, bool], Segment] = Segment):
+                 pages: Callable[[int], str] = lambda size: "none",
+                 segment_factory: Callable[..., Segment] = Segment):
         self.budget = budget
         self.session_budget = session_budget
         self.segment_size = segment_size
         self.lock_pages = lock
         self._make_segment = segment_factory
+        self._pages = pages  # chooses the page kind of a new segment (hugepages.py)
         self._mutex = threading.Lock()
         self._segments: dict[int, _SegmentState] = {}
         self._by_session: dict[int, set[int]] = {}
@@ -76,9 +80,10 @@ class Pool:
                 ref = self._try_allocate(self._segments[seg_id], size)
                 if ref is not None:
                     return ref, None
-            seg_size = max(size, self.segment_size)
+            seg_size = align_up(max(size, self.segment_size), HUGE)
             self._check_budget(session_id, seg_size, nbytes)
-            segment = self._make_segment(next(self._segment_ids), seg_size, session_id, self.lock_pages)
+            segment = self._make_segment(next(self._segment_ids), seg_size, session_id, self.lock_pages,
+                                         self._pages(seg_size))
             state = _SegmentState(segment, ExtentAllocator(seg_size, PAGE))
             self._segments[segment.id] = state
             self._by_session.setdefault(session_id, set()).add(segment.id)
@@ -165,7 +170,10 @@ class Pool:
         with self._mutex:
             allocated = sum(a.length for s in self._segments.values() for a in s.allocations.values())
             by_session = {sid: self._session_bytes(sid) for sid in self._by_session}
-            return PoolUsage(self.budget, self._pinned, allocated, by_session)
+            by_pages = {"hugetlb": 0, "thp": 0, "none": 0}
+            for s in self._segments.values():
+                by_pages[s.segment.pages] += s.segment.size
+            return PoolUsage(self.budget, self._pinned, allocated, by_session, by_pages)
 
     def _session_bytes(self, session_id: int) -> int:
         return sum(self._segments[s].segment.size for s in self._by_session.get(session_id, ()))

@@ -27,6 +27,18 @@ def buffer_address(buf) -> int:
     return np.frombuffer(buf, dtype=np.uint8).ctypes.data
 
 
+MADV_POPULATE_WRITE = 23  # Linux 5.14; not in Python 3.11's mmap module
+
+
+def _prefault(m: mmap.mmap) -> None:
+    """Allocate every page now (not on first use inside an I/O)."""
+    try:
+        m.madvise(MADV_POPULATE_WRITE)
+    except OSError:  # older kernels: touch each page
+        for off in range(0, len(m), 4096):
+            m[off] = 0
+
+
 def mlock(buf: mmap.mmap) -> int:
     """mlock a mapping; returns 0 or the errno that refused it."""
     holder = ctypes.c_char.from_buffer(buf)
@@ -39,17 +51,27 @@ def mlock(buf: mmap.mmap) -> int:
 
 
 class Segment:
-    def __init__(self, segment_id: int, size: int, session_id: int, lock: bool):
+    """``pages`` is "hugetlb", "thp" or "none" (see hugepages.py)."""
+
+    def __init__(self, segment_id: int, size: int, session_id: int, lock: bool, pages: str = "none"):
         self.id = segment_id
         self.size = size
         self.session_id = session_id
-        self.fd = os.memfd_create(f"fuyou-seg-{segment_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.pages = pages
+        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if pages == "hugetlb" else 0)
+        self.fd = os.memfd_create(f"fuyou-seg-{segment_id}", flags)
         try:
             os.ftruncate(self.fd, size)
             # The size is fixed for the segment's life: the client may not shrink it under us.
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,
                         fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            self.map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            if pages == "thp":
+                # Advise before the first touch, so that the pages are born huge.
+                self.map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)
+                self.map.madvise(mmap.MADV_HUGEPAGE)
+                _prefault(self.map)
+            else:
+                self.map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         except BaseException:
             os.close(self.fd)
             raise

@@ -6,7 +6,6 @@ allows it. An exclusive flock keeps a second daemon off the same directory.
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import os
@@ -52,17 +51,20 @@ class Device:
         try:
             size = os.fstat(fd).st_size
             if size < self.capacity:
+                # Check first: a full disk is a start-up error, never a mid-run surprise.
+                st = os.statvfs(self.directory)
+                free = st.f_bavail * st.f_frsize
+                if free < self.capacity - size:
+                    raise DeviceError(
+                        f"not enough space in {self.directory} for a {format_size(self.capacity)} "
+                        f"data file ({format_size(free)} free); lower [storage.capacity_per_device] "
+                        "or free space")
                 try:
                     os.posix_fallocate(fd, 0, self.capacity)
                 except OSError as exc:
-                    if exc.errno == errno.ENOSPC:
-                        os.ftruncate(fd, size)  # leave the file as it was
-                        st = os.statvfs(self.directory)
-                        raise DeviceError(
-                            f"not enough space in {self.directory} for a {format_size(self.capacity)} "
-                            f"data file ({format_size(st.f_bavail * st.f_frsize)} free); lower "
-                            "[storage.capacity_per_device] or free space") from None
-                    raise
+                    os.ftruncate(fd, size)  # leave the file as it was
+                    raise DeviceError(f"cannot preallocate {format_size(self.capacity)} in {self.path}: "
+                                      f"{exc.strerror}") from None
             elif size > self.capacity:
                 log.info("%s is %s, larger than the configured capacity; using %s", self.path,
                          format_size(size), format_size(self.capacity))

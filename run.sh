@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Fuyou's two entry points, each doing every set-up step first (idempotent):
+#
+#   ./run.sh demo [args]    the main job (examples/swap_roundtrip.py)
+#   ./run.sh test [args]    the test suite (pytest; args go to pytest)
+#
+# Set-up: Debian packages (liburing-dev, a C compiler, Python headers, venv), a
+# virtualenv at .venv, PyTorch (the CPU build on hosts without an NVIDIA GPU), and
+# Fuyou itself, editable, with its io_uring extension. Needs Python >= 3.11.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+log() { printf '\033[1m[fuyou]\033[0m %s\n' "$*" >&2; }
+
+find_python() {
+    for py in "${PYTHON:-}" python3.11 python3.12 python3.13 python3; do
+        [ -n "$py" ] && command -v "$py" >/dev/null 2>&1 || continue
+        if "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+            echo "$py"; return 0
+        fi
+    done
+    log "Python >= 3.11 is required (set PYTHON=/path/to/python3.11)"; exit 1
+}
+
+system_packages() {
+    local py="$1" missing=()
+    command -v dpkg-query >/dev/null 2>&1 || { log "not a Debian system: install liburing-dev, gcc and Python headers yourself"; return 0; }
+    for pkg in liburing-dev gcc pkg-config; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+    done
+    "$py" -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
+    [ -e "$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ] || missing+=(python3-dev)
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ "$(id -u)" -eq 0 ]; then
+        log "installing Debian packages: ${missing[*]}"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
+    elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+        log "installing Debian packages with sudo: ${missing[*]}"
+        sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    else
+        log "missing Debian packages: ${missing[*]}"
+        log "run as root: apt-get install ${missing[*]}   (without liburing-dev fuyoud uses its thread-pool I/O engine)"
+    fi
+}
+
+install_torch() {
+    local pip=".venv/bin/pip"
+    .venv/bin/python -c 'import torch' 2>/dev/null && return 0
+    if [ -n "${FUYOU_TORCH:-}" ]; then
+        log "installing $FUYOU_TORCH"; $pip install -q "$FUYOU_TORCH"
+    elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        log "NVIDIA GPU found: installing the CUDA build of PyTorch"; $pip install -q "torch>=2.4"
+    else
+        log "no NVIDIA GPU: installing the CPU build of PyTorch"
+        # A local CPU wheel if the host has one, else PyTorch's CPU index.
+        $pip install -q "torch==2.13.0+cpu" 2>/dev/null \
+            || $pip install -q torch --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
+    fi
+}
+
+setup() {
+    local py; py="$(find_python)"
+    system_packages "$py"
+    if [ ! -x .venv/bin/python ]; then
+        log "creating .venv with $("$py" --version)"
+        "$py" -m venv .venv
+    fi
+    install_torch
+    # Reinstall Fuyou only when its build inputs changed.
+    local stamp=.venv/.fuyou-build-inputs want
+    want="$(cat pyproject.toml setup.py native/* | sha256sum | cut -d' ' -f1)"
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c 'import fuyoud, fuyou_client' 2>/dev/null; then
+        log "installing fuyou (editable) and its dependencies"
+        .venv/bin/pip install -q "setuptools>=68" wheel "cffi>=1.16"
+        .venv/bin/pip install -q --no-build-isolation -e ".[test]"
+        echo "$want" > "$stamp"
+    fi
+    .venv/bin/python -c 'from fuyoud.io import uring; ok, why = uring.available(); print("[fuyou] io_uring engine:", "available" if ok else why)' >&2
+}
+
+cmd="${1:-}"; shift || true
+case "$cmd" in
+    demo) setup; exec .venv/bin/python examples/swap_roundtrip.py "$@" ;;
+    test) setup; exec .venv/bin/python -m pytest "$@" ;;
+    setup) setup ;;
+    *) echo "usage: ./run.sh demo|test|setup [args]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,82 @@
+"""Shared fixtures: real daemons (child processes or in-process), real files in tmp dirs."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import fuyou_client
+from fuyoud import config as config_mod
+from fuyoud.io import uring
+from fuyoud.io.threadpool import ThreadPoolEngine
+
+URING_OK, URING_WHY = uring.available()
+ENGINES = [
+    pytest.param("io_uring", marks=pytest.mark.skipif(not URING_OK, reason=f"io_uring unusable: {URING_WHY}")),
+    "threadpool",
+]
+
+# Small enough for a 2-core CI machine, large enough to exercise several segments,
+# stripes and chunks.
+SMALL = {
+    "storage": {"capacity_per_device": "256MiB", "stripe_size": "1MiB"},
+    "memory": {"pinned_budget": "256MiB", "segment_size": "8MiB", "staging_size": "4MiB"},
+    "io": {"chunk_size": "256KiB", "queue_depth": 16, "threads": 8},
+}
+
+
+def merge(base: dict, extra: dict) -> dict:
+    out = {k: dict(v) for k, v in base.items()}
+    for section, values in extra.items():
+        out.setdefault(section, {}).update(values)
+    return out
+
+
+def make_engine(name: str):
+    return uring.UringEngine(16) if name == "io_uring" else ThreadPoolEngine(8)
+
+
+@pytest.fixture
+def short_tmp():
+    """A short directory path (unix socket paths must stay under 108 bytes)."""
+    with tempfile.TemporaryDirectory(prefix="fy-", dir="/tmp") as d:
+        yield Path(d)
+
+
+@pytest.fixture
+def daemon(short_tmp):
+    """fuyoud as a child process with small limits, 3 data directories."""
+    dirs = [str(short_tmp / f"ssd{i}") for i in range(3)]
+    d = fuyou_client.start_daemon(short_tmp / "state", config=merge(SMALL, {"storage": {"data_dirs": dirs}}))
+    yield d
+    code = d.stop()
+    assert code == 0, d.log()
+
+
+@pytest.fixture
+def session(daemon):
+    with fuyou_client.connect(daemon.socket) as s:
+        yield s
+
+
+def in_process_config(root: Path, ndirs: int = 2, **overrides) -> config_mod.Config:
+    cfg = merge(SMALL, {
+        "daemon": {"state_dir": str(root / "state"), "runtime_dir": str(root / "run")},
+        "storage": {"data_dirs": [str(root / f"ssd{i}") for i in range(ndirs)]},
+        "metrics": {"enabled": False},
+    })
+    for key, value in overrides.items():
+        section, name = key.split("__")
+        cfg.setdefault(section, {})[name] = value
+    return config_mod.from_dict(cfg)
+
+
+def random_bytes(n: int, seed: int = 0) -> bytes:
+    import random
+
+    return random.Random(seed).randbytes(n)
+
+
+os.environ.setdefault("FUYOU_TEST", "1")

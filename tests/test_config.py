@@ -1,0 +1,60 @@
+import subprocess
+import sys
+
+import pytest
+
+from fuyoud.config import ConfigError, from_dict, load
+
+
+def test_defaults_work_without_a_file():
+    cfg = load(None)
+    assert cfg.data_dirs == [cfg.daemon.state_dir / "data"]
+    assert cfg.daemon.control_path.name == "fuyoud.sock"
+    assert cfg.memory.pinned_budget > 0 and cfg.session_budget == cfg.memory.pinned_budget
+    assert cfg.metrics.listen.startswith("127.0.0.1:")
+
+
+def test_sizes_parse_in_human_units():
+    cfg = from_dict({"memory": {"pinned_budget": "1GiB", "segment_size": "64MiB"}, "io": {"chunk_size": 4096}})
+    assert cfg.memory.pinned_budget == 1 << 30
+    assert cfg.memory.segment_size == 64 << 20
+    assert cfg.io.chunk_size == 4096
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"memory": {"pinned_bugdet": 1}}, "unknown key [memory.pinned_bugdet]"),
+    ({"nonsense": {}}, "unknown section [nonsense]"),
+    ({"io": {"engine": "spdk"}}, "[io.engine]"),
+    ({"io": {"queue_depth": 0}}, "[io.queue_depth]: must be positive"),
+    ({"io": {"queue_depth": "32"}}, "[io.queue_depth]: expected int"),
+    ({"io": {"chunk_size": 1000}}, "multiple of 4096"),
+    ({"memory": {"pinned_budget": "lots"}}, "[memory.pinned_budget]: not a size"),
+    ({"memory": {"pinned_budget": "1GiB", "session_budget": "2GiB"}}, "session_budget"),
+    ({"storage": {"data_dirs": ["/a", "/a"]}}, "twice"),
+    ({"storage": {"data_dirs": "/a"}}, "expected list"),
+])
+def test_bad_values_are_refused_by_name(data, words):
+    with pytest.raises(ConfigError) as err:
+        from_dict(data)
+    assert words in str(err.value)
+
+
+def test_check_config_command(tmp_path):
+    good = tmp_path / "good.toml"
+    good.write_text('[memory]\npinned_budget = "512MiB"\n')
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[storage]\ncapacity = "1GiB"\n')
+    ok = subprocess.run([sys.executable, "-m", "fuyoud", "--config", str(good), "--check-config"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    refused = subprocess.run([sys.executable, "-m", "fuyoud", "--config", str(bad), "--check-config"],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert "unknown key [storage.capacity]" in refused.stderr
+
+
+def test_example_config_in_deploy_is_valid():
+    from pathlib import Path
+
+    example = Path(__file__).parent.parent / "deploy" / "fuyoud.toml"
+    load(example)

@@ -1,0 +1,255 @@
+"""fuyoud end to end: a real daemon process, real sockets, real files, the public client."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+
+import fuyou_client
+from conftest import SMALL, merge, random_bytes
+from fuyou_client import In, Out
+from fuyou_proto import pb, rpc
+
+MiB = 1 << 20
+
+
+def scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def test_round_trips_through_the_public_api(session):
+    buf = session.allocate(8 * MiB + 3)
+    sizes = [1, 4096, 4097, 65537, 1 * MiB, 3 * MiB + 1, 8 * MiB + 3]
+    for i, n in enumerate(sizes):
+        data = random_bytes(n, i)
+        buf.view[:n] = data
+        info = session.swap_out(f"obj/{i}", buf, length=n)
+        assert info.size == n and info.namespace == session.namespace
+        buf.view[:n] = bytes(n)
+        session.swap_in(f"obj/{i}", buf)
+        assert bytes(buf.view[:n]) == data, n
+    big = session.stat(f"obj/{len(sizes) - 1}")
+    assert big.devices == 3  # striped over the three data directories
+    assert [o.name for o in session.objects("obj/")] == sorted(f"obj/{i}" for i in range(len(sizes)))
+
+
+def test_tensors_are_views_of_shared_memory(session):
+    buf = session.allocate(4 * MiB)
+    t = buf.tensor(torch.float32, (1024, 1024))
+    t.copy_(torch.randn(1024, 1024))
+    expected = t.clone()
+    session.swap_out("w", buf)
+    t.zero_()
+    session.swap_in("w", buf)
+    assert torch.equal(t, expected)
+
+
+def test_batched_and_asynchronous_transfers(session):
+    bufs = [session.allocate(300_000 + i) for i in range(4)]
+    for i, b in enumerate(bufs):
+        b.view[:] = random_bytes(len(b), i)
+    fut = session.swap_out_async([Out(f"b{i}", b) for i, b in enumerate(bufs)])
+    infos = fut.result(timeout=30)
+    assert [i.size for i in infos] == [len(b) for b in bufs]
+    outs = [session.allocate(len(b)) for b in bufs]
+    session.swap_in_async([In(f"b{i}", o) for i, o in enumerate(outs)]).result(timeout=30)
+    assert all(bytes(o.view) == bytes(b.view) for o, b in zip(outs, bufs))
+    part = session.allocate(100)
+    session.swap_in("b2", part, length=100, object_offset=1000)
+    assert bytes(part.view) == bytes(bufs[2].view[1000:1100])
+
+
+def test_errors_name_the_problem(session):
+    keeper = session.allocate(4096)  # keeps the segment alive after buf is freed
+    buf = session.allocate(4096)
+    with pytest.raises(fuyou_client.ObjectNotFound, match="no object 'nope'"):
+        session.swap_in("nope", buf)
+    with pytest.raises(fuyou_client.InvalidArgument, match="outside the buffer"):
+        session.swap_out("x", buf, offset=4000, length=200)
+    session.swap_out("small", buf, length=10)
+    with pytest.raises(fuyou_client.InvalidArgument, match="outside object"):
+        session.swap_in("small", buf, length=20)
+    with pytest.raises(fuyou_client.InvalidArgument, match="bad object name"):
+        session.swap_out("/abs", buf)
+    with pytest.raises(fuyou_client.ResourceExhausted, match="pinned-memory budget"):
+        session.allocate(1 << 40)
+    # Forged and stale handles, straight through the stub.
+    stub, md = session.stub, session.metadata
+    forged = pb.BufferRef(segment=buf.ref.segment, offset=buf.ref.offset, length=1 << 40, generation=buf.ref.generation)
+    for ref in (forged, pb.BufferRef(segment=999, offset=0, length=4096, generation=1)):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SwapOut(pb.SwapOutRequest(items=[pb.SwapOutItem(name="f", buffer=ref, length=10)]), metadata=md)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    ref = buf.ref
+    buf.free()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.SwapIn(pb.SwapInRequest(items=[pb.SwapInItem(name="small", buffer=ref)]), metadata=md)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stale" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Stat(pb.StatRequest(name="small"), metadata=(("x-fuyou-session", "guess"),))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert session.stat("small").size == 10  # and the daemon still serves
+    keeper.free()
+
+
+def test_two_sessions_are_isolated(daemon):
+    with fuyou_client.connect(daemon.socket, namespace="alice") as a, \
+            fuyou_client.connect(daemon.socket, namespace="bob") as b:
+        ba, bb = a.allocate(1 * MiB), b.allocate(1 * MiB)
+        ba.view[:] = random_bytes(MiB, 1)
+        bb.view[:] = random_bytes(MiB, 2)
+        fa = a.swap_out_async([Out("same-name", ba)])
+        fb = b.swap_out_async([Out("same-name", bb)])
+        fa.result(30), fb.result(30)
+        ba.view[:] = bytes(MiB)
+        a.swap_in("same-name", ba)
+        assert bytes(ba.view) == random_bytes(MiB, 1)
+        with pytest.raises(grpc.RpcError) as err:
+            b.stub.Stat(pb.StatRequest(name="same-name", namespace="alice"), metadata=b.metadata)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.RpcError) as err:  # another session's buffer handle
+            b.stub.SwapOut(pb.SwapOutRequest(items=[pb.SwapOutItem(name="steal", buffer=ba.ref)]),
+                           metadata=b.metadata)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(fuyou_client.NamespaceBusy, match="held by live session"):
+            fuyou_client.connect(daemon.socket, namespace="alice")
+
+
+def test_persistent_objects_survive_a_restart_and_transient_ones_do_not(short_tmp):
+    cfg = merge(SMALL, {"storage": {"data_dirs": [str(short_tmp / "a"), str(short_tmp / "b")]}})
+    data = random_bytes(5 * MiB + 7)
+    with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d:
+        with fuyou_client.connect(d.socket, namespace="job") as s:
+            buf = s.allocate(len(data))
+            buf.view[:] = data
+            s.swap_out("weights", buf, persistent=True)
+            s.swap_out("activations", buf)
+    with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d:
+        with fuyou_client.connect(d.socket, namespace="job") as s:
+            assert [o.name for o in s.objects()] == ["weights"]
+            buf = s.allocate(len(data))
+            s.swap_in("weights", buf)
+            assert bytes(buf.view) == data
+
+
+CHILD = textwrap.dedent("""
+    import sys, time, fuyou_client
+    s = fuyou_client.connect(sys.argv[1])
+    buf = s.allocate(20 << 20)
+    buf.view[:4] = b"data"
+    s.swap_out("scratch", buf)
+    print("ready", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_killed_client_is_reclaimed(daemon, session):
+    survivor = session.allocate(MiB)
+    survivor.view[:] = random_bytes(MiB, 5)
+    session.swap_out("mine", survivor)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, daemon.socket], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    status = session.stub.Status(pb.StatusRequest())
+    assert status.sessions == 2 and status.pinned_used_bytes >= 20 * MiB
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        status = session.stub.Status(pb.StatusRequest())
+        if status.sessions == 1:
+            break
+        time.sleep(0.05)
+    assert status.sessions == 1
+    assert status.objects == 1  # the child's transient object is gone, ours stays
+    assert status.pinned_used_bytes < 20 * MiB
+    metrics = scrape(status.metrics_url)
+    assert metrics["fuyoud_reclaimed_pinned_bytes_total"] >= 20 * MiB
+    out = session.allocate(MiB)
+    session.swap_in("mine", out)
+    assert bytes(out.view) == bytes(survivor.view)
+
+
+def test_metrics_endpoint_and_health(session):
+    buf = session.allocate(2 * MiB)
+    session.swap_out("m", buf)
+    session.swap_in("m", buf)
+    status = session.stub.Status(pb.StatusRequest())
+    m = scrape(status.metrics_url)
+    written = sum(v for k, v in m.items() if k.startswith('fuyoud_io_bytes_total{') and 'direction="write"' in k)
+    read = sum(v for k, v in m.items() if k.startswith('fuyoud_io_bytes_total{') and 'direction="read"' in k)
+    assert written >= 2 * MiB and read >= 2 * MiB
+    assert m[f'fuyoud_io_engine{{engine="{status.io_engine}"}}'] == 1
+    assert m["fuyoud_sessions"] == 1
+    assert m['fuyoud_objects{kind="transient"}'] == 1
+    assert m['fuyoud_pinned_bytes{state="allocated"}'] == 2 * MiB
+    assert any(k.startswith("fuyoud_io_batch_duration_seconds_bucket") for k in m)
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"unix:{session.socket_path}") as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="fuyou.v1.Fuyou"))
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_fuyouctl_status(daemon, session):
+    out = subprocess.run([sys.executable, "-m", "fuyoud.ctl", "--socket", daemon.socket, "status"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "I/O engine" in out and "sessions     1" in out and "device 2" in out
+    import json
+
+    js = json.loads(subprocess.run([sys.executable, "-m", "fuyoud.ctl", "--socket", daemon.socket, "status", "--json"],
+                                   capture_output=True, text=True, check=True).stdout)
+    assert js["sessions"] == 1 and len(js["devices"]) == 3
+
+
+def test_no_daemon_gives_a_clear_error(short_tmp):
+    with pytest.raises(fuyou_client.DaemonUnavailable, match="no fuyoud answers"):
+        fuyou_client.connect(str(short_tmp / "missing.sock"), timeout=0.5)
+
+
+def test_notify_socket_start_and_sigterm_stop(short_tmp):
+    """READY=1 once serving, STOPPING=1 on SIGTERM, exit code 0, sockets removed."""
+    notify_path = short_tmp / "notify"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(notify_path))
+    listener.settimeout(60)
+    cfg = short_tmp / "fuyoud.toml"
+    cfg.write_text(fuyou_client.daemon.to_toml(merge(SMALL, {
+        "daemon": {"state_dir": str(short_tmp / "state"), "runtime_dir": str(short_tmp / "run")},
+        "metrics": {"listen": "127.0.0.1:0"}})))
+    proc = subprocess.Popen([sys.executable, "-m", "fuyoud", "--config", str(cfg)],
+                            env=dict(os.environ, NOTIFY_SOCKET=str(notify_path)), stderr=subprocess.PIPE, text=True)
+    try:
+        assert b"READY=1" in listener.recv(4096)
+        sock = short_tmp / "run" / "fuyoud.sock"
+        assert oct(os.stat(sock).st_mode & 0o777) == oct(0o660)
+        with fuyou_client.connect(str(sock)) as s:  # serving for real
+            s.swap_out("x", s.allocate(4096))
+            proc.send_signal(signal.SIGTERM)
+            assert b"STOPPING=1" in listener.recv(4096)
+            assert proc.wait(30) == 0
+        assert not sock.exists() and not (short_tmp / "run" / "session.sock").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        listener.close()
+    assert "stopped" in proc.stderr.read()
+
+
+def test_a_full_disk_at_start_is_refused_clearly(short_tmp):
+    with pytest.raises(fuyou_client.DaemonUnavailable, match="not enough space"):
+        fuyou_client.start_daemon(short_tmp / "state", config=merge(SMALL, {"storage": {"capacity_per_device": "1000TiB"}}))

@@ -1,0 +1,165 @@
+"""The store over real files, with both engines: striping, alignment, persistence, faults."""
+from __future__ import annotations
+
+import mmap
+
+import pytest
+
+from conftest import ENGINES, make_engine, random_bytes
+from fuyoud.errors import DataLoss, NotFound, StorageFull
+from fuyoud.io.engine import Op
+from fuyoud.io.faults import Fault, FaultyEngine
+from fuyoud.memory.staging import StagingPool
+from fuyoud.storage.device import Device, DeviceError
+from fuyoud.storage.index import IndexDB
+from fuyoud.storage.store import ReadItem, Store, WriteItem
+
+MiB = 1 << 20
+
+
+def open_store(root, engine, ndirs=3, capacity=64 * MiB, stripe=1 * MiB, chunk=256 * 1024):
+    devices = [Device(i, root / f"ssd{i}", capacity) for i in range(ndirs)]
+    return Store(devices, IndexDB(root / "index.sqlite"), engine, StagingPool(2 * MiB, chunk + 8192),
+                 chunk_size=chunk, stripe_size=stripe)
+
+
+def buffer(data: bytes, pad: int = 0) -> memoryview:
+    """Page-aligned memory (like a shared segment) holding ``data`` at offset ``pad``."""
+    m = mmap.mmap(-1, max(4096, len(data) + pad))
+    m[pad:pad + len(data)] = data
+    return memoryview(m)[pad:pad + len(data)]
+
+
+def empty(n: int, pad: int = 0) -> memoryview:
+    return memoryview(mmap.mmap(-1, max(4096, n + pad)))[pad:pad + n]
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request):
+    e = make_engine(request.param)
+    yield e
+    e.close()
+
+
+SIZES = [0, 1, 511, 4095, 4096, 4097, 12345, 1 * MiB, 3 * MiB + 17, 5 * MiB]
+
+
+@pytest.mark.parametrize("pad", [0, 1, 4096 - 7])
+def test_round_trips_of_many_sizes_and_alignments(tmp_path, engine, pad):
+    store = open_store(tmp_path, engine)
+    for i, size in enumerate(SIZES):
+        data = random_bytes(size, seed=i)
+        store.write([WriteItem("ns", f"obj{i}", buffer(data, pad))])
+        out = empty(size, pad)
+        store.read([ReadItem("ns", f"obj{i}", out)])
+        assert bytes(out) == data, f"size {size} pad {pad}"
+    store.close()
+
+
+def test_large_objects_are_striped_over_every_device(tmp_path, engine):
+    store = open_store(tmp_path, engine)
+    data = random_bytes(7 * MiB + 100)
+    meta = store.write([WriteItem("ns", "big", buffer(data))])[0]
+    assert sorted(e.device for e in meta.layout.extents) == [0, 1, 2]
+    # Each device's file really holds its share.
+    assert all(used >= 2 * MiB for _, _, used in store.usage().devices)
+    out = empty(len(data))
+    store.read([ReadItem("ns", "big", out)])
+    assert bytes(out) == data
+    # Ranges that cross stripe boundaries at odd offsets.
+    for start, n in [(1 * MiB - 3, 10), (123, 5 * MiB), (7 * MiB, 100), (0, 1)]:
+        part = empty(n, 5)
+        store.read([ReadItem("ns", "big", part, start)])
+        assert bytes(part) == data[start:start + n]
+    store.close()
+
+
+def test_persistent_objects_survive_reopen_and_transient_ones_do_not(tmp_path, engine):
+    store = open_store(tmp_path, engine)
+    a, b = random_bytes(3 * MiB, 1), random_bytes(5000, 2)
+    store.write([WriteItem("ns", "keep", buffer(a), persistent=True), WriteItem("ns", "tmp", buffer(b))])
+    store.write([WriteItem("ns", "keep", buffer(a[::-1]), persistent=True)])  # overwrite: new version
+    used = store.usage().devices
+    store.close()
+    store = open_store(tmp_path, engine)
+    out = empty(len(a))
+    store.read([ReadItem("ns", "keep", out)])
+    assert bytes(out) == a[::-1]
+    with pytest.raises(NotFound):
+        store.stat("ns", "tmp")
+    assert sum(u for *_, u in store.usage().devices) < sum(u for *_, u in used)  # tmp's space is free again
+    store.delete("ns", ["keep"])
+    store.close()
+    store = open_store(tmp_path, engine)
+    assert store.list("ns") == []
+    store.close()
+
+
+def test_a_changed_array_is_refused_while_persistent_objects_exist(tmp_path, engine):
+    store = open_store(tmp_path, engine, ndirs=2)
+    store.write([WriteItem("ns", "p", buffer(b"x" * 10), persistent=True)])
+    store.close()
+    with pytest.raises(RuntimeError, match="data directories changed"):
+        open_store(tmp_path, engine, ndirs=3)
+
+
+def test_a_second_store_cannot_open_the_same_directory(tmp_path, engine):
+    dev = Device(0, tmp_path / "ssd", 1 * MiB)
+    with pytest.raises(DeviceError, match="in use by another fuyoud"):
+        Device(0, tmp_path / "ssd", 1 * MiB)
+    dev.close()
+
+
+@pytest.mark.parametrize("kind, error, words", [
+    ("eio", DataLoss, "Input/output error"),
+    ("short", DataLoss, "short write"),
+    ("enospc", StorageFull, "No space left"),
+])
+def test_failed_writes_are_never_committed(tmp_path, engine, kind, error, words):
+    faulty = FaultyEngine(engine)
+    store = open_store(tmp_path, faulty)
+    old = random_bytes(2 * MiB, 1)
+    store.write([WriteItem("ns", "obj", buffer(old), persistent=True)])
+    used_before = store.usage().devices
+    faulty.arm(Fault(kind, op=Op.WRITE, skip=1))  # the second piece of the first item
+    with pytest.raises(error, match=words) as err:
+        store.write([WriteItem("ns", "obj", buffer(random_bytes(2 * MiB, 2)), persistent=True),
+                     WriteItem("ns", "other", buffer(b"fine"))])
+    assert "object ns/obj at device offset" in str(err.value) and "device " in str(err.value)
+    # The previous version is intact, the other item committed, no space leaked.
+    out = empty(len(old))
+    store.read([ReadItem("ns", "obj", out)])
+    assert bytes(out) == old
+    assert store.stat("ns", "other").size == 4
+    assert sum(u for *_, u in store.usage().devices) == sum(u for *_, u in used_before) + 4096
+    store.close()
+
+
+@pytest.mark.parametrize("kind", ["eio", "short"])
+def test_failed_reads_are_reported_with_device_and_object(tmp_path, engine, kind):
+    faulty = FaultyEngine(engine)
+    store = open_store(tmp_path, faulty)
+    store.write([WriteItem("ns", "obj", buffer(random_bytes(3 * MiB + 5)))])
+    faulty.arm(Fault(kind, op=Op.READ))
+    with pytest.raises(DataLoss, match=r"device \d .* reading object ns/obj"):
+        store.read([ReadItem("ns", "obj", empty(3 * MiB + 5))])
+    store.read([ReadItem("ns", "obj", empty(3 * MiB + 5))])  # the fault was one-shot
+    store.close()
+
+
+def test_a_full_array_is_reported_before_any_io(tmp_path, engine):
+    store = open_store(tmp_path, engine, ndirs=2, capacity=4 * MiB)
+    store.write([WriteItem("ns", "a", buffer(random_bytes(6 * MiB)))])
+    with pytest.raises(StorageFull, match="SSD array full"):
+        store.write([WriteItem("ns", "b", buffer(random_bytes(3 * MiB)))])
+    store.delete("ns", ["a"])
+    store.write([WriteItem("ns", "b", buffer(random_bytes(3 * MiB)))])  # space is back
+    store.close()
+
+
+def test_a_device_too_large_for_its_disk_is_refused_at_start(tmp_path):
+    import os
+
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(DeviceError, match="not enough space"):
+        Device(0, tmp_path / "ssd", (free // 4096 + 1024 * 1024) * 4096)
