@@ -81,8 +81,11 @@ def start_daemon(state_dir: str | os.PathLike | None = None, config: dict[str, d
     ``config`` overrides ({"section": {"key": value}}). Returns once it serves."""
     state = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="fuyoud-"))
     state.mkdir(parents=True, exist_ok=True)
+    runtime = state / "run"
+    if len(str(runtime / "session.sock")) > 100:  # unix socket paths are limited to 108 bytes
+        runtime = Path(tempfile.mkdtemp(prefix="fuyoud-run-"))
     merged: dict[str, dict[str, Any]] = {
-        "daemon": {"state_dir": str(state), "runtime_dir": str(state / "run")},
+        "daemon": {"state_dir": str(state), "runtime_dir": str(runtime)},
         "metrics": {"listen": "127.0.0.1:0"},
     }
     for section, values in (config or {}).items():
