@@ -134,7 +134,11 @@ class FuyouServicer(rpc.FuyouServicer):
             seen.add(name)
             src = pool.view(session.id, _ref(it.buffer), it.offset, it.length or None)
             items.append(WriteItem(self._namespace(session, it.namespace), name, src, it.persistent, session.id))
+        if any(it.persistent for it in items):
+            self.daemon.sessions.claim_namespace(session)
         metas = self.daemon.store.write(items)
+        if session.closed:  # the client died while we wrote: none of its transient objects may outlive it
+            self.daemon.store.drop_transient(session.id)
         return pb.SwapOutReply(objects=[object_info(m) for m in metas])
 
     @_handler

@@ -32,6 +32,8 @@ class Session:
     started: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.time)
     closed: bool = False
+    # The namespace's owner is recorded (persistently) once it holds persistent objects.
+    namespace_claimed: bool = False
     # Sends a segment's fd to the client (set by the session socket handler).
     send_segment: Callable | None = None
 
@@ -66,12 +68,19 @@ class SessionRegistry:
             if holder is not None:
                 raise AlreadyExists(
                     f"namespace {namespace!r} is held by live session {holder.id} (pid {holder.pid})")
-            self._claim_namespace(namespace, uid if owner is None else owner)
-            session = Session(sid, secrets.token_urlsafe(32), uid, pid, namespace)
+            session = Session(sid, secrets.token_urlsafe(32), uid, pid, namespace,
+                              namespace_claimed=owner is not None)
             self._by_token[session.token] = session
             self._by_namespace[namespace] = session
         log.info("session %d opened: uid %d pid %d namespace %s", sid, uid, pid, namespace)
         return session
+
+    def claim_namespace(self, session: Session) -> None:
+        """Record the session's uid as its namespace's owner, before its first persistent
+        object (ephemeral namespaces of sessions that never persist anything leave no trace)."""
+        if not session.namespace_claimed:
+            self._claim_namespace(session.namespace, session.uid)
+            session.namespace_claimed = True
 
     def authenticate(self, token: str | None) -> Session:
         session = self._by_token.get(token or "")

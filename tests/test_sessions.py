@@ -1,0 +1,52 @@
+"""Session registry: tokens, exclusive namespaces, ownership by uid, reclaim callback."""
+import pytest
+
+from fuyoud.errors import AlreadyExists, InvalidArgument, PermissionDenied, Unauthenticated, Unavailable
+from fuyoud.sessions import SessionRegistry
+
+
+@pytest.fixture
+def world():
+    owners, closed = {}, []
+    reg = SessionRegistry(closed.append, owners.get, owners.__setitem__)
+    return reg, owners, closed
+
+
+def test_tokens_authenticate_until_close(world):
+    reg, _, closed = world
+    s = reg.open(uid=1000, pid=42, namespace=None)
+    assert reg.authenticate(s.token) is s
+    reg.close(s, "test")
+    reg.close(s, "again")  # idempotent
+    assert closed == [s]
+    with pytest.raises(Unauthenticated):
+        reg.authenticate(s.token)
+    with pytest.raises(Unauthenticated):
+        reg.authenticate(None)
+
+
+def test_namespaces_are_exclusive_and_owned_once_persistent(world):
+    reg, owners, _ = world
+    a = reg.open(uid=1000, pid=1, namespace="job")
+    with pytest.raises(AlreadyExists, match="held by live session"):
+        reg.open(uid=1000, pid=2, namespace="job")
+    assert owners == {}  # nothing persistent yet: no trace
+    reg.claim_namespace(a)
+    assert owners == {"job": 1000}
+    reg.close(a, "done")
+    with pytest.raises(PermissionDenied, match="belongs to uid 1000"):
+        reg.open(uid=1001, pid=3, namespace="job")
+    b = reg.open(uid=1000, pid=4, namespace="job")
+    assert b.namespace_claimed
+    anon = reg.open(uid=1001, pid=5, namespace=None)
+    assert anon.namespace.startswith("session-") and anon.namespace not in owners
+
+
+def test_bad_namespaces_and_shutdown(world):
+    reg, _, _ = world
+    for bad in ("", "../x", "a/b", "x" * 200, "-lead"):
+        with pytest.raises(InvalidArgument):
+            reg.open(uid=0, pid=1, namespace=bad)
+    reg.accepting = False
+    with pytest.raises(Unavailable):
+        reg.open(uid=0, pid=1, namespace=None)
