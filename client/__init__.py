@@ -6,10 +6,11 @@ from fuyou_client.buffers import SharedBuffer
 from fuyou_client.daemon import DaemonProcess, start_daemon
 from fuyou_client.errors import (DaemonUnavailable, DataLoss, FuyouClientError, InvalidArgument, NamespaceBusy,
                                  ObjectNotFound, PermissionDenied, ResourceExhausted, SessionClosed)
+from fuyou_client.optim import SGD, AdamW, GroupInfo, StepInfo
 from fuyou_client.session import In, ObjectInfo, Out, Session, connect
 
 __all__ = [
-    "connect", "Session", "SharedBuffer", "ObjectInfo", "In", "Out", "start_daemon", "DaemonProcess",
+    "connect", "Session", "AdamW", "SGD", "GroupInfo", "StepInfo", "SharedBuffer", "ObjectInfo", "In", "Out", "start_daemon", "DaemonProcess",
     "FuyouClientError", "DaemonUnavailable", "DataLoss", "InvalidArgument", "NamespaceBusy", "ObjectNotFound",
     "PermissionDenied", "ResourceExhausted", "SessionClosed",
 ]

@@ -24,6 +24,7 @@ import grpc
 
 from fuyou_client import errors
 from fuyou_client.buffers import Segment, SharedBuffer
+from fuyou_client.optim import DTYPE_NAMES, AdamW, GroupInfo, SGD, StepInfo
 from fuyou_proto import SESSION_METADATA_KEY, pb, rpc
 
 MAX_MESSAGE = 64 * 1024
@@ -209,6 +210,49 @@ class Session:
     def objects(self, prefix: str = "") -> list[ObjectInfo]:
         reply = _call(self._stub.ListObjects, pb.ListObjectsRequest(prefix=prefix), self._metadata)
         return [ObjectInfo.from_pb(o) for o in reply.objects]
+
+    # -- optimizer groups ---------------------------------------------------------------
+    def create_group(self, name: str, weights: SharedBuffer, optimizer: AdamW | SGD, offset: int = 0,
+                     numel: int | None = None) -> GroupInfo:
+        """A parameter group whose fp32 master weights start as ``weights[offset:]`` and whose
+        optimizer state lives on the SSD array (persistent object ``optim/<name>``)."""
+        numel = (weights.size - offset) // 4 if numel is None else numel
+        req = pb.CreateGroupRequest(name=name, optimizer=optimizer.to_pb(), weights=weights.ref, offset=offset,
+                                    numel=numel)
+        return GroupInfo.from_pb(_call(self._stub.CreateGroup, req, self._metadata))
+
+    def group(self, name: str) -> GroupInfo:
+        """An existing group (also one created before a daemon restart)."""
+        return GroupInfo.from_pb(_call(self._stub.GetGroup, pb.GetGroupRequest(name=name), self._metadata))
+
+    def _step_request(self, name, grads, lr, grads_offset, grad_dtype, out, out_offset, out_dtype, grad_scale):
+        req = pb.StepGroupRequest(name=name, grads=grads.ref, grads_offset=grads_offset,
+                                  grad_dtype=DTYPE_NAMES[grad_dtype], lr=lr)
+        if out is not None:
+            req.weights_out.CopyFrom(out.ref)
+            req.weights_out_offset = out_offset
+            req.out_dtype = DTYPE_NAMES[out_dtype]
+        if grad_scale is not None:
+            req.grad_scale = grad_scale
+        return req
+
+    def step_group(self, name: str, grads: SharedBuffer, lr: float, *, grads_offset: int = 0,
+                   grad_dtype=None, out: SharedBuffer | None = None, out_offset: int = 0, out_dtype=None,
+                   grad_scale: float | None = None) -> StepInfo:
+        """One optimizer step of a group: gradients from ``grads`` (times ``grad_scale``), the
+        new weights into ``out`` (in ``out_dtype``) when given. Blocks until committed."""
+        return self.step_group_async(name, grads, lr, grads_offset=grads_offset, grad_dtype=grad_dtype, out=out,
+                                     out_offset=out_offset, out_dtype=out_dtype, grad_scale=grad_scale).result()
+
+    def step_group_async(self, name: str, grads: SharedBuffer, lr: float, *, grads_offset: int = 0,
+                         grad_dtype=None, out: SharedBuffer | None = None, out_offset: int = 0, out_dtype=None,
+                         grad_scale: float | None = None) -> Future:
+        """Submit a group's step; the future's result is a StepInfo."""
+        import torch
+
+        req = self._step_request(name, grads, lr, grads_offset, grad_dtype or torch.float32, out, out_offset,
+                                 out_dtype or torch.float32, grad_scale)
+        return _wrap_future(self._stub.StepGroup.future(req, metadata=self._metadata), StepInfo.from_pb)
 
     @property
     def stub(self) -> rpc.FuyouStub:

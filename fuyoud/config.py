@@ -93,6 +93,15 @@ class IOSection:
 
 
 @dataclass
+class OptimizerSection:
+    # Daemon-private memory holding optimizer state while it is read, stepped and written
+    # (read-ahead, compute, write-back): `buffers` buffers within `buffer_budget` bytes.
+    # The largest group's state (12 bytes per parameter for AdamW) must fit in one.
+    buffer_budget: int = 1 << 30
+    buffers: int = 3
+
+
+@dataclass
 class MetricsSection:
     enabled: bool = True
     listen: str = "127.0.0.1:9464"  # port 0 picks a free port (tests)
@@ -104,6 +113,7 @@ class Config:
     memory: MemorySection = field(default_factory=MemorySection)
     storage: StorageSection = field(default_factory=StorageSection)
     io: IOSection = field(default_factory=IOSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
 
     @property
@@ -117,7 +127,7 @@ class Config:
 
 _SIZE_KEYS = {
     "memory.pinned_budget", "memory.session_budget", "memory.segment_size", "memory.staging_size",
-    "storage.capacity_per_device", "storage.stripe_size", "io.chunk_size",
+    "storage.capacity_per_device", "storage.stripe_size", "io.chunk_size", "optimizer.buffer_budget",
 }
 _CHOICES = {
     "memory.lock": {"auto", "yes", "no"},
@@ -125,7 +135,7 @@ _CHOICES = {
     "io.engine": {"auto", "io_uring", "threadpool"},
     "daemon.log_level": {"debug", "info", "warning", "error"},
 }
-_POSITIVE = {"daemon.grpc_workers", "io.queue_depth", "io.threads"}
+_POSITIVE = {"daemon.grpc_workers", "io.queue_depth", "io.threads", "optimizer.buffers"}
 _PAGE_MULTIPLES = {
     "memory.segment_size", "memory.staging_size", "storage.stripe_size", "io.chunk_size",
     "storage.capacity_per_device",
@@ -169,6 +179,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[memory.pinned_budget] is smaller than [memory.segment_size]")
     if cfg.memory.session_budget > cfg.memory.pinned_budget:
         raise ConfigError("[memory.session_budget] exceeds [memory.pinned_budget]")
+    if cfg.optimizer.buffer_budget < cfg.optimizer.buffers * (2 << 20):
+        raise ConfigError("[optimizer.buffer_budget] must give each of [optimizer.buffers] at least 2 MiB")
     if len(set(cfg.data_dirs)) != len(cfg.data_dirs):
         raise ConfigError("[storage.data_dirs] lists a directory twice")
 

@@ -42,6 +42,13 @@ class Metrics:
         self.sessions_closed = Counter("fuyoud_sessions_closed", "Sessions ended", ["reason"], registry=r)
         self.reclaimed_bytes = Counter("fuyoud_reclaimed_pinned_bytes",
                                        "Pinned bytes given back when sessions ended", registry=r)
+        self.optimizer_steps = Counter("fuyoud_optimizer_group_steps", "Optimizer steps of parameter groups",
+                                       registry=r)
+        self.optimizer_seconds = Histogram(
+            "fuyoud_optimizer_step_phase_seconds", "Time of each phase of a group's optimizer step",
+            ["phase"], buckets=LATENCY_BUCKETS, registry=r)
+        self.optimizer_prefetched = Counter("fuyoud_optimizer_prefetched_steps",
+                                            "Group steps whose state had been read ahead", registry=r)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -50,6 +57,12 @@ class Metrics:
         self.io_bytes.labels(dev, direction).inc(nbytes)
         self.io_ops.labels(dev, direction).inc(ops)
         self.io_seconds.labels(dev, direction).observe(seconds)
+
+    def observe_step(self, result) -> None:
+        self.optimizer_steps.inc()
+        self.optimizer_prefetched.inc(result.prefetched)
+        for phase, seconds in (("read", result.read_s), ("compute", result.compute_s), ("write", result.write_s)):
+            self.optimizer_seconds.labels(phase).observe(seconds)
 
     def attach(self, daemon: "Daemon") -> None:
         self.registry.register(_DaemonCollector(daemon))
@@ -89,6 +102,7 @@ class _DaemonCollector:
         pinned.add_metric(["allocated"], pool.allocated)
         pinned.add_metric(["reserved"], pool.segments - pool.allocated)
         pinned.add_metric(["staging"], d.staging.total_bytes)
+        pinned.add_metric(["optimizer"], d.optimizer.buffers.mapped_bytes)
         yield pinned
         pages = GaugeMetricFamily("fuyoud_shared_segment_bytes", "Shared segments by the pages behind them",
                                   labels=["pages"])

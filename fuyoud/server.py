@@ -28,6 +28,8 @@ from fuyoud.memory.hugepages import HugePagePolicy
 from fuyoud.memory.pool import Pool
 from fuyoud.memory.staging import StagingPool
 from fuyoud.metrics import Metrics
+from fuyoud.optimizer.buffers import StateBuffers
+from fuyoud.optimizer.groups import Optimizer
 from fuyoud.sdnotify import notify
 from fuyoud.service import FuyouServicer
 from fuyoud.session_socket import SessionListener
@@ -54,6 +56,7 @@ class Daemon:
         self.pool = Pool(config.memory.pinned_budget, config.session_budget, config.memory.segment_size,
                          lock=config.memory.lock != "no", pages=self.huge_pages.choose)
         self.store = self._open_store()
+        self.optimizer = Optimizer(self.store, StateBuffers(config.optimizer.buffers, config.optimizer.buffer_budget))
         self.sessions = SessionRegistry(self._session_closed, self.store.index_db.namespace_owner,
                                         self.store.index_db.claim_namespace)
         self._grpc: grpc.Server | None = None
@@ -75,6 +78,7 @@ class Daemon:
             raise
 
     def _session_closed(self, session: Session) -> None:
+        self.optimizer.forget(session.namespace)
         dropped = self.store.drop_transient(session.id)
         freed = self.pool.release_session(session.id)
         self.metrics.sessions_closed.labels("closed").inc()

@@ -20,6 +20,8 @@ from fuyou_proto import SESSION_METADATA_KEY, pb, rpc
 from fuyoud import __version__
 from fuyoud.errors import FuyouError, InvalidArgument, PermissionDenied
 from fuyoud.memory.pool import BufferRef
+from fuyoud.optimizer.groups import Group, state_bytes
+from fuyoud.optimizer.kernels import OptimizerSpec
 from fuyoud.storage.index import ObjectMeta
 from fuyoud.storage.store import ReadItem, WriteItem
 
@@ -64,6 +66,16 @@ def _check_name(name: str) -> str:
         raise InvalidArgument(f"bad object name {name!r}: 1-512 characters, no control characters, "
                               "not starting with '/'")
     return name
+
+
+def _spec(msg: pb.OptimizerSpec) -> OptimizerSpec:
+    return OptimizerSpec(msg.kind, msg.beta1, msg.beta2, msg.eps, msg.weight_decay, msg.momentum,
+                         msg.dampening, msg.nesterov)
+
+
+def group_info(group: Group) -> pb.GroupInfo:
+    return pb.GroupInfo(name=group.name, optimizer=pb.OptimizerSpec(**group.spec.to_dict()), numel=group.numel,
+                        step=group.step, state_bytes=state_bytes(group.spec, group.numel))
 
 
 def object_info(meta: ObjectMeta) -> pb.ObjectInfo:
@@ -129,6 +141,8 @@ class FuyouServicer(rpc.FuyouServicer):
         items, seen = [], set()
         for it in request.items:
             name = _check_name(it.name)
+            if name.startswith("optim/"):
+                raise InvalidArgument(f"object names under 'optim/' belong to optimizer groups: {name!r}")
             if name in seen:
                 raise InvalidArgument(f"object {name!r} appears twice in one SwapOut")
             seen.add(name)
@@ -164,8 +178,12 @@ class FuyouServicer(rpc.FuyouServicer):
     @_handler
     def Delete(self, request, context):
         session = self._session(context)
-        self.daemon.store.delete(self._namespace(session, request.namespace),
-                                 [_check_name(n) for n in request.names], request.missing_ok)
+        namespace = self._namespace(session, request.namespace)
+        names = [_check_name(n) for n in request.names]
+        self.daemon.store.delete(namespace, names, request.missing_ok)
+        for n in names:
+            if n.startswith("optim/"):
+                self.daemon.optimizer.forget(namespace, n[len("optim/"):])
         return pb.Empty()
 
     @_handler
@@ -179,6 +197,41 @@ class FuyouServicer(rpc.FuyouServicer):
         session = self._session(context)
         metas = self.daemon.store.list(self._namespace(session, request.namespace), request.prefix)
         return pb.ListObjectsReply(objects=[object_info(m) for m in metas])
+
+    @_handler
+    def CreateGroup(self, request, context):
+        session = self._session(context)
+        name = _check_name(request.name)
+        weights = self.daemon.pool.view(session.id, _ref(request.weights), request.offset, request.numel * 4)
+        self.daemon.sessions.claim_namespace(session)
+        group = self.daemon.optimizer.create(session.namespace, session.id, name, _spec(request.optimizer), weights)
+        return group_info(group)
+
+    @_handler
+    def GetGroup(self, request, context):
+        session = self._session(context)
+        return group_info(self.daemon.optimizer.get(session.namespace, _check_name(request.name)))
+
+    @_handler
+    def StepGroup(self, request, context):
+        session = self._session(context)
+        pool, opt = self.daemon.pool, self.daemon.optimizer
+        group = opt.get(session.namespace, _check_name(request.name))
+        width = {"float32": 4, "bfloat16": 2, "float16": 2}
+        if request.grad_dtype not in width or (request.HasField("weights_out") and request.out_dtype not in width):
+            raise InvalidArgument(f"grad_dtype and out_dtype must be one of {sorted(width)}")
+        grads = pool.view(session.id, _ref(request.grads), request.grads_offset, group.numel * width[request.grad_dtype])
+        out = None
+        if request.HasField("weights_out"):
+            out = pool.view(session.id, _ref(request.weights_out), request.weights_out_offset,
+                            group.numel * width[request.out_dtype])
+        if not request.lr >= 0:
+            raise InvalidArgument(f"learning rate must be a non-negative number, got {request.lr}")
+        scale = request.grad_scale if request.HasField("grad_scale") else 1.0
+        result = opt.step(group, grads, request.grad_dtype, out, request.out_dtype, request.lr, scale, session.id)
+        self.daemon.metrics.observe_step(result)
+        return pb.StepGroupReply(step=result.step, read_seconds=result.read_s, compute_seconds=result.compute_s,
+                                 write_seconds=result.write_s, prefetched=result.prefetched)
 
     @_handler
     def CloseSession(self, request, context):

@@ -126,6 +126,96 @@ class ObjectInfo(_message.Message):
     version: int
     def __init__(self, name: _Optional[str] = ..., namespace: _Optional[str] = ..., size: _Optional[int] = ..., persistent: _Optional[bool] = ..., devices: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
+class OptimizerSpec(_message.Message):
+    __slots__ = ("kind", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening", "nesterov")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    DAMPENING_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    momentum: float
+    dampening: float
+    nesterov: bool
+    def __init__(self, kind: _Optional[str] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., nesterov: _Optional[bool] = ...) -> None: ...
+
+class CreateGroupRequest(_message.Message):
+    __slots__ = ("name", "optimizer", "weights", "offset", "numel")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    optimizer: OptimizerSpec
+    weights: BufferRef
+    offset: int
+    numel: int
+    def __init__(self, name: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., weights: _Optional[_Union[BufferRef, _Mapping]] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
+
+class GetGroupRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class GroupInfo(_message.Message):
+    __slots__ = ("name", "optimizer", "numel", "step", "state_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    optimizer: OptimizerSpec
+    numel: int
+    step: int
+    state_bytes: int
+    def __init__(self, name: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
+
+class StepGroupRequest(_message.Message):
+    __slots__ = ("name", "grads", "grads_offset", "grad_dtype", "weights_out", "weights_out_offset", "out_dtype", "lr", "grad_scale")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    GRAD_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_OUT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_OUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    OUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    grads: BufferRef
+    grads_offset: int
+    grad_dtype: str
+    weights_out: BufferRef
+    weights_out_offset: int
+    out_dtype: str
+    lr: float
+    grad_scale: float
+    def __init__(self, name: _Optional[str] = ..., grads: _Optional[_Union[BufferRef, _Mapping]] = ..., grads_offset: _Optional[int] = ..., grad_dtype: _Optional[str] = ..., weights_out: _Optional[_Union[BufferRef, _Mapping]] = ..., weights_out_offset: _Optional[int] = ..., out_dtype: _Optional[str] = ..., lr: _Optional[float] = ..., grad_scale: _Optional[float] = ...) -> None: ...
+
+class StepGroupReply(_message.Message):
+    __slots__ = ("step", "read_seconds", "compute_seconds", "write_seconds", "prefetched")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    READ_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHED_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    read_seconds: float
+    compute_seconds: float
+    write_seconds: float
+    prefetched: bool
+    def __init__(self, step: _Optional[int] = ..., read_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ..., prefetched: _Optional[bool] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -74,6 +74,21 @@ class FuyouStub:
                 request_serializer=fuyou__proto_dot_fuyou__pb2.ListObjectsRequest.SerializeToString,
                 response_deserializer=fuyou__proto_dot_fuyou__pb2.ListObjectsReply.FromString,
                 _registered_method=True)
+        self.CreateGroup = channel.unary_unary(
+                '/fuyou.v1.Fuyou/CreateGroup',
+                request_serializer=fuyou__proto_dot_fuyou__pb2.CreateGroupRequest.SerializeToString,
+                response_deserializer=fuyou__proto_dot_fuyou__pb2.GroupInfo.FromString,
+                _registered_method=True)
+        self.GetGroup = channel.unary_unary(
+                '/fuyou.v1.Fuyou/GetGroup',
+                request_serializer=fuyou__proto_dot_fuyou__pb2.GetGroupRequest.SerializeToString,
+                response_deserializer=fuyou__proto_dot_fuyou__pb2.GroupInfo.FromString,
+                _registered_method=True)
+        self.StepGroup = channel.unary_unary(
+                '/fuyou.v1.Fuyou/StepGroup',
+                request_serializer=fuyou__proto_dot_fuyou__pb2.StepGroupRequest.SerializeToString,
+                response_deserializer=fuyou__proto_dot_fuyou__pb2.StepGroupReply.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/fuyou.v1.Fuyou/CloseSession',
                 request_serializer=fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
@@ -139,6 +154,29 @@ class FuyouServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateGroup(self, request, context):
+        """Out-of-core optimizer groups (AdamW, SGD): fp32 master weights and moments live on
+        the SSD array as one persistent object, "optim/<name>", stepped by the daemon's CPU
+        with torch's fused kernels. Steps of one group run in order; steps of different
+        groups overlap (read g+1 / step g / write g-1), so clients submit each group's step
+        as soon as its gradients are final and wait for all replies before the next forward.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetGroup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StepGroup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Ends the session now (closing the session socket does the same).
         """
@@ -188,6 +226,21 @@ def add_FuyouServicer_to_server(servicer, server):
                     servicer.ListObjects,
                     request_deserializer=fuyou__proto_dot_fuyou__pb2.ListObjectsRequest.FromString,
                     response_serializer=fuyou__proto_dot_fuyou__pb2.ListObjectsReply.SerializeToString,
+            ),
+            'CreateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateGroup,
+                    request_deserializer=fuyou__proto_dot_fuyou__pb2.CreateGroupRequest.FromString,
+                    response_serializer=fuyou__proto_dot_fuyou__pb2.GroupInfo.SerializeToString,
+            ),
+            'GetGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetGroup,
+                    request_deserializer=fuyou__proto_dot_fuyou__pb2.GetGroupRequest.FromString,
+                    response_serializer=fuyou__proto_dot_fuyou__pb2.GroupInfo.SerializeToString,
+            ),
+            'StepGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.StepGroup,
+                    request_deserializer=fuyou__proto_dot_fuyou__pb2.StepGroupRequest.FromString,
+                    response_serializer=fuyou__proto_dot_fuyou__pb2.StepGroupReply.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -411,6 +464,87 @@ class Fuyou:
             '/fuyou.v1.Fuyou/ListObjects',
             fuyou__proto_dot_fuyou__pb2.ListObjectsRequest.SerializeToString,
             fuyou__proto_dot_fuyou__pb2.ListObjectsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuyou.v1.Fuyou/CreateGroup',
+            fuyou__proto_dot_fuyou__pb2.CreateGroupRequest.SerializeToString,
+            fuyou__proto_dot_fuyou__pb2.GroupInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuyou.v1.Fuyou/GetGroup',
+            fuyou__proto_dot_fuyou__pb2.GetGroupRequest.SerializeToString,
+            fuyou__proto_dot_fuyou__pb2.GroupInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuyou.v1.Fuyou/StepGroup',
+            fuyou__proto_dot_fuyou__pb2.StepGroupRequest.SerializeToString,
+            fuyou__proto_dot_fuyou__pb2.StepGroupReply.FromString,
             options,
             channel_credentials,
             insecure,

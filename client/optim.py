@@ -1,0 +1,73 @@
+"""Client side of the daemon's out-of-core optimizer: specs and group handles.
+
+    group = session.create_group("block3", weights_buf, AdamW(lr=1e-4, weight_decay=0.1))
+    fut = session.step_group_async("block3", grads_buf, lr=sched_lr, out=weights_buf)
+    ...                                            # backward goes on meanwhile
+    fut.result()                                   # the update is visible in weights_buf
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fuyou_proto import pb
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class AdamW:
+    """Same meaning and defaults as torch.optim.AdamW (amsgrad and maximize unsupported).
+    ``lr`` is only the default: each step names its own learning rate."""
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+
+    def to_pb(self) -> pb.OptimizerSpec:
+        return pb.OptimizerSpec(kind="adamw", beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+                                weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True)
+class SGD:
+    """Same meaning and defaults as torch.optim.SGD (maximize unsupported)."""
+    lr: float = 1e-3
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    def to_pb(self) -> pb.OptimizerSpec:
+        return pb.OptimizerSpec(kind="sgd", momentum=self.momentum, dampening=self.dampening,
+                                weight_decay=self.weight_decay, nesterov=self.nesterov)
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    name: str
+    numel: int
+    step: int
+    state_bytes: int
+    optimizer: AdamW | SGD
+
+    @classmethod
+    def from_pb(cls, m: pb.GroupInfo) -> "GroupInfo":
+        o = m.optimizer
+        spec = (AdamW(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay) if o.kind == "adamw"
+                else SGD(momentum=o.momentum, dampening=o.dampening, weight_decay=o.weight_decay, nesterov=o.nesterov))
+        return cls(m.name, m.numel, m.step, m.state_bytes, spec)
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    step: int
+    read_seconds: float
+    compute_seconds: float
+    write_seconds: float
+    prefetched: bool
+
+    @classmethod
+    def from_pb(cls, m: pb.StepGroupReply) -> "StepInfo":
+        return cls(m.step, m.read_seconds, m.compute_seconds, m.write_seconds, m.prefetched)

@@ -1,0 +1,83 @@
+"""Daemon-private buffers that hold optimizer state while it is read, stepped and written.
+
+A fixed number of buffers (read-ahead, compute, write-back: 3 by default) within a
+byte budget, so the optimizer's memory is bounded whatever the model size. Buffers
+are private anonymous mappings on transparent huge pages (contiguous memory makes
+O_DIRECT faster) and are kept between steps: mapping and faulting in hundreds of MB
+per step would cost more than the step.
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+from fuyoud.errors import ResourceExhausted
+from fuyoud.memory.segment import buffer_address
+from fuyoud.units import align_up, format_size
+
+HUGE = 2 << 20
+
+
+class _Buffer:
+    def __init__(self, size: int):
+        self.size = size
+        self.map = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.map.madvise(mmap.MADV_HUGEPAGE)
+        start = -buffer_address(self.map) % HUGE
+        self.view = memoryview(self.map)[start:start + size]
+
+
+class StateBuffers:
+    def __init__(self, count: int, budget: int):
+        self.count = count
+        self.per_buffer = budget // count // HUGE * HUGE
+        self._free: list[_Buffer | None] = [None] * count  # None: not mapped yet
+        self._owners: dict[int, _Buffer] = {}  # id(view handed out) -> its buffer
+        self._cond = threading.Condition()
+        self.in_use = 0
+
+    def check_fits(self, nbytes: int, what: str) -> None:
+        if nbytes > self.per_buffer:
+            raise ResourceExhausted(
+                f"{what} needs {format_size(nbytes)} of optimizer state in memory at once, more than one "
+                f"optimizer buffer ({format_size(self.per_buffer)} = [optimizer] buffer_budget / buffers); "
+                "use smaller parameter groups or raise [optimizer] buffer_budget")
+
+    def try_acquire(self, nbytes: int) -> memoryview | None:
+        with self._cond:
+            if not self._free:
+                return None
+            return self._take(nbytes)
+
+    @contextmanager
+    def acquire(self, nbytes: int) -> Iterator[memoryview]:
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            view = self._take(nbytes)
+        try:
+            yield view
+        finally:
+            self.release(view)
+
+    def _take(self, nbytes: int) -> memoryview:
+        buf = self._free.pop()
+        if buf is None or buf.size < nbytes:
+            buf = _Buffer(align_up(nbytes, HUGE))  # grown once to the largest group seen
+        self.in_use += 1
+        view = buf.view[:nbytes]
+        self._owners[id(view)] = buf
+        return view
+
+    def release(self, view: memoryview) -> None:
+        with self._cond:
+            self._free.append(self._owners.pop(id(view)))
+            self.in_use -= 1
+            self._cond.notify()
+
+    @property
+    def mapped_bytes(self) -> int:
+        with self._cond:
+            return sum(b.size for b in self._free if b is not None) + sum(b.size for b in self._owners.values())

@@ -1,0 +1,228 @@
+"""Out-of-core optimizer groups: state on the SSD array, stepped on the CPU.
+
+A group's state is one persistent object, ``optim/<group>``:
+
+    [4 KiB header: spec, numel, step] [fp32 master weights] [exp_avg] [exp_avg_sq]
+
+(each slot 4 KiB aligned; SGD keeps weights and its momentum buffer). A step reads the
+object into a daemon buffer, runs the fused kernel on the gradients in the client's
+shared buffer, writes the new compute-dtype weights into the client's shared buffer,
+and commits the state as a new version of the object (the header's step count with
+it: one atomic commit). Steps of one group run in order; steps of different groups run
+concurrently, so with the client submitting groups as backward finishes them the
+daemon reads group g+1, steps g and writes g-1 at once. After each step it prefetches
+the state of the group expected next (the order of the previous iteration; at first,
+the reverse of creation order, which is backward's), within the buffer budget.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fuyoud.errors import InvalidArgument, NotFound
+from fuyoud.optimizer.buffers import StateBuffers
+from fuyoud.optimizer.kernels import OptimizerSpec, step as run_kernel
+from fuyoud.storage.store import ReadItem, Store, WriteItem
+from fuyoud.units import align_up
+
+log = logging.getLogger(__name__)
+HEADER = 4096
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def state_name(group: str) -> str:
+    return f"optim/{group}"
+
+
+def slot_bytes(numel: int) -> int:
+    return align_up(numel * 4, 4096)
+
+
+def state_bytes(spec: OptimizerSpec, numel: int) -> int:
+    return HEADER + spec.slots * slot_bytes(numel)
+
+
+@dataclass
+class Group:
+    namespace: str
+    name: str
+    spec: OptimizerSpec
+    numel: int
+    step: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    prefetched: memoryview | None = None  # the state, read ahead of its step
+
+    @property
+    def nbytes(self) -> int:
+        return state_bytes(self.spec, self.numel)
+
+
+@dataclass
+class StepResult:
+    step: int
+    read_s: float
+    compute_s: float
+    write_s: float
+    prefetched: bool
+
+
+def _tensor(view: memoryview, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    t = torch.frombuffer(view, dtype=dtype)
+    if t.numel() < numel:
+        raise InvalidArgument(f"buffer holds {t.numel()} {dtype} elements, the group has {numel}")
+    return t[:numel]
+
+
+class Optimizer:
+    def __init__(self, store: Store, buffers: StateBuffers):
+        self.store = store
+        self.buffers = buffers
+        self._groups: dict[tuple[str, str], Group] = {}
+        self._lock = threading.Lock()
+        self._compute = threading.Lock()  # one kernel at a time: it is memory-bound and uses every core
+        self._order: dict[str, list[str]] = {}  # namespace -> step order of the last iteration
+        self._current: dict[str, list[str]] = {}
+
+    # -- groups -----------------------------------------------------------------------------
+    def create(self, namespace: str, session_id: int, name: str, spec: OptimizerSpec,
+               weights: memoryview) -> Group:
+        """A new group whose master weights start as ``weights`` (fp32) and moments at zero.
+        Creating an existing group replaces it (its step count restarts at 0)."""
+        numel = len(weights) // 4
+        if numel == 0 or len(weights) % 4:
+            raise InvalidArgument(f"initial weights must be fp32, a positive multiple of 4 bytes (got {len(weights)})")
+        self.buffers.check_fits(state_bytes(spec, numel), f"group {name!r}")
+        group = Group(namespace, name, spec, numel, 0)
+        with self.buffers.acquire(group.nbytes) as buf:
+            buf[:HEADER] = spec.header(numel, 0).ljust(HEADER, b"\0")
+            slots = buf[HEADER:]
+            slots[:numel * 4] = weights
+            torch.frombuffer(slots, dtype=torch.uint8)[numel * 4:].zero_()  # padding and moments
+            self.store.write([WriteItem(namespace, state_name(name), buf, persistent=True, session_id=session_id)])
+        with self._lock:
+            old = self._groups.get((namespace, name))
+            self._groups[(namespace, name)] = group
+        if old is not None and old.prefetched is not None:
+            self.buffers.release(old.prefetched)
+        order = self._order.setdefault(namespace, [])
+        if name not in order:
+            order.insert(0, name)  # backward visits groups in reverse creation order
+        return group
+
+    def get(self, namespace: str, name: str) -> Group:
+        """The group, loaded from its state object's header after a restart."""
+        with self._lock:
+            group = self._groups.get((namespace, name))
+        if group is not None:
+            return group
+        try:
+            meta = self.store.stat(namespace, state_name(name))
+        except NotFound:
+            raise NotFound(f"no optimizer group {name!r} in namespace {namespace!r}") from None
+        with self.buffers.acquire(HEADER) as buf:
+            self.store.read([ReadItem(namespace, state_name(name), buf[:HEADER])])
+            try:
+                spec, numel, step = OptimizerSpec.parse_header(bytes(buf[:HEADER]))
+            except ValueError:
+                raise InvalidArgument(f"object {state_name(name)!r} is not an optimizer state") from None
+        if meta.size != state_bytes(spec, numel):
+            raise InvalidArgument(f"optimizer state {state_name(name)!r} has the wrong size")
+        with self._lock:
+            return self._groups.setdefault((namespace, name), Group(namespace, name, spec, numel, step))
+
+    def forget(self, namespace: str, name: str | None = None) -> None:
+        """Drop cached groups (of a session that ended, or one whose state was deleted);
+        the state objects stay on SSD unless deleted."""
+        with self._lock:
+            gone = [g for (ns, n), g in self._groups.items() if ns == namespace and name in (None, n)]
+            for g in gone:
+                del self._groups[(g.namespace, g.name)]
+        for g in gone:
+            with g.lock:
+                if g.prefetched is not None:
+                    self.buffers.release(g.prefetched)
+                    g.prefetched = None
+        if name is None:
+            self._order.pop(namespace, None)
+            self._current.pop(namespace, None)
+
+    # -- stepping -----------------------------------------------------------------------------
+    def step(self, group: Group, grads: memoryview, grad_dtype: str, out: memoryview | None, out_dtype: str,
+             lr: float, grad_scale: float, session_id: int) -> StepResult:
+        if grad_dtype not in DTYPES or (out is not None and out_dtype not in DTYPES):
+            raise InvalidArgument(f"dtypes must be one of {sorted(DTYPES)}")
+        grad = _tensor(grads, DTYPES[grad_dtype], group.numel)
+        out_t = _tensor(out, DTYPES[out_dtype], group.numel) if out is not None else None
+        self._note_order(group)
+        with group.lock:
+            t0 = time.perf_counter()
+            state, prefetched = group.prefetched, group.prefetched is not None
+            group.prefetched = None
+            if state is None:
+                with self.buffers.acquire(group.nbytes) as state:
+                    return self._step_locked(group, state, grad, out_t, lr, grad_scale, session_id, t0, False)
+            try:
+                return self._step_locked(group, state, grad, out_t, lr, grad_scale, session_id, t0, prefetched)
+            finally:
+                self.buffers.release(state)
+
+    def _step_locked(self, group: Group, state: memoryview, grad: torch.Tensor, out: torch.Tensor | None,
+                     lr: float, grad_scale: float, session_id: int, t0: float, prefetched: bool) -> StepResult:
+        name = state_name(group.name)
+        if not prefetched:
+            self.store.read([ReadItem(group.namespace, name, state)])
+        t1 = time.perf_counter()
+        n, sb = group.numel, slot_bytes(group.numel)
+        slots = [torch.frombuffer(state[HEADER + i * sb:HEADER + i * sb + n * 4], dtype=torch.float32)
+                 for i in range(group.spec.slots)]
+        with self._compute:
+            g = grad.float() if grad.dtype != torch.float32 else grad.clone()  # never touch the client's grads
+            if grad_scale != 1.0:
+                g.mul_(grad_scale)  # global-norm clipping: the client's clip coefficient
+            run_kernel(group.spec, group.step, slots, g, lr)
+            if out is not None:
+                out.copy_(slots[0])
+        state[:HEADER] = group.spec.header(n, group.step + 1).ljust(HEADER, b"\0")
+        t2 = time.perf_counter()
+        self.store.write([WriteItem(group.namespace, name, state, persistent=True, session_id=session_id)])
+        group.step += 1
+        t3 = time.perf_counter()
+        self._prefetch_next(group)
+        return StepResult(group.step, t1 - t0, t2 - t1, t3 - t2, prefetched)
+
+    def _note_order(self, group: Group) -> None:
+        cur = self._current.setdefault(group.namespace, [])
+        if group.name in cur:  # a new iteration began: what we saw is the order to expect
+            self._order[group.namespace] = cur[:]
+            cur.clear()
+        cur.append(group.name)
+
+    def _prefetch_next(self, group: Group) -> None:
+        order = self._order.get(group.namespace, [])
+        if group.name not in order:
+            return
+        i = order.index(group.name)
+        nxt_name = order[(i + 1) % len(order)]
+        with self._lock:
+            nxt = self._groups.get((group.namespace, nxt_name))
+        if nxt is None or nxt is group or nxt.prefetched is not None or not nxt.lock.acquire(blocking=False):
+            return
+        threading.Thread(target=self._prefetch, args=(nxt,), name="optim-prefetch", daemon=True).start()
+
+    def _prefetch(self, group: Group) -> None:
+        try:  # group.lock is held (taken by _prefetch_next)
+            buf = self.buffers.try_acquire(group.nbytes)
+            if buf is None:
+                return
+            try:
+                self.store.read([ReadItem(group.namespace, state_name(group.name), buf)])
+                group.prefetched = buf
+            except Exception as exc:  # noqa: BLE001 - the step will read (and report) it itself
+                log.debug("prefetch of %s failed: %s", group.name, exc)
+                self.buffers.release(buf)
+        finally:
+            group.lock.release()
