@@ -73,6 +73,19 @@ def in_process_config(root: Path, ndirs: int = 2, **overrides) -> config_mod.Con
     return config_mod.from_dict(cfg)
 
 
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus text endpoint as {'name{labels}': value}."""
+    import urllib.request
+
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
 def random_bytes(n: int, seed: int = 0) -> bytes:
     import random
 

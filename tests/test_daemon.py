@@ -8,28 +8,17 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 
 import grpc
 import pytest
 import torch
 
 import fuyou_client
-from conftest import SMALL, merge, random_bytes
+from conftest import SMALL, merge, random_bytes, scrape
 from fuyou_client import In, Out
 from fuyou_proto import pb, rpc
 
 MiB = 1 << 20
-
-
-def scrape(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
 
 
 def test_round_trips_through_the_public_api(session):

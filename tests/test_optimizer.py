@@ -1,0 +1,183 @@
+"""The daemon's out-of-core optimizer against torch.optim, over real sockets and files."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fuyou_client
+from conftest import SMALL, merge, scrape
+from fuyou_proto import pb
+from fuyou_client import SGD, AdamW
+
+SIZES = [1000, 4097, 123457]  # odd sizes: tails that are not multiples of a page or a vector
+
+
+def make_groups(session, sizes, spec, seed=0):
+    torch.manual_seed(seed)
+    init = [torch.randn(n) for n in sizes]
+    weights, grads = [], []
+    for i, (n, w0) in enumerate(zip(sizes, init)):
+        w = session.allocate(n * 4)
+        w.tensor(torch.float32).copy_(w0)
+        session.create_group(f"g{i}", w, spec)
+        weights.append(w)
+        grads.append(session.allocate(n * 4))
+    return init, weights, grads
+
+
+def run_steps(session, weights, grads, ref_params, ref_opt, steps, lrs, seed=1, clip=None):
+    gen = torch.Generator().manual_seed(seed)
+    infos = []
+    for step in range(steps):
+        gs = [torch.randn(p.numel(), generator=gen) for p in ref_params]
+        for p, g in zip(ref_params, gs):
+            p.grad = g.clone()
+        scale = None
+        if clip is not None:
+            total = torch.nn.utils.clip_grad_norm_(ref_params, clip)
+            scale = float(torch.clamp(clip / (total + 1e-6), max=1.0))
+        for group in ref_opt.param_groups:
+            group["lr"] = lrs[step]
+        ref_opt.step()
+        for buf, g in zip(grads, gs):
+            buf.tensor(torch.float32).copy_(g)
+        # Submitted as backward would: last group first, all in flight at once.
+        futs = [session.step_group_async(f"g{i}", grads[i], lrs[step], out=weights[i], grad_scale=scale)
+                for i in reversed(range(len(weights)))]
+        infos.extend(f.result(60) for f in futs)
+    return infos
+
+
+LRS = [1e-2 * (0.8 ** i) for i in range(10)]  # a non-default schedule, changed every step
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_adamw_matches_torch(session, fused):
+    spec = AdamW(betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    init, weights, grads = make_groups(session, SIZES, spec)
+    ref = [torch.nn.Parameter(w.clone()) for w in init]
+    opt = torch.optim.AdamW(ref, lr=LRS[0], betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, fused=fused)
+    infos = run_steps(session, weights, grads, ref, opt, 10, LRS)
+    for w, p in zip(weights, ref):
+        got = w.tensor(torch.float32)
+        if fused:  # the same kernel: bitwise
+            assert torch.equal(got, p.data)
+        else:  # torch's default single-tensor path rounds differently in the last bit
+            assert (got - p.data).abs().max().item() <= 1e-6
+    assert [session.group(f"g{i}").step for i in range(3)] == [10, 10, 10]
+    assert any(i.prefetched for i in infos), "the next group's state was never read ahead"
+    m = scrape(session.stub.Status(pb.StatusRequest()).metrics_url)
+    assert m["fuyoud_optimizer_group_steps_total"] == 30
+    # Optimizer memory is bounded by its buffers, whatever the model size.
+    assert 0 < m['fuyoud_pinned_bytes{state="optimizer"}'] <= 3 * (2 << 20)
+
+
+@pytest.mark.parametrize("momentum, dampening, nesterov", [(0.0, 0.0, False), (0.9, 0.0, False),
+                                                            (0.9, 0.3, False), (0.9, 0.0, True)])
+def test_sgd_matches_torch(session, momentum, dampening, nesterov):
+    spec = SGD(momentum=momentum, dampening=dampening, weight_decay=0.01, nesterov=nesterov)
+    init, weights, grads = make_groups(session, SIZES[:2], spec)
+    ref = [torch.nn.Parameter(w.clone()) for w in init]
+    fused = [torch.nn.Parameter(w.clone()) for w in init]
+    opt = torch.optim.SGD(ref, lr=0.1, momentum=momentum, dampening=dampening, weight_decay=0.01, nesterov=nesterov)
+    opt_fused = torch.optim.SGD(fused, lr=0.1, momentum=momentum, dampening=dampening, weight_decay=0.01,
+                                nesterov=nesterov, fused=True)
+    lrs = [0.1, 0.05, 0.05, 0.02, 0.01]
+    run_steps(session, weights, grads, ref, opt, 5, lrs)
+    run_steps(session, [session.allocate(w.size) for w in weights], grads, fused, opt_fused, 0, lrs)
+    gen = torch.Generator().manual_seed(1)  # replay the same gradients into the fused reference
+    for step in range(5):
+        for p in fused:
+            p.grad = torch.randn(p.numel(), generator=gen)
+        for group in opt_fused.param_groups:
+            group["lr"] = lrs[step]
+        opt_fused.step()
+    for w, p, pf in zip(weights, ref, fused):
+        assert torch.equal(w.tensor(torch.float32), pf.data)  # the same kernel: bitwise
+        assert (w.tensor(torch.float32) - p.data).abs().max().item() <= 1e-6
+
+
+def test_global_norm_clipping_is_exact(session):
+    init, weights, grads = make_groups(session, SIZES, AdamW())
+    ref = [torch.nn.Parameter(w.clone()) for w in init]
+    opt = torch.optim.AdamW(ref, lr=1e-3, fused=True)
+    run_steps(session, weights, grads, ref, opt, 4, [1e-3] * 4, clip=0.5)
+    for w, p in zip(weights, ref):
+        assert torch.equal(w.tensor(torch.float32), p.data)
+
+
+def test_bf16_gradients_and_weights_with_fp32_master(session):
+    """bf16 compute: gradients arrive in bf16, new weights leave in bf16, the master
+    weights and moments stay fp32 in the daemon: identical to AdamW on fp32 masters fed
+    the same bf16 gradients, then rounded to bf16."""
+    n = 50_001
+    torch.manual_seed(3)
+    master = torch.randn(n)
+    w = session.allocate(n * 4)
+    w.tensor(torch.float32).copy_(master)
+    session.create_group("bf", w, AdamW(weight_decay=0.05))
+    g, out = session.allocate(n * 2), session.allocate(n * 2)
+    ref = torch.nn.Parameter(master.clone())
+    opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.05, fused=True)
+    for _ in range(5):
+        grad = torch.randn(n).bfloat16()
+        g.tensor(torch.bfloat16).copy_(grad)
+        ref.grad = grad.float()
+        opt.step()
+        session.step_group("bf", g, 1e-3, grad_dtype=torch.bfloat16, out=out, out_dtype=torch.bfloat16)
+    assert torch.equal(out.tensor(torch.bfloat16), ref.data.bfloat16())
+
+
+def test_state_survives_a_daemon_restart(short_tmp):
+    cfg = merge(SMALL, {"storage": {"data_dirs": [str(short_tmp / "a"), str(short_tmp / "b")]}})
+    spec = AdamW(betas=(0.85, 0.99), weight_decay=0.02)
+    with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d, \
+            fuyou_client.connect(d.socket, namespace="run") as s:
+        init, weights, grads = make_groups(s, SIZES, spec)
+        ref = [torch.nn.Parameter(w.clone()) for w in init]
+        opt = torch.optim.AdamW(ref, lr=1e-2, betas=(0.85, 0.99), weight_decay=0.02, fused=True)
+        run_steps(s, weights, grads, ref, opt, 3, LRS[:3], seed=7)
+    gen_state = torch.Generator().manual_seed(7)
+    for _ in range(3):  # the reference's generator must skip the gradients already used
+        [torch.randn(n, generator=gen_state) for n in SIZES]
+    with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d, \
+            fuyou_client.connect(d.socket, namespace="run") as s:
+        assert [s.group(f"g{i}").step for i in range(3)] == [3, 3, 3]
+        weights = [s.allocate(n * 4) for n in SIZES]
+        grads = [s.allocate(n * 4) for n in SIZES]
+        for step in range(3, 6):
+            gs = [torch.randn(n, generator=gen_state) for n in SIZES]
+            for p, g in zip(ref, gs):
+                p.grad = g.clone()
+            for group in opt.param_groups:
+                group["lr"] = LRS[step]
+            opt.step()
+            for i, g in enumerate(gs):
+                grads[i].tensor(torch.float32).copy_(g)
+                s.step_group(f"g{i}", grads[i], LRS[step], out=weights[i])
+        for w, p in zip(weights, ref):
+            assert torch.equal(w.tensor(torch.float32), p.data)
+
+
+def test_bad_optimizer_requests(short_tmp):
+    cfg = merge(SMALL, {"optimizer": {"buffer_budget": "6MiB", "buffers": 3}})
+    with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d, fuyou_client.connect(d.socket) as s:
+        big = s.allocate(1 << 20)  # 256Ki params: 3 MiB of AdamW state > one 2 MiB buffer
+        with pytest.raises(fuyou_client.ResourceExhausted, match="optimizer buffer"):
+            s.create_group("big", big, AdamW())
+        w = s.allocate(8192)
+        s.create_group("ok", w, AdamW())
+        with pytest.raises(fuyou_client.InvalidArgument, match="belong to optimizer groups"):
+            s.swap_out("optim/ok", w)
+        with pytest.raises(fuyou_client.ObjectNotFound, match="no optimizer group 'nope'"):
+            s.step_group("nope", w, 1e-3)
+        small = s.allocate(100)  # one page: 1024 floats, the group has 2048
+        with pytest.raises(fuyou_client.InvalidArgument, match="outside the buffer"):
+            s.step_group("ok", small, 1e-3)
+        with pytest.raises(fuyou_client.InvalidArgument, match="learning rate"):
+            s.step_group("ok", w, float("nan"))
+        with pytest.raises(fuyou_client.InvalidArgument, match="betas"):
+            s.create_group("bad", w, AdamW(betas=(1.5, 0.9)))
+        s.delete("optim/ok")
+        with pytest.raises(fuyou_client.ObjectNotFound):
+            s.group("ok")
