@@ -1,0 +1,73 @@
+"""Splitting a model into layer groups: the unit of offload and of optimizer steps.
+
+The repeated blocks of a model (GPT-2's ``transformer.h``, Llama's ``model.layers``, any
+``nn.ModuleList`` of same-typed modules) become one group each; every other parameter
+(embeddings, final norm, a head tied to the embeddings) goes to one more group, "rest".
+Groups never share parameters: one shared between two blocks is refused (name the
+blocks yourself so that it lives in one); tied weights outside the blocks (GPT-2's
+embedding and head) are simply both in "rest".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class ParamGroup:
+    name: str
+    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for _, p in self.params)
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The largest ModuleList whose children share one type (the transformer blocks)."""
+    best = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
+            size = sum(p.numel() for p in module.parameters())
+            if best is None or size > best[2]:
+                best = (name, module, size)
+    return (best[0], best[1]) if best else None
+
+
+def split(model: nn.Module, blocks: list[nn.Module] | None = None) -> list[ParamGroup]:
+    """Groups in forward order: one per block, then "rest". ``blocks`` overrides discovery."""
+    if blocks is None:
+        found = find_blocks(model)
+        blocks = list(found[1]) if found else []
+    owner: dict[int, str] = {}
+    groups: list[ParamGroup] = []
+    for i, block in enumerate(blocks):
+        group = ParamGroup(f"block{i:04d}")
+        for pname, p in block.named_parameters():
+            if not p.requires_grad:
+                continue
+            if id(p) in owner:
+                raise ValueError(f"parameter {pname!r} is shared between groups {owner[id(p)]} and {group.name}; "
+                                 "a parameter must belong to exactly one group: pass blocks= so that the "
+                                 "modules sharing it form one block")
+            owner[id(p)] = group.name
+            group.params.append((pname, p))
+        groups.append(group)
+    seen = set(owner)
+    rest = ParamGroup("rest")
+    for pname, p in model.named_parameters():  # named_parameters() already skips tied duplicates
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            rest.params.append((pname, p))
+    if rest.params:
+        groups.append(rest)
+    for g in groups:
+        for pname, p in g.params:
+            if p.dtype not in SUPPORTED:
+                raise TypeError(f"parameter {pname!r} of group {g.name} is {p.dtype}; Fuyou trains "
+                                "float32, bfloat16 and float16 parameters (freeze it with requires_grad=False)")
+    return [g for g in groups if g.params]
