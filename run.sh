@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Fuyou's two entry points, each doing every set-up step first (idempotent):
 #
-#   ./run.sh demo [args]    the main job (examples/swap_roundtrip.py)
+#   ./run.sh demo [args]    the main job: fine-tune a GPT-style model through fuyoud
+#                           (examples/finetune.py)
 #   ./run.sh test [args]    the test suite (pytest; args go to pytest)
+#   ./run.sh swap [args]    swap a 1 GiB tensor to SSD and back (examples/swap_roundtrip.py)
 #
 # Set-up: Debian packages (liburing-dev, a C compiler, Python headers, venv), a
 # virtualenv at .venv, PyTorch (the CPU build on hosts without an NVIDIA GPU), and
@@ -81,8 +83,9 @@ setup() {
 
 cmd="${1:-}"; shift || true
 case "$cmd" in
-    demo) setup; exec .venv/bin/python examples/swap_roundtrip.py "$@" ;;
+    demo) setup; exec .venv/bin/python examples/finetune.py "$@" ;;
+    swap) setup; exec .venv/bin/python examples/swap_roundtrip.py "$@" ;;
     test) setup; exec .venv/bin/python -m pytest "$@" ;;
     setup) setup ;;
-    *) echo "usage: ./run.sh demo|test|setup [args]" >&2; exit 2 ;;
+    *) echo "usage: ./run.sh demo|test|swap|setup [args]" >&2; exit 2 ;;
 esac

@@ -254,6 +254,10 @@ class Session:
                                  out_dtype or torch.float32, grad_scale)
         return _wrap_future(self._stub.StepGroup.future(req, metadata=self._metadata), StepInfo.from_pb)
 
+    def status(self) -> pb.StatusReply:
+        """The daemon's Status (engine, devices, memory, SSD bytes moved)."""
+        return _call(self._stub.Status, pb.StatusRequest(), ())
+
     @property
     def stub(self) -> rpc.FuyouStub:
         """The raw gRPC stub (with ``metadata`` below) for calls this class does not wrap."""

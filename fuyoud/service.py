@@ -116,7 +116,8 @@ class FuyouServicer(rpc.FuyouServicer):
                      for i, (p, c, u) in enumerate(usage.devices)],
             pinned_budget_bytes=pool.budget, pinned_used_bytes=pool.segments,
             sessions=len(d.sessions.all()), objects=sum(usage.objects.values()), pid=os.getpid(),
-            metrics_url=d.metrics_url, session_socket=str(d.config.daemon.session_path))
+            metrics_url=d.metrics_url, session_socket=str(d.config.daemon.session_path),
+            bytes_read=usage.bytes_read, bytes_written=usage.bytes_written)
 
     @_handler
     def Allocate(self, request, context):

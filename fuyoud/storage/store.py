@@ -70,6 +70,8 @@ class StoreUsage:
     devices: list[tuple[str, int, int]]  # (path, capacity, used)
     objects: dict[bool, int]  # persistent? -> count
     object_bytes: dict[bool, int]
+    bytes_read: int = 0
+    bytes_written: int = 0
 
 
 class Store:
@@ -85,6 +87,7 @@ class Store:
         self._observe = observer or (lambda *a: None)
         self._lock = threading.Lock()
         self._objects: dict[tuple[str, str], _Entry] = {}
+        self._moved = {Op.READ: 0, Op.WRITE: 0}  # bytes since start
         self._check_devices()
         for meta in index.load():
             for ext in meta.layout.extents:
@@ -256,6 +259,7 @@ class Store:
             per_dev[req.device][0] += res.nbytes
             per_dev[req.device][1] += 1
         direction = "read" if op is Op.READ else "write"
+        self._moved[op] += sum(r.nbytes for r in results)
         for dev, (nbytes, ops) in per_dev.items():
             self._observe(dev, direction, nbytes, ops, elapsed)
         return results
@@ -338,7 +342,7 @@ class Store:
                 objects[e.meta.persistent] += 1
                 nbytes[e.meta.persistent] += e.meta.size
             devices = [(str(d.directory), d.capacity, d.allocator.used_bytes) for d in self.devices]
-        return StoreUsage(devices, objects, nbytes)
+        return StoreUsage(devices, objects, nbytes, self._moved[Op.READ], self._moved[Op.WRITE])
 
     def close(self) -> None:
         with self._lock:
