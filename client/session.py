@@ -225,13 +225,14 @@ class Session:
         """An existing group (also one created before a daemon restart)."""
         return GroupInfo.from_pb(_call(self._stub.GetGroup, pb.GetGroupRequest(name=name), self._metadata))
 
-    def _step_request(self, name, grads, lr, grads_offset, grad_dtype, out, out_offset, out_dtype, grad_scale):
+    def _step_request(self, name, grads, lr, grads_offset, grad_dtype, out, out_offset, out_dtype, grad_scale,
+                      weights_object):
         req = pb.StepGroupRequest(name=name, grads=grads.ref, grads_offset=grads_offset,
-                                  grad_dtype=DTYPE_NAMES[grad_dtype], lr=lr)
+                                  grad_dtype=DTYPE_NAMES[grad_dtype], lr=lr, weights_object=weights_object,
+                                  out_dtype=DTYPE_NAMES[out_dtype])
         if out is not None:
             req.weights_out.CopyFrom(out.ref)
             req.weights_out_offset = out_offset
-            req.out_dtype = DTYPE_NAMES[out_dtype]
         if grad_scale is not None:
             req.grad_scale = grad_scale
         return req
@@ -246,12 +247,13 @@ class Session:
 
     def step_group_async(self, name: str, grads: SharedBuffer, lr: float, *, grads_offset: int = 0,
                          grad_dtype=None, out: SharedBuffer | None = None, out_offset: int = 0, out_dtype=None,
-                         grad_scale: float | None = None) -> Future:
-        """Submit a group's step; the future's result is a StepInfo."""
+                         grad_scale: float | None = None, weights_object: str = "") -> Future:
+        """Submit a group's step; the future's result is a StepInfo. ``weights_object``
+        names a transient object that receives the new weights (``out_dtype``) too."""
         import torch
 
         req = self._step_request(name, grads, lr, grads_offset, grad_dtype or torch.float32, out, out_offset,
-                                 out_dtype or torch.float32, grad_scale)
+                                 out_dtype or torch.float32, grad_scale, weights_object)
         return _wrap_future(self._stub.StepGroup.future(req, metadata=self._metadata), StepInfo.from_pb)
 
     def status(self) -> pb.StatusReply:

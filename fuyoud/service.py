@@ -219,7 +219,8 @@ class FuyouServicer(rpc.FuyouServicer):
         pool, opt = self.daemon.pool, self.daemon.optimizer
         group = opt.get(session.namespace, _check_name(request.name))
         width = {"float32": 4, "bfloat16": 2, "float16": 2}
-        if request.grad_dtype not in width or (request.HasField("weights_out") and request.out_dtype not in width):
+        wants_out = request.HasField("weights_out") or request.weights_object
+        if request.grad_dtype not in width or (wants_out and request.out_dtype not in width):
             raise InvalidArgument(f"grad_dtype and out_dtype must be one of {sorted(width)}")
         grads = pool.view(session.id, _ref(request.grads), request.grads_offset, group.numel * width[request.grad_dtype])
         out = None
@@ -229,7 +230,13 @@ class FuyouServicer(rpc.FuyouServicer):
         if not request.lr >= 0:
             raise InvalidArgument(f"learning rate must be a non-negative number, got {request.lr}")
         scale = request.grad_scale if request.HasField("grad_scale") else 1.0
-        result = opt.step(group, grads, request.grad_dtype, out, request.out_dtype, request.lr, scale, session.id)
+        weights_object = ""
+        if request.weights_object:
+            weights_object = _check_name(request.weights_object)
+            if weights_object.startswith("optim/"):
+                raise InvalidArgument(f"object names under 'optim/' belong to optimizer groups: {weights_object!r}")
+        result = opt.step(group, grads, request.grad_dtype, out, request.out_dtype, request.lr, scale, session.id,
+                          weights_object)
         self.daemon.metrics.observe_step(result)
         return pb.StepGroupReply(step=result.step, read_seconds=result.read_s, compute_seconds=result.compute_s,
                                  write_seconds=result.write_s, prefetched=result.prefetched)

@@ -181,7 +181,7 @@ class GroupInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
 
 class StepGroupRequest(_message.Message):
-    __slots__ = ("name", "grads", "grads_offset", "grad_dtype", "weights_out", "weights_out_offset", "out_dtype", "lr", "grad_scale")
+    __slots__ = ("name", "grads", "grads_offset", "grad_dtype", "weights_out", "weights_out_offset", "out_dtype", "lr", "grad_scale", "weights_object")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     GRADS_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +191,7 @@ class StepGroupRequest(_message.Message):
     OUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_OBJECT_FIELD_NUMBER: _ClassVar[int]
     name: str
     grads: BufferRef
     grads_offset: int
@@ -200,7 +201,8 @@ class StepGroupRequest(_message.Message):
     out_dtype: str
     lr: float
     grad_scale: float
-    def __init__(self, name: _Optional[str] = ..., grads: _Optional[_Union[BufferRef, _Mapping]] = ..., grads_offset: _Optional[int] = ..., grad_dtype: _Optional[str] = ..., weights_out: _Optional[_Union[BufferRef, _Mapping]] = ..., weights_out_offset: _Optional[int] = ..., out_dtype: _Optional[str] = ..., lr: _Optional[float] = ..., grad_scale: _Optional[float] = ...) -> None: ...
+    weights_object: str
+    def __init__(self, name: _Optional[str] = ..., grads: _Optional[_Union[BufferRef, _Mapping]] = ..., grads_offset: _Optional[int] = ..., grad_dtype: _Optional[str] = ..., weights_out: _Optional[_Union[BufferRef, _Mapping]] = ..., weights_out_offset: _Optional[int] = ..., out_dtype: _Optional[str] = ..., lr: _Optional[float] = ..., grad_scale: _Optional[float] = ..., weights_object: _Optional[str] = ...) -> None: ...
 
 class StepGroupReply(_message.Message):
     __slots__ = ("step", "read_seconds", "compute_seconds", "write_seconds", "prefetched")

@@ -51,12 +51,16 @@ class StateBuffers:
                 return None
             return self._take(nbytes)
 
-    @contextmanager
-    def acquire(self, nbytes: int) -> Iterator[memoryview]:
+    def acquire_blocking(self, nbytes: int) -> memoryview:
+        """A buffer of at least ``nbytes`` (waits for one); give it back with release()."""
         with self._cond:
             while not self._free:
                 self._cond.wait()
-            view = self._take(nbytes)
+            return self._take(nbytes)
+
+    @contextmanager
+    def acquire(self, nbytes: int) -> Iterator[memoryview]:
+        view = self.acquire_blocking(nbytes)
         try:
             yield view
         finally:

@@ -60,6 +60,11 @@ class Group:
     def nbytes(self) -> int:
         return state_bytes(self.spec, self.numel)
 
+    @property
+    def buffer_bytes(self) -> int:
+        """A step's buffer: the state, then room for the new weights in any dtype."""
+        return self.nbytes + slot_bytes(self.numel)
+
 
 @dataclass
 class StepResult:
@@ -95,8 +100,8 @@ class Optimizer:
         numel = len(weights) // 4
         if numel == 0 or len(weights) % 4:
             raise InvalidArgument(f"initial weights must be fp32, a positive multiple of 4 bytes (got {len(weights)})")
-        self.buffers.check_fits(state_bytes(spec, numel), f"group {name!r}")
         group = Group(namespace, name, spec, numel, 0)
+        self.buffers.check_fits(group.buffer_bytes, f"group {name!r}")
         with self.buffers.acquire(group.nbytes) as buf:
             buf[:HEADER] = spec.header(numel, 0).ljust(HEADER, b"\0")
             slots = buf[HEADER:]
@@ -152,23 +157,31 @@ class Optimizer:
 
     # -- stepping -----------------------------------------------------------------------------
     def step(self, group: Group, grads: memoryview, grad_dtype: str, out: memoryview | None, out_dtype: str,
-             lr: float, grad_scale: float, session_id: int) -> StepResult:
-        if grad_dtype not in DTYPES or (out is not None and out_dtype not in DTYPES):
+             lr: float, grad_scale: float, session_id: int, weights_object: str = "") -> StepResult:
+        """One step. The new weights go, in ``out_dtype``, to the client's ``out`` buffer
+        and/or to the transient object ``weights_object`` (for clients that offload them)."""
+        if grad_dtype not in DTYPES or ((out is not None or weights_object) and out_dtype not in DTYPES):
             raise InvalidArgument(f"dtypes must be one of {sorted(DTYPES)}")
         grad = _tensor(grads, DTYPES[grad_dtype], group.numel)
         out_t = _tensor(out, DTYPES[out_dtype], group.numel) if out is not None else None
         self._note_order(group)
         with group.lock:
             t0 = time.perf_counter()
-            state, prefetched = group.prefetched, group.prefetched is not None
+            buf, prefetched = group.prefetched, group.prefetched is not None
             group.prefetched = None
-            if state is None:
-                with self.buffers.acquire(group.nbytes) as state:
-                    return self._step_locked(group, state, grad, out_t, lr, grad_scale, session_id, t0, False)
+            if buf is None:
+                buf = self.buffers.acquire_blocking(group.buffer_bytes)
             try:
-                return self._step_locked(group, state, grad, out_t, lr, grad_scale, session_id, t0, prefetched)
+                if out_t is None and weights_object:
+                    out_t = _tensor(buf[group.nbytes:], DTYPES[out_dtype], group.numel)
+                result = self._step_locked(group, buf[:group.nbytes], grad, out_t, lr, grad_scale, session_id,
+                                           t0, prefetched)
+                if weights_object:
+                    raw = memoryview(out_t.view(torch.uint8).numpy())
+                    self.store.write([WriteItem(group.namespace, weights_object, raw, False, session_id)])
+                return result
             finally:
-                self.buffers.release(state)
+                self.buffers.release(buf)
 
     def _step_locked(self, group: Group, state: memoryview, grad: torch.Tensor, out: torch.Tensor | None,
                      lr: float, grad_scale: float, session_id: int, t0: float, prefetched: bool) -> StepResult:
@@ -215,11 +228,11 @@ class Optimizer:
 
     def _prefetch(self, group: Group) -> None:
         try:  # group.lock is held (taken by _prefetch_next)
-            buf = self.buffers.try_acquire(group.nbytes)
+            buf = self.buffers.try_acquire(group.buffer_bytes)
             if buf is None:
                 return
             try:
-                self.store.read([ReadItem(group.namespace, state_name(group.name), buf)])
+                self.store.read([ReadItem(group.namespace, state_name(group.name), buf[:group.nbytes])])
                 group.prefetched = buf
             except Exception as exc:  # noqa: BLE001 - the step will read (and report) it itself
                 log.debug("prefetch of %s failed: %s", group.name, exc)
