@@ -16,8 +16,9 @@ submitted while backward goes on with earlier layers. `engine.step()` waits for 
 them. With `max_grad_norm`, clipping is exact: the steps wait for every gradient (the
 norm needs them all), then go out together with the clip coefficient.
 
-This release keeps the (compute-dtype) weights resident in the training process;
-offloading them between uses is the next step of the design.
+With ``offload=True`` (the default) the blocks' weights, too, are in memory only while
+they compute (see offload.py); the "rest" group (embeddings, final norm, head) stays
+resident. Gradients of every group stay in shared memory (they accumulate there).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from fuyou_client.grouping import ParamGroup, split
+from fuyou_client.offload import HEADER, OffloadedGroup, Offloader
 from fuyou_client.optim import AdamW, SGD, StepInfo
 from fuyou_client.session import Session, connect
 
@@ -56,6 +58,7 @@ class _Group:
     weights: object  # SharedBuffer of compute-dtype weights (the parameters are views of it)
     grads: object  # SharedBuffer of gradients (the .grad tensors are views of it)
     dtype: torch.dtype
+    offloaded: OffloadedGroup | None = None
     pending: int = 0  # gradients still to come in the current backward
     backwards: int = 0  # backward passes completed since the last step (gradient accumulation)
     future: Future | None = None
@@ -63,7 +66,8 @@ class _Group:
 
 class Engine:
     def __init__(self, model: nn.Module, session: Session, optimizer: AdamW | SGD, groups: list[ParamGroup],
-                 max_grad_norm: float | None, accumulation_steps: int, owns_session: bool):
+                 max_grad_norm: float | None, accumulation_steps: int, owns_session: bool,
+                 offload: bool = True, prefetch: int = 2):
         self.model = model
         self.session = session
         self.max_grad_norm = max_grad_norm
@@ -75,10 +79,16 @@ class Engine:
         self._hooks = []
         self._check_capacity(groups, optimizer)
         for spec in groups:
-            self.groups.append(self._upload(spec, optimizer))
+            self.groups.append(self._upload(spec, optimizer, offload and spec.module is not None))
+        offloaded = [g.offloaded for g in self.groups if g.offloaded is not None]
+        self.offloader = Offloader(session, offloaded, prefetch) if offloaded else None
         for g in self.groups:
             for _, p in g.spec.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, g=g: self._on_grad(g)))
+        if self.offloader is not None:
+            self._hooks.append(model.register_forward_pre_hook(lambda m, a: self._enter_forward()))
+            self._hooks.append(model.register_forward_hook(lambda m, a, o: self._exit_forward()))
+        self._saved_ctx = None
         self.zero_grad()
 
     # -- set-up ---------------------------------------------------------------------------
@@ -94,31 +104,49 @@ class Engine:
                 f"needs {need / 2**30:.1f} GiB (twice that while a group's new version is written); raise "
                 "[storage] capacity_per_device or add data_dirs")
 
-    def _upload(self, spec: ParamGroup, optimizer) -> _Group:
+    def _upload(self, spec: ParamGroup, optimizer, offload: bool) -> _Group:
+        """Create the group's optimizer state in the daemon from the parameters; then the
+        parameters become views of shared memory (resident) or empty (offloaded), and
+        their gradients views of a shared gradient buffer."""
         dtypes = {p.dtype for _, p in spec.params}
         if len(dtypes) != 1:
             raise TypeError(f"group {spec.name} mixes parameter dtypes {sorted(map(str, dtypes))}; "
                             "cast the model to one dtype first")
         dtype = dtypes.pop()
         n = spec.numel
-        weights = self.session.allocate(n * dtype.itemsize)
-        grads = self.session.allocate(n * dtype.itemsize)
+        params = [p for _, p in spec.params]
+        shapes = [p.shape for p in params]
         master = self.session.allocate(n * 4)
-        flat_w, flat_m = weights.tensor(dtype)[:n], master.tensor(torch.float32)[:n]
+        torch.cat([p.detach().reshape(-1).float() for p in params], out=master.tensor(torch.float32)[:n])
+        self.session.create_group(spec.name, master, optimizer, numel=n)
+        grads = self.session.allocate(n * dtype.itemsize)
+        if offload and dtype == torch.float32:  # the compute weights are the masters: read them in place
+            weights, source = None, (f"optim/{spec.name}", HEADER)
+        else:
+            weights = self.session.allocate(n * dtype.itemsize)
+            torch.cat([p.detach().reshape(-1) for p in params], out=weights.tensor(dtype)[:n])
+            source = (f"weights/{spec.name}", 0)
+            if offload:
+                self.session.swap_out(source[0], weights, length=n * dtype.itemsize)
+                weights.free()
+                weights = None
+        master.free()
         flat_g = grads.tensor(dtype)[:n]
+        flat_w = weights.tensor(dtype)[:n] if weights is not None else None
         offset = 0
         with torch.no_grad():
-            for _, p in spec.params:
-                k = p.numel()
-                flat_m[offset:offset + k].copy_(p.detach().reshape(-1))
-                flat_w[offset:offset + k].copy_(p.detach().reshape(-1))
-                # From here on the parameter *is* shared memory: the daemon writes updates into it.
-                p.data = flat_w[offset:offset + k].view(p.shape)
-                p.grad = flat_g[offset:offset + k].view(p.shape)
+            for p, shape in zip(params, shapes):
+                k = shape.numel()
+                # From here on the parameter *is* shared memory (the daemon writes updates into
+                # it), or empty until the offloader fetches it.
+                p.grad = flat_g[offset:offset + k].view(shape)  # (while p still has its shape)
+                p.data = flat_w[offset:offset + k].view(shape) if flat_w is not None else torch.empty(0, dtype=dtype)
                 offset += k
-        self.session.create_group(spec.name, master, optimizer, numel=n)
-        master.free()
-        return _Group(spec, weights, grads, dtype)
+        group = _Group(spec, weights, grads, dtype)
+        if offload:
+            index = sum(1 for g in self.groups if g.offloaded is not None)  # position in forward order
+            group.offloaded = OffloadedGroup(index, spec.name, spec.module, params, dtype, source, n, shapes=shapes)
+        return group
 
     # -- the training loop ------------------------------------------------------------------
     @property
@@ -136,12 +164,26 @@ class Engine:
             return
         g.pending = len(g.spec.params)
         g.backwards += 1
+        if g.offloaded is not None:
+            self.offloader.release(g.offloaded)  # backward is done with these weights
         if g.backwards == self.accumulation_steps and self.max_grad_norm is None and g.future is None:
             self._submit(g)  # final gradients: step now, while backward goes on
 
     def _submit(self, g: _Group, scale: float | None = None) -> None:
-        g.future = self.session.step_group_async(g.spec.name, g.grads, self.lr, grad_dtype=g.dtype, out=g.weights,
-                                                 out_dtype=g.dtype, grad_scale=scale)
+        offloaded_bf = g.offloaded is not None and g.dtype != torch.float32
+        g.future = self.session.step_group_async(
+            g.spec.name, g.grads, self.lr, grad_dtype=g.dtype, out=g.weights, out_dtype=g.dtype, grad_scale=scale,
+            weights_object=f"weights/{g.spec.name}" if offloaded_bf else "")
+
+    def _enter_forward(self) -> None:
+        if torch.is_grad_enabled() and self._saved_ctx is None:
+            self._saved_ctx = self.offloader.saved_tensors_hooks()
+            self._saved_ctx.__enter__()
+
+    def _exit_forward(self) -> None:
+        if self._saved_ctx is not None:
+            self._saved_ctx.__exit__(None, None, None)
+            self._saved_ctx = None
 
     def step(self) -> None:
         """The barrier: after it every update of this iteration is in the parameters.
@@ -150,6 +192,8 @@ class Engine:
         scale = None
         if self.max_grad_norm is not None:
             scale = self._clip_coefficient()
+        if self.offloader is not None:
+            self.offloader.release_all()  # weights of groups that got no gradient (or eval forwards)
         for g in self.groups:
             if g.future is None:  # clipping, or a group whose parameters got no gradient this time
                 self._submit(g, scale)
@@ -178,10 +222,25 @@ class Engine:
         return {"lr": self.lr, "group_steps": {g.spec.name: self.session.group(g.spec.name).step
                                                for g in self.groups}}
 
-    def close(self) -> None:
+    def close(self, materialize: bool = True) -> None:
+        """Detach from the daemon. With ``materialize`` the parameters become ordinary
+        tensors holding the trained weights (e.g. for save_pretrained) — the whole model
+        in memory; without, offloaded parameters stay empty."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        with torch.no_grad():
+            for g in self.groups:
+                if g.offloaded is not None and materialize:
+                    self.offloader.ensure(g.offloaded)
+                for _, p in g.spec.params:
+                    p.grad = None
+                    if materialize and p.data.numel():
+                        p.data = p.data.clone()  # out of shared memory, which goes with the session
+                if g.offloaded is not None:
+                    self.offloader.release(g.offloaded, keep_params=materialize)
+        if self.offloader is not None:
+            self.offloader.close()
         if self._owns_session:
             self.session.close()
 
@@ -194,9 +253,11 @@ class Engine:
 
 def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: Session | None = None,
            socket: str | None = None, namespace: str | None = None, blocks: list[nn.Module] | None = None,
-           max_grad_norm: float | None = None, accumulation_steps: int = 1) -> Engine:
-    """Hook ``model`` up to fuyoud: its optimizer state moves to the SSD array and each
-    layer group is stepped by the daemon as soon as backward has finished it."""
+           max_grad_norm: float | None = None, accumulation_steps: int = 1, offload: bool = True,
+           prefetch: int = 2) -> Engine:
+    """Hook ``model`` up to fuyoud: its optimizer state moves to the SSD array, each layer
+    group is stepped by the daemon as soon as backward has finished it, and (``offload``)
+    the blocks' weights are fetched ahead of use, ``prefetch`` blocks deep."""
     if accumulation_steps < 1:
         raise ValueError("accumulation_steps must be at least 1")
     groups = split(model, blocks)
@@ -205,7 +266,8 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
     owns = session is None
     session = session or connect(socket, namespace=namespace)
     try:
-        return Engine(model, session, optimizer or AdamW(), groups, max_grad_norm, accumulation_steps, owns)
+        return Engine(model, session, optimizer or AdamW(), groups, max_grad_norm, accumulation_steps, owns,
+                      offload, prefetch)
     except BaseException:
         if owns:
             session.close()

@@ -10,6 +10,7 @@ embedding and head) are simply both in "rest".
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -21,9 +22,11 @@ SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
 class ParamGroup:
     name: str
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    module: nn.Module | None = None  # the block (None for "rest")
 
-    @property
+    @cached_property
     def numel(self) -> int:
+        """Elements in the group, counted once (offloaded parameters are empty later)."""
         return sum(p.numel() for _, p in self.params)
 
 
@@ -46,7 +49,7 @@ def split(model: nn.Module, blocks: list[nn.Module] | None = None) -> list[Param
     owner: dict[int, str] = {}
     groups: list[ParamGroup] = []
     for i, block in enumerate(blocks):
-        group = ParamGroup(f"block{i:04d}")
+        group = ParamGroup(f"block{i:04d}", module=block)
         for pname, p in block.named_parameters():
             if not p.requires_grad:
                 continue
@@ -70,4 +73,7 @@ def split(model: nn.Module, blocks: list[nn.Module] | None = None) -> list[Param
             if p.dtype not in SUPPORTED:
                 raise TypeError(f"parameter {pname!r} of group {g.name} is {p.dtype}; Fuyou trains "
                                 "float32, bfloat16 and float16 parameters (freeze it with requires_grad=False)")
-    return [g for g in groups if g.params]
+    groups = [g for g in groups if g.params]
+    for g in groups:
+        g.numel  # noqa: B018 - counted now, while every parameter holds its data
+    return groups

@@ -38,12 +38,12 @@ def llama():
     return transformers.LlamaForCausalLM(cfg)
 
 
-def train_pair(make_model, daemon, steps=10, accumulation=1, clip=None, dtype=torch.float32):
+def train_pair(make_model, daemon, steps=10, accumulation=1, clip=None, dtype=torch.float32, offload=True):
     torch.manual_seed(0)
     ours = make_model().to(dtype)
     ref = copy.deepcopy(ours)
     engine = fuyou_client.attach(ours, fuyou_client.AdamW(**HYPER), socket=daemon.socket,
-                                 max_grad_norm=clip, accumulation_steps=accumulation)
+                                 max_grad_norm=clip, accumulation_steps=accumulation, offload=offload)
     masters = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
     opt = torch.optim.AdamW(masters, **HYPER, fused=True)
     sched_ours = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1.0 / (1 + s))
@@ -80,22 +80,29 @@ def assert_same(ours, ref):
         assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max().item()}"
 
 
-@pytest.mark.parametrize("make_model", [gpt2, llama], ids=["gpt2", "llama"])
-def test_hf_causal_lms_train_bitwise_like_torch_adamw(daemon, make_model):
-    engine, ours, ref, losses = train_pair(make_model, daemon)
-    assert_same(ours, ref)
-    assert len(engine.groups) == len(ours.base_model.h if hasattr(ours.base_model, "h") else ours.model.layers) + 1
+@pytest.mark.parametrize("make_model, offload", [(gpt2, True), (llama, True), (gpt2, False)],
+                         ids=["gpt2", "llama", "gpt2-resident-weights"])
+def test_hf_causal_lms_train_bitwise_like_torch_adamw(daemon, make_model, offload):
+    engine, ours, ref, losses = train_pair(make_model, daemon, offload=offload)
+    blocks = ours.base_model.h if hasattr(ours.base_model, "h") else ours.model.layers
+    assert len(engine.groups) == len(blocks) + 1
     state = sum(g.spec.numel for g in engine.groups) * 12
     assert state > 12 << 20  # larger than all optimizer buffers together
     assert engine.state_dict()["group_steps"] == {g.spec.name: 10 for g in engine.groups}
     assert any(i.prefetched for i in engine.last_step_infos)
-    engine.close()
+    if offload:  # blocks' weights are not in memory between uses
+        assert all(p.numel() == 0 for p in blocks[0].parameters())
+        block_bytes = sum(g.spec.numel for g in engine.groups[:-1]) * 4
+        # per iteration: every block for forward and again for backward, but the last
+        assert engine.offloader.fetched_bytes >= 10 * (2 * block_bytes - block_bytes // len(blocks))
+    engine.close()  # materialises the weights
+    assert_same(ours, ref)
 
 
 def test_gradient_accumulation_and_exact_clipping(daemon):
     engine, ours, ref, _ = train_pair(gpt2, daemon, steps=4, accumulation=2, clip=0.05)
-    assert_same(ours, ref)
     engine.close()
+    assert_same(ours, ref)
 
 
 def test_bf16_compute_with_fp32_masters(daemon):
@@ -103,8 +110,8 @@ def test_bf16_compute_with_fp32_masters(daemon):
     same recipe done by hand with torch gives the same bits (so the tolerance is zero;
     against an fp32 run the difference is bf16 rounding, about 1e-2 relative)."""
     engine, ours, ref, losses = train_pair(gpt2, daemon, steps=4, dtype=torch.bfloat16)
-    assert_same(ours, ref)
     engine.close()
+    assert_same(ours, ref)
 
 
 class MLP(nn.Module):
@@ -124,9 +131,9 @@ class MLP(nn.Module):
 def test_plain_module_with_a_module_list(daemon):
     engine, ours, ref, losses = train_pair(MLP, daemon, steps=6, clip=1.0)
     assert [g.spec.name for g in engine.groups] == ["block0000", "block0001", "block0002", "rest"]
+    engine.close()
     assert_same(ours, ref)
     assert losses[-1] < losses[0]
-    engine.close()
 
 
 def test_bad_models_and_daemons(daemon, short_tmp):

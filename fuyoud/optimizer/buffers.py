@@ -45,9 +45,12 @@ class StateBuffers:
                 f"optimizer buffer ({format_size(self.per_buffer)} = [optimizer] buffer_budget / buffers); "
                 "use smaller parameter groups or raise [optimizer] buffer_budget")
 
-    def try_acquire(self, nbytes: int) -> memoryview | None:
+    def try_acquire(self, nbytes: int, leave: int = 0) -> memoryview | None:
+        """A buffer if more than ``leave`` are free, else None. Read-ahead leaves one free,
+        so a step that was not read ahead can always proceed (read-ahead buffers are only
+        given back when their group steps)."""
         with self._cond:
-            if not self._free:
+            if len(self._free) <= leave:
                 return None
             return self._take(nbytes)
 

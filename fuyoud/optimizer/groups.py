@@ -113,9 +113,10 @@ class Optimizer:
             self._groups[(namespace, name)] = group
         if old is not None and old.prefetched is not None:
             self.buffers.release(old.prefetched)
-        order = self._order.setdefault(namespace, [])
-        if name not in order:
-            order.insert(0, name)  # backward visits groups in reverse creation order
+        with self._lock:
+            order = self._order.setdefault(namespace, [])
+            if name not in order:
+                order.insert(0, name)  # backward visits groups in reverse creation order
         return group
 
     def get(self, namespace: str, name: str) -> Group:
@@ -152,8 +153,9 @@ class Optimizer:
                     self.buffers.release(g.prefetched)
                     g.prefetched = None
         if name is None:
-            self._order.pop(namespace, None)
-            self._current.pop(namespace, None)
+            with self._lock:
+                self._order.pop(namespace, None)
+                self._current.pop(namespace, None)
 
     # -- stepping -----------------------------------------------------------------------------
     def step(self, group: Group, grads: memoryview, grad_dtype: str, out: memoryview | None, out_dtype: str,
@@ -166,11 +168,11 @@ class Optimizer:
         out_t = _tensor(out, DTYPES[out_dtype], group.numel) if out is not None else None
         self._note_order(group)
         with group.lock:
-            t0 = time.perf_counter()
             buf, prefetched = group.prefetched, group.prefetched is not None
             group.prefetched = None
             if buf is None:
                 buf = self.buffers.acquire_blocking(group.buffer_bytes)
+            t0 = time.perf_counter()  # after waiting for a buffer: read time is the read's own
             try:
                 if out_t is None and weights_object:
                     out_t = _tensor(buf[group.nbytes:], DTYPES[out_dtype], group.numel)
@@ -193,8 +195,11 @@ class Optimizer:
         slots = [torch.frombuffer(state[HEADER + i * sb:HEADER + i * sb + n * 4], dtype=torch.float32)
                  for i in range(group.spec.slots)]
         with self._compute:
-            g = grad.float() if grad.dtype != torch.float32 else grad.clone()  # never touch the client's grads
+            g = grad  # the kernels only read gradients: no copy unless they must change
+            if grad.dtype != torch.float32:
+                g = grad.float()
             if grad_scale != 1.0:
+                g = g.clone() if g is grad else g
                 g.mul_(grad_scale)  # global-norm clipping: the client's clip coefficient
             run_kernel(group.spec, group.step, slots, g, lr)
             if out is not None:
@@ -208,6 +213,10 @@ class Optimizer:
         return StepResult(group.step, t1 - t0, t2 - t1, t3 - t2, prefetched)
 
     def _note_order(self, group: Group) -> None:
+        with self._lock:
+            self._note_order_locked(group)
+
+    def _note_order_locked(self, group: Group) -> None:
         cur = self._current.setdefault(group.namespace, [])
         if group.name in cur:  # a new iteration began: what we saw is the order to expect
             self._order[group.namespace] = cur[:]
@@ -215,12 +224,11 @@ class Optimizer:
         cur.append(group.name)
 
     def _prefetch_next(self, group: Group) -> None:
-        order = self._order.get(group.namespace, [])
-        if group.name not in order:
-            return
-        i = order.index(group.name)
-        nxt_name = order[(i + 1) % len(order)]
         with self._lock:
+            order = self._order.get(group.namespace, [])
+            if group.name not in order:
+                return
+            nxt_name = order[(order.index(group.name) + 1) % len(order)]
             nxt = self._groups.get((group.namespace, nxt_name))
         if nxt is None or nxt is group or nxt.prefetched is not None or not nxt.lock.acquire(blocking=False):
             return
@@ -228,7 +236,7 @@ class Optimizer:
 
     def _prefetch(self, group: Group) -> None:
         try:  # group.lock is held (taken by _prefetch_next)
-            buf = self.buffers.try_acquire(group.buffer_bytes)
+            buf = self.buffers.try_acquire(group.buffer_bytes, leave=1)
             if buf is None:
                 return
             try:

@@ -1,0 +1,157 @@
+"""Parameter offload: a layer group's weights are in memory only while it computes.
+
+Between uses a group's compute-dtype weights live on the SSD array: for fp32 training
+they are the master weights themselves (the first slot of the optimizer state object,
+read in place), otherwise the transient object ``weights/<group>`` that every step
+rewrites. A handful of shared buffers ("slots") hold the groups in use:
+
+* forward: a block's pre-hook makes its weights resident (waiting for the fetch if
+  needed) and starts fetching the next ``prefetch`` blocks; its post-hook lets them go
+  (the last block stays: backward starts there);
+* saved tensors: autograd keeps weights (and views of them, like ``weight.t()``) for
+  backward. A saved-tensors hook replaces any tensor that lives in a slot by a marker
+  (group, offset, size, stride); in backward the marker becomes a view of the group's
+  weights fetched again, and the first such request of a group starts fetching the
+  ``prefetch`` groups before it. A slot is therefore never read after it was reused;
+* a group's weights go as soon as its gradients are complete (its step is then
+  submitted). Parameters not resident are empty placeholders.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fuyou_client.session import In, Session
+
+HEADER = 4096  # the optimizer state object's header (fuyoud/optimizer/groups.py)
+
+
+@dataclass
+class OffloadedGroup:
+    index: int
+    name: str
+    module: nn.Module
+    params: list[nn.Parameter]
+    dtype: torch.dtype
+    source: tuple[str, int]  # (object, byte offset) holding the compute weights
+    numel: int
+    slot: object | None = None  # SharedBuffer while resident
+    fetch: Future | None = None
+    fetch_slot: object | None = None
+    shapes: list[torch.Size] = field(default_factory=list)
+    placeholders: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class _Saved:
+    group: OffloadedGroup
+    offset: int
+    size: tuple
+    stride: tuple
+
+
+class Offloader:
+    def __init__(self, session: Session, groups: list[OffloadedGroup], prefetch: int):
+        self.session = session
+        self.groups = groups
+        self.prefetch = prefetch
+        nbytes = max(g.nbytes for g in groups)
+        self._free = [session.allocate(nbytes) for _ in range(prefetch + 2)]
+        self._by_ptr: dict[int, OffloadedGroup] = {}
+        self._hooks = []
+        self._saved_ctx = None
+        self.fetched_bytes = 0
+        for g in groups:
+            g.placeholders = [p.data for p in g.params]  # empty since the upload
+            self._hooks.append(g.module.register_forward_pre_hook(lambda m, a, g=g: self._before_forward(g)))
+            self._hooks.append(g.module.register_forward_hook(lambda m, a, o, g=g: self._after_forward(g)))
+
+    # -- residency ----------------------------------------------------------------------
+    def _start_fetch(self, g: OffloadedGroup) -> None:
+        if g.slot is not None or g.fetch is not None or not self._free:
+            return
+        slot = self._free.pop()
+        obj, offset = g.source
+        g.fetch_slot = slot
+        g.fetch = self.session.swap_in_async([In(obj, slot, length=g.nbytes, object_offset=offset)])
+
+    def ensure(self, g: OffloadedGroup) -> None:
+        """Make the group's weights resident (waits for its fetch)."""
+        if g.slot is not None:
+            return
+        if g.fetch is None:
+            if not self._free:
+                raise RuntimeError("no free weight slot: more groups resident than the offloader allows")
+            self._start_fetch(g)
+        g.fetch.result()
+        g.slot, g.fetch, g.fetch_slot = g.fetch_slot, None, None
+        self.fetched_bytes += g.nbytes
+        flat = g.slot.tensor(g.dtype)
+        self._by_ptr[flat.untyped_storage().data_ptr()] = g
+        offset = 0
+        for p, shape in zip(g.params, g.shapes):
+            n = shape.numel()
+            p.data = flat[offset:offset + n].view(shape)
+            offset += n
+
+    def release(self, g: OffloadedGroup, keep_params: bool = False) -> None:
+        """Give the group's slot back; its parameters become empty placeholders (unless
+        ``keep_params``: the caller has already pointed them elsewhere)."""
+        if g.slot is None:
+            return
+        if not keep_params:
+            for p, ph in zip(g.params, g.placeholders):
+                p.data = ph
+        self._by_ptr.pop(g.slot.tensor(g.dtype).untyped_storage().data_ptr(), None)
+        self._free.append(g.slot)
+        g.slot = None
+
+    def release_all(self) -> None:
+        for g in self.groups:
+            if g.fetch is not None:  # let a prefetch land before its slot is reused
+                g.fetch.result()
+                self._free.append(g.fetch_slot)
+                g.fetch = g.fetch_slot = None
+            self.release(g)
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _before_forward(self, g: OffloadedGroup) -> None:
+        self.ensure(g)
+        for nxt in self.groups[g.index + 1:g.index + 1 + self.prefetch]:
+            self._start_fetch(nxt)
+
+    def _after_forward(self, g: OffloadedGroup) -> None:
+        if g.index < len(self.groups) - 1:  # the last block stays: backward starts with it
+            self.release(g)
+
+    def pack(self, t: torch.Tensor):
+        g = self._by_ptr.get(t.untyped_storage().data_ptr())
+        if g is None or t.dtype != g.dtype:
+            return t
+        return _Saved(g, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+
+    def unpack(self, saved):
+        if not isinstance(saved, _Saved):
+            return saved
+        g = saved.group
+        if g.slot is None:
+            self.ensure(g)
+            for prev in reversed(self.groups[max(0, g.index - self.prefetch):g.index]):
+                self._start_fetch(prev)
+        return g.slot.tensor(g.dtype).as_strided(saved.size, saved.stride, saved.offset)
+
+    def saved_tensors_hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
