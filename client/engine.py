@@ -67,7 +67,7 @@ class _Group:
 class Engine:
     def __init__(self, model: nn.Module, session: Session, optimizer: AdamW | SGD, groups: list[ParamGroup],
                  max_grad_norm: float | None, accumulation_steps: int, owns_session: bool,
-                 offload: bool = True, prefetch: int = 2):
+                 offload: bool = True, prefetch: int = 2, keep: int = 0):
         self.model = model
         self.session = session
         self.max_grad_norm = max_grad_norm
@@ -81,7 +81,7 @@ class Engine:
         for spec in groups:
             self.groups.append(self._upload(spec, optimizer, offload and spec.module is not None))
         offloaded = [g.offloaded for g in self.groups if g.offloaded is not None]
-        self.offloader = Offloader(session, offloaded, prefetch) if offloaded else None
+        self.offloader = Offloader(session, offloaded, prefetch, keep) if offloaded else None
         for g in self.groups:
             for _, p in g.spec.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, g=g: self._on_grad(g)))
@@ -254,10 +254,11 @@ class Engine:
 def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: Session | None = None,
            socket: str | None = None, namespace: str | None = None, blocks: list[nn.Module] | None = None,
            max_grad_norm: float | None = None, accumulation_steps: int = 1, offload: bool = True,
-           prefetch: int = 2) -> Engine:
+           prefetch: int = 2, keep: int = 0) -> Engine:
     """Hook ``model`` up to fuyoud: its optimizer state moves to the SSD array, each layer
     group is stepped by the daemon as soon as backward has finished it, and (``offload``)
-    the blocks' weights are fetched ahead of use, ``prefetch`` blocks deep."""
+    the blocks' weights are fetched ahead of use, ``prefetch`` blocks deep; the last
+    ``keep`` blocks stay in memory from forward to backward instead of being fetched twice."""
     if accumulation_steps < 1:
         raise ValueError("accumulation_steps must be at least 1")
     groups = split(model, blocks)
@@ -267,7 +268,7 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
     session = session or connect(socket, namespace=namespace)
     try:
         return Engine(model, session, optimizer or AdamW(), groups, max_grad_norm, accumulation_steps, owns,
-                      offload, prefetch)
+                      offload, prefetch, keep)
     except BaseException:
         if owns:
             session.close()

@@ -7,7 +7,8 @@ rewrites. A handful of shared buffers ("slots") hold the groups in use:
 
 * forward: a block's pre-hook makes its weights resident (waiting for the fetch if
   needed) and starts fetching the next ``prefetch`` blocks; its post-hook lets them go
-  (the last block stays: backward starts there);
+  (the last block stays: backward starts there; so do the ``keep`` blocks before it,
+  trading memory for SSD reads);
 * saved tensors: autograd keeps weights (and views of them, like ``weight.t()``) for
   backward. A saved-tensors hook replaces any tensor that lives in a slot by a marker
   (group, offset, size, stride); in backward the marker becomes a view of the group's
@@ -58,12 +59,13 @@ class _Saved:
 
 
 class Offloader:
-    def __init__(self, session: Session, groups: list[OffloadedGroup], prefetch: int):
+    def __init__(self, session: Session, groups: list[OffloadedGroup], prefetch: int, keep: int = 0):
         self.session = session
         self.groups = groups
         self.prefetch = prefetch
+        self.keep = keep  # blocks (the last ones) kept from forward to backward: fewer fetches, more memory
         nbytes = max(g.nbytes for g in groups)
-        self._free = [session.allocate(nbytes) for _ in range(prefetch + 2)]
+        self._free = [session.allocate(nbytes) for _ in range(prefetch + 2 + keep)]
         self._by_ptr: dict[int, OffloadedGroup] = {}
         self._hooks = []
         self._saved_ctx = None
@@ -128,7 +130,7 @@ class Offloader:
             self._start_fetch(nxt)
 
     def _after_forward(self, g: OffloadedGroup) -> None:
-        if g.index < len(self.groups) - 1:  # the last block stays: backward starts with it
+        if g.index < len(self.groups) - 1 - self.keep:  # the last block stays: backward starts with it
             self.release(g)
 
     def pack(self, t: torch.Tensor):

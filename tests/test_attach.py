@@ -38,12 +38,12 @@ def llama():
     return transformers.LlamaForCausalLM(cfg)
 
 
-def train_pair(make_model, daemon, steps=10, accumulation=1, clip=None, dtype=torch.float32, offload=True):
+def train_pair(make_model, daemon, steps=10, accumulation=1, clip=None, dtype=torch.float32, offload=True, keep=0):
     torch.manual_seed(0)
     ours = make_model().to(dtype)
     ref = copy.deepcopy(ours)
     engine = fuyou_client.attach(ours, fuyou_client.AdamW(**HYPER), socket=daemon.socket,
-                                 max_grad_norm=clip, accumulation_steps=accumulation, offload=offload)
+                                 max_grad_norm=clip, accumulation_steps=accumulation, offload=offload, keep=keep)
     masters = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
     opt = torch.optim.AdamW(masters, **HYPER, fused=True)
     sched_ours = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1.0 / (1 + s))
@@ -100,7 +100,9 @@ def test_hf_causal_lms_train_bitwise_like_torch_adamw(daemon, make_model, offloa
 
 
 def test_gradient_accumulation_and_exact_clipping(daemon):
-    engine, ours, ref, _ = train_pair(gpt2, daemon, steps=4, accumulation=2, clip=0.05)
+    engine, ours, ref, _ = train_pair(gpt2, daemon, steps=4, accumulation=2, clip=0.05, keep=3)
+    block_bytes = engine.groups[0].spec.numel * 4
+    assert engine.offloader.fetched_bytes == 4 * 2 * (8 + 8 - 1 - 3) * block_bytes  # kept blocks: one fetch
     engine.close()
     assert_same(ours, ref)
 
@@ -153,3 +155,17 @@ def test_bad_models_and_daemons(daemon, short_tmp):
             fuyou_client.attach(gpt2(), socket=tiny.socket)
     finally:
         tiny.stop()
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_a_dead_daemon_is_a_clear_error_not_a_hang(short_tmp, offload):
+    d = fuyou_client.start_daemon(short_tmp / "state", config=TIGHT)
+    model = MLP()
+    engine = fuyou_client.attach(model, socket=d.socket, offload=offload)
+    x = torch.randint(0, 512, (2, 8))
+    model(x).square().mean().backward()
+    engine.step()
+    d.kill()
+    with pytest.raises(fuyou_client.DaemonUnavailable, match="fuyoud is not reachable"):
+        model(x).square().mean().backward()
+        engine.step()
