@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fuyou_client.gradients import GradientPool
 from fuyou_client.grouping import ParamGroup, split
 from fuyou_client.offload import HEADER, OffloadedGroup, Offloader
 from fuyou_client.optim import AdamW, SGD, StepInfo
@@ -62,6 +63,8 @@ class _Group:
     pending: int = 0  # gradients still to come in the current backward
     backwards: int = 0  # backward passes completed since the last step (gradient accumulation)
     future: Future | None = None
+    submitted: bool = False  # this iteration's step was sent
+    pooled: bool = False  # gradients live in the shared GradientPool (only during backward and step)
 
 
 class Engine:
@@ -78,10 +81,19 @@ class Engine:
         self.groups: list[_Group] = []
         self._hooks = []
         self._check_capacity(groups, optimizer)
+        # Offloaded groups borrow gradient buffers from a pool, unless every gradient must
+        # be kept until the step (accumulation over micro-batches, exact clipping).
+        self._pool_grads = offload and accumulation_steps == 1 and max_grad_norm is None
         for spec in groups:
             self.groups.append(self._upload(spec, optimizer, offload and spec.module is not None))
         offloaded = [g.offloaded for g in self.groups if g.offloaded is not None]
         self.offloader = Offloader(session, offloaded, prefetch, keep) if offloaded else None
+        self.gradients = None
+        if offloaded and self._pool_grads:
+            by_name = {g.spec.name: g for g in self.groups}
+            nbytes = max(g.nbytes for g in offloaded)
+            self.gradients = GradientPool(session, prefetch + 3, nbytes)
+            self.offloader.on_backward = lambda og: self.gradients.assign(by_name[og.name])
         for g in self.groups:
             for _, p in g.spec.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, g=g: self._on_grad(g)))
@@ -119,7 +131,8 @@ class Engine:
         master = self.session.allocate(n * 4)
         torch.cat([p.detach().reshape(-1).float() for p in params], out=master.tensor(torch.float32)[:n])
         self.session.create_group(spec.name, master, optimizer, numel=n)
-        grads = self.session.allocate(n * dtype.itemsize)
+        pooled = offload and self._pool_grads
+        grads = None if pooled else self.session.allocate(n * dtype.itemsize)
         if offload and dtype == torch.float32:  # the compute weights are the masters: read them in place
             weights, source = None, (f"optim/{spec.name}", HEADER)
         else:
@@ -131,7 +144,7 @@ class Engine:
                 weights.free()
                 weights = None
         master.free()
-        flat_g = grads.tensor(dtype)[:n]
+        flat_g = grads.tensor(dtype)[:n] if grads is not None else None
         flat_w = weights.tensor(dtype)[:n] if weights is not None else None
         offset = 0
         with torch.no_grad():
@@ -139,10 +152,10 @@ class Engine:
                 k = shape.numel()
                 # From here on the parameter *is* shared memory (the daemon writes updates into
                 # it), or empty until the offloader fetches it.
-                p.grad = flat_g[offset:offset + k].view(shape)  # (while p still has its shape)
+                p.grad = flat_g[offset:offset + k].view(shape) if flat_g is not None else None  # (p has its shape)
                 p.data = flat_w[offset:offset + k].view(shape) if flat_w is not None else torch.empty(0, dtype=dtype)
                 offset += k
-        group = _Group(spec, weights, grads, dtype)
+        group = _Group(spec, weights, grads, dtype, pooled=pooled)
         if offload:
             index = sum(1 for g in self.groups if g.offloaded is not None)  # position in forward order
             group.offloaded = OffloadedGroup(index, spec.name, spec.module, params, dtype, source, n, shapes=shapes)
@@ -164,16 +177,24 @@ class Engine:
             return
         g.pending = len(g.spec.params)
         g.backwards += 1
+        if g.pooled:
+            self.gradients.collect(g)  # (before the weights go: views need the parameters' shapes)
         if g.offloaded is not None:
             self.offloader.release(g.offloaded)  # backward is done with these weights
-        if g.backwards == self.accumulation_steps and self.max_grad_norm is None and g.future is None:
+        if g.backwards == self.accumulation_steps and self.max_grad_norm is None and not g.submitted:
             self._submit(g)  # final gradients: step now, while backward goes on
 
     def _submit(self, g: _Group, scale: float | None = None) -> None:
+        if g.pooled:
+            self.gradients.collect(g)
         offloaded_bf = g.offloaded is not None and g.dtype != torch.float32
         g.future = self.session.step_group_async(
             g.spec.name, g.grads, self.lr, grad_dtype=g.dtype, out=g.weights, out_dtype=g.dtype, grad_scale=scale,
             weights_object=f"weights/{g.spec.name}" if offloaded_bf else "")
+        g.submitted = True
+        if g.pooled:
+            self.gradients.submitted(g, g.future)
+            g.future = None  # the pool owns it now
 
     def _enter_forward(self) -> None:
         if torch.is_grad_enabled() and self._saved_ctx is None:
@@ -195,12 +216,14 @@ class Engine:
         if self.offloader is not None:
             self.offloader.release_all()  # weights of groups that got no gradient (or eval forwards)
         for g in self.groups:
-            if g.future is None:  # clipping, or a group whose parameters got no gradient this time
+            if not g.submitted:  # clipping, or a group whose parameters got no gradient this time
                 self._submit(g, scale)
-        futures = [g.future for g in self.groups]
+        infos = [g.future.result() for g in self.groups if g.future is not None]
+        if self.gradients is not None:
+            infos += self.gradients.reclaim_all()
         for g in self.groups:
-            g.future = None
-        self.last_step_infos = [f.result() for f in futures]
+            g.future, g.submitted = None, False
+        self.last_step_infos = infos
 
     def _clip_coefficient(self) -> float:
         """torch.nn.utils.clip_grad_norm_'s coefficient (norm over every gradient)."""
@@ -213,9 +236,11 @@ class Engine:
         return float(torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0))
 
     def zero_grad(self) -> None:
-        """Zero every gradient (in shared memory: they stay views of it)."""
+        """Zero every gradient (in shared memory: they stay views of it; pooled ones are
+        zeroed when a group's backward takes a buffer)."""
         for g in self.groups:
-            g.grads.tensor(torch.uint8).zero_()
+            if not g.pooled:
+                g.grads.tensor(torch.uint8).zero_()
             g.pending, g.backwards = len(g.spec.params), 0
 
     def state_dict(self) -> dict:

@@ -42,6 +42,7 @@ class OffloadedGroup:
     slot: object | None = None  # SharedBuffer while resident
     fetch: Future | None = None
     fetch_slot: object | None = None
+    in_backward: bool = False
     shapes: list[torch.Size] = field(default_factory=list)
     placeholders: list[torch.Tensor] = field(default_factory=list)
 
@@ -68,8 +69,8 @@ class Offloader:
         self._free = [session.allocate(nbytes) for _ in range(prefetch + 2 + keep)]
         self._by_ptr: dict[int, OffloadedGroup] = {}
         self._hooks = []
-        self._saved_ctx = None
         self.fetched_bytes = 0
+        self.on_backward = lambda g: None  # called when a group's backward begins (weights resident)
         for g in groups:
             g.placeholders = [p.data for p in g.params]  # empty since the upload
             self._hooks.append(g.module.register_forward_pre_hook(lambda m, a, g=g: self._before_forward(g)))
@@ -125,6 +126,7 @@ class Offloader:
 
     # -- hooks ----------------------------------------------------------------------------
     def _before_forward(self, g: OffloadedGroup) -> None:
+        g.in_backward = False
         self.ensure(g)
         for nxt in self.groups[g.index + 1:g.index + 1 + self.prefetch]:
             self._start_fetch(nxt)
@@ -147,6 +149,9 @@ class Offloader:
             self.ensure(g)
             for prev in reversed(self.groups[max(0, g.index - self.prefetch):g.index]):
                 self._start_fetch(prev)
+        if not g.in_backward:
+            g.in_backward = True
+            self.on_backward(g)
         return g.slot.tensor(g.dtype).as_strided(saved.size, saved.stride, saved.offset)
 
     def saved_tensors_hooks(self):

@@ -59,6 +59,7 @@ def train_pair(make_model, daemon, steps=10, accumulation=1, clip=None, dtype=to
             ref_loss.backward()
             losses.append(loss.item())
         engine.step()
+        engine.all_infos = getattr(engine, "all_infos", []) + engine.last_step_infos
         engine.zero_grad()
         sched_ours.step()
         # The reference: fp32 masters stepped by torch, copied into the (maybe bf16) model.
@@ -89,7 +90,8 @@ def test_hf_causal_lms_train_bitwise_like_torch_adamw(daemon, make_model, offloa
     state = sum(g.spec.numel for g in engine.groups) * 12
     assert state > 12 << 20  # larger than all optimizer buffers together
     assert engine.state_dict()["group_steps"] == {g.spec.name: 10 for g in engine.groups}
-    assert any(i.prefetched for i in engine.last_step_infos)
+    assert len(engine.last_step_infos) == len(engine.groups)
+    assert any(i.prefetched for i in engine.all_infos), "the daemon never read a group's state ahead"
     if offload:  # blocks' weights are not in memory between uses
         assert all(p.numel() == 0 for p in blocks[0].parameters())
         block_bytes = sum(g.spec.numel for g in engine.groups[:-1]) * 4
