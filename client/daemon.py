@@ -78,7 +78,8 @@ def start_daemon(state_dir: str | os.PathLike | None = None, config: dict[str, d
                  timeout: float = 60.0, env: dict[str, str] | None = None) -> DaemonProcess:
     """Start fuyoud in the background with the embedded defaults, its state (data files,
     index, sockets) under ``state_dir`` (a new temporary directory by default), plus any
-    ``config`` overrides ({"section": {"key": value}}). Returns once it serves."""
+    ``config`` overrides ({"section": {"key": value}}). Returns once it serves. The daemon
+    stops by itself if this process dies without stopping it."""
     state = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="fuyoud-"))
     state.mkdir(parents=True, exist_ok=True)
     runtime = state / "run"
@@ -102,7 +103,7 @@ def start_daemon(state_dir: str | os.PathLike | None = None, config: dict[str, d
         notify.bind(str(notify_path))
         child_env = dict(os.environ if env is None else env, NOTIFY_SOCKET=str(notify_path))
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "fuyoud", "--config", str(config_path)],
+            proc = subprocess.Popen([sys.executable, "-m", "fuyoud", "--config", str(config_path), "--exit-with-parent"],
                                     stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
         deadline = time.monotonic() + timeout
         while True:

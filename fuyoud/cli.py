@@ -14,14 +14,32 @@ def setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def exit_with_parent() -> None:
+    """Ask the kernel for SIGTERM when our parent dies (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import os
+    import signal
+
+    parent = os.getppid()
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before we asked
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fuyoud", description="The Fuyou daemon: SSD-backed memory for fine-tuning.")
     parser.add_argument("--config", metavar="FILE", help="TOML config (default: the embedded defaults)")
     parser.add_argument("--check-config", action="store_true", help="validate the config and exit")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                         help="override [daemon.log_level]")
+    parser.add_argument("--exit-with-parent", action="store_true",
+                        help="stop (as on SIGTERM) when the process that started this one dies "
+                             "(private daemons of fuyou_client.start_daemon)")
     parser.add_argument("--version", action="version", version=f"fuyoud {__version__}")
     args = parser.parse_args(argv)
+    if args.exit_with_parent:
+        exit_with_parent()
     try:
         config = load(args.config)
     except ConfigError as exc:

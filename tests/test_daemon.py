@@ -281,3 +281,25 @@ def test_sigterm_lets_in_flight_swaps_finish(short_tmp):
                 out = s.allocate(len(data))
                 s.swap_in("state", out)
                 assert bytes(out.view) == data
+
+
+def test_a_private_daemon_stops_when_its_parent_dies(short_tmp):
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fuyou_client, time
+        d = fuyou_client.start_daemon({str(short_tmp / 'state')!r})
+        print(d.pid, flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the private daemon outlived its parent")
