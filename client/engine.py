@@ -218,12 +218,12 @@ class Engine:
         for g in self.groups:
             if not g.submitted:  # clipping, or a group whose parameters got no gradient this time
                 self._submit(g, scale)
-        infos = [g.future.result() for g in self.groups if g.future is not None]
+        infos = {g.spec.name: g.future.result() for g in self.groups if g.future is not None}
         if self.gradients is not None:
-            infos += self.gradients.reclaim_all()
+            infos.update(self.gradients.reclaim_all())
         for g in self.groups:
             g.future, g.submitted = None, False
-        self.last_step_infos = infos
+        self.last_step_infos = [infos[g.spec.name] for g in self.groups]  # in group order
 
     def _clip_coefficient(self) -> float:
         """torch.nn.utils.clip_grad_norm_'s coefficient (norm over every gradient)."""

@@ -20,7 +20,7 @@ class GradientPool:
     def __init__(self, session: Session, count: int, nbytes: int):
         self._free = [session.allocate(nbytes) for _ in range(count)]
         self._inflight: deque[tuple[Future, object, object]] = deque()  # (future, buffer, group)
-        self.results: list = []  # StepInfos of steps reclaimed since the last barrier
+        self.results: dict[str, object] = {}  # group name -> StepInfo, since the last barrier
 
     def assign(self, group) -> None:
         """Give ``group`` (engine._Group) a zeroed buffer and point its .grad tensors into it."""
@@ -56,15 +56,15 @@ class GradientPool:
 
     def _reclaim_oldest(self) -> None:
         future, buf, group = self._inflight.popleft()
-        self.results.append(future.result())
+        self.results[group.spec.name] = future.result()
         for _, p in group.spec.params:
             p.grad = None
         group.grads = None
         self._free.append(buf)
 
-    def reclaim_all(self) -> list:
-        """Wait for every step in flight; returns (and forgets) the StepInfos."""
+    def reclaim_all(self) -> dict:
+        """Wait for every step in flight; returns (and forgets) {group name: StepInfo}."""
         while self._inflight:
             self._reclaim_oldest()
-        results, self.results = self.results, []
+        results, self.results = self.results, {}
         return results

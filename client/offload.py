@@ -13,7 +13,10 @@ rewrites. A handful of shared buffers ("slots") hold the groups in use:
   backward. A saved-tensors hook replaces any tensor that lives in a slot by a marker
   (group, offset, size, stride); in backward the marker becomes a view of the group's
   weights fetched again, and the first such request of a group starts fetching the
-  ``prefetch`` groups before it. A slot is therefore never read after it was reused;
+  ``prefetch`` groups before it. A slot is therefore never read after it was reused.
+  Backward's fetches are served by the daemon from a read-ahead of the group's whole
+  optimizer state, which the group's step uses moments later (one read, not two);
+  when the daemon has no spare buffer, the client reads the weights itself;
 * a group's weights go as soon as its gradients are complete (its step is then
   submitted). Parameters not resident are empty placeholders.
 """
@@ -42,6 +45,7 @@ class OffloadedGroup:
     slot: object | None = None  # SharedBuffer while resident
     fetch: Future | None = None
     fetch_slot: object | None = None
+    fetch_via_state: bool = False  # the fetch asks the daemon to serve it from a state read-ahead
     in_backward: bool = False
     shapes: list[torch.Size] = field(default_factory=list)
     placeholders: list[torch.Tensor] = field(default_factory=list)
@@ -69,7 +73,8 @@ class Offloader:
         self._free = [session.allocate(nbytes) for _ in range(prefetch + 2 + keep)]
         self._by_ptr: dict[int, OffloadedGroup] = {}
         self._hooks = []
-        self.fetched_bytes = 0
+        self.fetched_bytes = 0  # weight bytes read from the SSD array for this client
+        self.served_bytes = 0  # weight bytes served from optimizer-state read-aheads (no extra read)
         self.on_backward = lambda g: None  # called when a group's backward begins (weights resident)
         for g in groups:
             g.placeholders = [p.data for p in g.params]  # empty since the upload
@@ -77,25 +82,37 @@ class Offloader:
             self._hooks.append(g.module.register_forward_hook(lambda m, a, o, g=g: self._after_forward(g)))
 
     # -- residency ----------------------------------------------------------------------
-    def _start_fetch(self, g: OffloadedGroup) -> None:
+    def _start_fetch(self, g: OffloadedGroup, via_state: bool = False) -> None:
+        """Start reading a group's weights into a free slot. In backward (``via_state``) the
+        daemon serves them from a read-ahead of the group's optimizer state, which the
+        group's step, due right after, then uses: one SSD read instead of two."""
         if g.slot is not None or g.fetch is not None or not self._free:
             return
         slot = self._free.pop()
-        obj, offset = g.source
-        g.fetch_slot = slot
-        g.fetch = self.session.swap_in_async([In(obj, slot, length=g.nbytes, object_offset=offset)])
+        g.fetch_slot, g.fetch_via_state = slot, via_state
+        if via_state:
+            g.fetch = self.session.fetch_weights_async(g.name, slot, g.dtype)
+        else:
+            obj, offset = g.source
+            g.fetch = self.session.swap_in_async([In(obj, slot, length=g.nbytes, object_offset=offset)])
 
-    def ensure(self, g: OffloadedGroup) -> None:
+    def ensure(self, g: OffloadedGroup, via_state: bool = False) -> None:
         """Make the group's weights resident (waits for its fetch)."""
         if g.slot is not None:
             return
         if g.fetch is None:
             if not self._free:
                 raise RuntimeError("no free weight slot: more groups resident than the offloader allows")
-            self._start_fetch(g)
-        g.fetch.result()
+            self._start_fetch(g, via_state)
+        served = g.fetch.result()
+        if g.fetch_via_state and served:
+            self.served_bytes += g.nbytes
+        else:
+            if g.fetch_via_state:  # no optimizer buffer was spare: read the weights ourselves
+                obj, offset = g.source
+                self.session.swap_in(obj, g.fetch_slot, length=g.nbytes, object_offset=offset)
+            self.fetched_bytes += g.nbytes
         g.slot, g.fetch, g.fetch_slot = g.fetch_slot, None, None
-        self.fetched_bytes += g.nbytes
         flat = g.slot.tensor(g.dtype)
         self._by_ptr[flat.untyped_storage().data_ptr()] = g
         offset = 0
@@ -146,9 +163,9 @@ class Offloader:
             return saved
         g = saved.group
         if g.slot is None:
-            self.ensure(g)
+            self.ensure(g, via_state=True)
             for prev in reversed(self.groups[max(0, g.index - self.prefetch):g.index]):
-                self._start_fetch(prev)
+                self._start_fetch(prev, via_state=True)
         if not g.in_backward:
             g.in_backward = True
             self.on_backward(g)

@@ -260,6 +260,12 @@ class Session:
         """The daemon's Status (engine, devices, memory, SSD bytes moved)."""
         return _call(self._stub.Status, pb.StatusRequest(), ())
 
+    def fetch_weights_async(self, name: str, out: SharedBuffer, dtype) -> Future:
+        """Ask the daemon for a group's weights from a read-ahead of its state (see the
+        proto); the future's result says whether it served them."""
+        req = pb.FetchWeightsRequest(name=name, out=out.ref, out_dtype=DTYPE_NAMES[dtype])
+        return _wrap_future(self._stub.FetchWeights.future(req, metadata=self._metadata), lambda r: r.served)
+
     @property
     def stub(self) -> rpc.FuyouStub:
         """The raw gRPC stub (with ``metadata`` below) for calls this class does not wrap."""

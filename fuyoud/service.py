@@ -242,6 +242,17 @@ class FuyouServicer(rpc.FuyouServicer):
                                  write_seconds=result.write_s, prefetched=result.prefetched)
 
     @_handler
+    def FetchWeights(self, request, context):
+        session = self._session(context)
+        group = self.daemon.optimizer.get(session.namespace, _check_name(request.name))
+        width = {"float32": 4, "bfloat16": 2, "float16": 2}
+        if request.out_dtype not in width:
+            raise InvalidArgument(f"out_dtype must be one of {sorted(width)}")
+        out = self.daemon.pool.view(session.id, _ref(request.out), request.out_offset,
+                                    group.numel * width[request.out_dtype])
+        return pb.FetchWeightsReply(served=self.daemon.optimizer.fetch_weights(group, out, request.out_dtype))
+
+    @_handler
     def CloseSession(self, request, context):
         session = self._session(context)
         self.daemon.sessions.close(session, "closed by client")

@@ -204,6 +204,24 @@ class StepGroupRequest(_message.Message):
     weights_object: str
     def __init__(self, name: _Optional[str] = ..., grads: _Optional[_Union[BufferRef, _Mapping]] = ..., grads_offset: _Optional[int] = ..., grad_dtype: _Optional[str] = ..., weights_out: _Optional[_Union[BufferRef, _Mapping]] = ..., weights_out_offset: _Optional[int] = ..., out_dtype: _Optional[str] = ..., lr: _Optional[float] = ..., grad_scale: _Optional[float] = ..., weights_object: _Optional[str] = ...) -> None: ...
 
+class FetchWeightsRequest(_message.Message):
+    __slots__ = ("name", "out", "out_offset", "out_dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    OUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    OUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    out: BufferRef
+    out_offset: int
+    out_dtype: str
+    def __init__(self, name: _Optional[str] = ..., out: _Optional[_Union[BufferRef, _Mapping]] = ..., out_offset: _Optional[int] = ..., out_dtype: _Optional[str] = ...) -> None: ...
+
+class FetchWeightsReply(_message.Message):
+    __slots__ = ("served",)
+    SERVED_FIELD_NUMBER: _ClassVar[int]
+    served: bool
+    def __init__(self, served: _Optional[bool] = ...) -> None: ...
+
 class StepGroupReply(_message.Message):
     __slots__ = ("step", "read_seconds", "compute_seconds", "write_seconds", "prefetched")
     STEP_FIELD_NUMBER: _ClassVar[int]

@@ -89,6 +89,11 @@ class FuyouStub:
                 request_serializer=fuyou__proto_dot_fuyou__pb2.StepGroupRequest.SerializeToString,
                 response_deserializer=fuyou__proto_dot_fuyou__pb2.StepGroupReply.FromString,
                 _registered_method=True)
+        self.FetchWeights = channel.unary_unary(
+                '/fuyou.v1.Fuyou/FetchWeights',
+                request_serializer=fuyou__proto_dot_fuyou__pb2.FetchWeightsRequest.SerializeToString,
+                response_deserializer=fuyou__proto_dot_fuyou__pb2.FetchWeightsReply.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/fuyou.v1.Fuyou/CloseSession',
                 request_serializer=fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
@@ -177,6 +182,16 @@ class FuyouServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchWeights(self, request, context):
+        """A group's current weights (out_dtype) into a buffer, served from a read-ahead of its
+        whole state that its coming step then uses: backward's weight fetch and the step's
+        state read become one read. served=false (nothing done) when no optimizer buffer is
+        spare; the client then reads the weights as usual.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Ends the session now (closing the session socket does the same).
         """
@@ -241,6 +256,11 @@ def add_FuyouServicer_to_server(servicer, server):
                     servicer.StepGroup,
                     request_deserializer=fuyou__proto_dot_fuyou__pb2.StepGroupRequest.FromString,
                     response_serializer=fuyou__proto_dot_fuyou__pb2.StepGroupReply.SerializeToString,
+            ),
+            'FetchWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchWeights,
+                    request_deserializer=fuyou__proto_dot_fuyou__pb2.FetchWeightsRequest.FromString,
+                    response_serializer=fuyou__proto_dot_fuyou__pb2.FetchWeightsReply.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -545,6 +565,33 @@ class Fuyou:
             '/fuyou.v1.Fuyou/StepGroup',
             fuyou__proto_dot_fuyou__pb2.StepGroupRequest.SerializeToString,
             fuyou__proto_dot_fuyou__pb2.StepGroupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuyou.v1.Fuyou/FetchWeights',
+            fuyou__proto_dot_fuyou__pb2.FetchWeightsRequest.SerializeToString,
+            fuyou__proto_dot_fuyou__pb2.FetchWeightsReply.FromString,
             options,
             channel_credentials,
             insecure,

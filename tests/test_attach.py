@@ -91,12 +91,16 @@ def test_hf_causal_lms_train_bitwise_like_torch_adamw(daemon, make_model, offloa
     assert state > 12 << 20  # larger than all optimizer buffers together
     assert engine.state_dict()["group_steps"] == {g.spec.name: 10 for g in engine.groups}
     assert len(engine.last_step_infos) == len(engine.groups)
-    assert any(i.prefetched for i in engine.all_infos), "the daemon never read a group's state ahead"
     if offload:  # blocks' weights are not in memory between uses
+        # backward's weight fetches come with a read-ahead of the state the step then uses
+        assert any(i.prefetched for i in engine.all_infos), "the daemon never read a group's state ahead"
         assert all(p.numel() == 0 for p in blocks[0].parameters())
-        block_bytes = sum(g.spec.numel for g in engine.groups[:-1]) * 4
-        # per iteration: every block for forward and again for backward, but the last
-        assert engine.offloader.fetched_bytes >= 10 * (2 * block_bytes - block_bytes // len(blocks))
+        block_bytes = engine.groups[0].spec.numel * 4
+        # per iteration: every block for forward and again for backward, but the last;
+        # backward's fetches mostly come with the daemon's read-ahead of the state
+        off = engine.offloader
+        assert off.fetched_bytes + off.served_bytes == 10 * (2 * len(blocks) - 1) * block_bytes
+        assert off.served_bytes > 0
     engine.close()  # materialises the weights
     assert_same(ours, ref)
 
@@ -104,7 +108,8 @@ def test_hf_causal_lms_train_bitwise_like_torch_adamw(daemon, make_model, offloa
 def test_gradient_accumulation_and_exact_clipping(daemon):
     engine, ours, ref, _ = train_pair(gpt2, daemon, steps=4, accumulation=2, clip=0.05, keep=3)
     block_bytes = engine.groups[0].spec.numel * 4
-    assert engine.offloader.fetched_bytes == 4 * 2 * (8 + 8 - 1 - 3) * block_bytes  # kept blocks: one fetch
+    off = engine.offloader
+    assert off.fetched_bytes + off.served_bytes == 4 * 2 * (8 + 8 - 1 - 3) * block_bytes  # kept blocks: one fetch
     engine.close()
     assert_same(ours, ref)
 

@@ -181,9 +181,10 @@ class Optimizer:
                 if weights_object:
                     raw = memoryview(out_t.view(torch.uint8).numpy())
                     self.store.write([WriteItem(group.namespace, weights_object, raw, False, session_id)])
-                return result
             finally:
                 self.buffers.release(buf)
+        self._prefetch_next(group)  # after our buffer is back: read-ahead needs a spare one
+        return result
 
     def _step_locked(self, group: Group, state: memoryview, grad: torch.Tensor, out: torch.Tensor | None,
                      lr: float, grad_scale: float, session_id: int, t0: float, prefetched: bool) -> StepResult:
@@ -209,8 +210,33 @@ class Optimizer:
         self.store.write([WriteItem(group.namespace, name, state, persistent=True, session_id=session_id)])
         group.step += 1
         t3 = time.perf_counter()
-        self._prefetch_next(group)
         return StepResult(group.step, t1 - t0, t2 - t1, t3 - t2, prefetched)
+
+    def fetch_weights(self, group: Group, out: memoryview, out_dtype: str) -> bool:
+        """Serve a group's current weights from a read-ahead of its whole state.
+
+        Backward needs a block's weights shortly before that block's step reads the same
+        state: reading it once, into an optimizer buffer kept for the step, saves the
+        separate weight read (4 bytes per parameter and iteration in fp32). Returns False,
+        having done nothing, when no buffer is spare; the client then reads the weights
+        itself."""
+        if out_dtype not in DTYPES:
+            raise InvalidArgument(f"out_dtype must be one of {sorted(DTYPES)}")
+        out_t = _tensor(out, DTYPES[out_dtype], group.numel)
+        with group.lock:
+            if group.prefetched is None:
+                buf = self.buffers.try_acquire(group.buffer_bytes, leave=1)
+                if buf is None:
+                    return False
+                try:
+                    self.store.read([ReadItem(group.namespace, state_name(group.name), buf[:group.nbytes])])
+                except BaseException:
+                    self.buffers.release(buf)
+                    raise
+                group.prefetched = buf
+            weights = torch.frombuffer(group.prefetched[HEADER:HEADER + group.numel * 4], dtype=torch.float32)
+            out_t.copy_(weights)
+            return True
 
     def _note_order(self, group: Group) -> None:
         with self._lock:
@@ -228,8 +254,10 @@ class Optimizer:
             order = self._order.get(group.namespace, [])
             if group.name not in order:
                 return
-            nxt_name = order[(order.index(group.name) + 1) % len(order)]
-            nxt = self._groups.get((group.namespace, nxt_name))
+            i = order.index(group.name) + 1
+            if i == len(order):  # the next iteration's first group: it would hold a buffer for a whole forward
+                return
+            nxt = self._groups.get((group.namespace, order[i]))
         if nxt is None or nxt is group or nxt.prefetched is not None or not nxt.lock.acquire(blocking=False):
             return
         threading.Thread(target=self._prefetch, args=(nxt,), name="optim-prefetch", daemon=True).start()
