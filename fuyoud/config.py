@@ -94,11 +94,12 @@ class IOSection:
 
 @dataclass
 class OptimizerSection:
-    # Daemon-private memory holding optimizer state while it is read, stepped and written
-    # (read-ahead, compute, write-back): `buffers` buffers within `buffer_budget` bytes.
-    # The largest group's state (12 bytes per parameter for AdamW) must fit in one.
+    # Daemon-private memory holding optimizer state while it is read ahead, stepped and
+    # written back: `buffers` buffers within `buffer_budget` bytes. One must hold the
+    # largest group's state plus its weights (AdamW fp32: 16 bytes per parameter). Six
+    # cover a client's backward read-ahead (2 groups deep), steps in flight and a spare.
     buffer_budget: int = 1 << 30
-    buffers: int = 3
+    buffers: int = 6
 
 
 @dataclass
