@@ -17,7 +17,7 @@ import fuyou_client
 from conftest import SMALL, merge
 
 CHILD = textwrap.dedent("""
-    import json, resource, sys, torch
+    import json, sys, torch
     from torch import nn
     import fuyou_client
 
@@ -45,7 +45,8 @@ CHILD = textwrap.dedent("""
         engine.zero_grad()
         st = engine.session.status()
         pinned.append((st.pinned_used_bytes, st.pinned_budget_bytes))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM: this process's own peak (ru_maxrss would include the forking parent's size)
+    peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
     print(json.dumps({"params": params, "peak_rss": peak, "pinned": pinned, "loss": loss.item()}))
     engine.close(materialize=False)
 """)
