@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -45,22 +44,11 @@ import torch
 
 import fuyou_client
 from fuyoud.units import parse_size
+from common import gbps, host_info, preallocate, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 TARGET = 1.2
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
-
-
-def preallocate(path: Path, size: int) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    finally:
-        os.close(fd)
 
 
 class Skip(Exception):
@@ -259,19 +247,6 @@ class DeepSpeed:
 
     def close(self) -> None:
         self.handle.free_cpu_locked_tensor(self.buf)
-
-
-def host_info(directory: Path) -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    fs = subprocess.run(["findmnt", "-n", "-o", "SOURCE,FSTYPE", "--target", str(directory)],
-                        capture_output=True, text=True).stdout.split()
-    return {"cpu": cpu, "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
-            "torch": torch.__version__, "fs_source": fs[0] if fs else None, "fs_type": fs[1] if len(fs) > 1 else None}
-
-
-def summarize(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
 
 
 def main(argv=None) -> int:

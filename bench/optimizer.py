@@ -52,12 +52,10 @@ import gc
 import json
 import mmap
 import os
-import platform
 import re
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -68,6 +66,7 @@ import torch
 
 import fuyou_client
 from fuyoud.units import parse_size
+from common import gbps, host_info, preallocate, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 KiB, MiB = 1 << 10, 1 << 20
@@ -95,18 +94,6 @@ def parse_count(text: str) -> int:
 def state_bytes_of(numel: int) -> int:
     """An AdamW group's state object: header + weights, exp_avg, exp_avg_sq (4 KiB-aligned slots)."""
     return HEADER + 3 * align_up(numel * 4, 4096)
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
-
-
-def preallocate(path: Path, size: int) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    finally:
-        os.close(fd)
 
 
 def meminfo() -> dict[str, int]:
@@ -422,21 +409,6 @@ def verify(daemon_socket: str, steps: int = 5) -> dict:
             "prefetched_steps": sum(bool(i.prefetched) for i in infos), "group_steps": len(infos)}
 
 
-def host_info(directory: Path) -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    fs = subprocess.run(["findmnt", "-n", "-o", "SOURCE,FSTYPE", "--target", str(directory)],
-                        capture_output=True, text=True).stdout.split()
-    return {"cpu": cpu, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "mem_total_bytes": meminfo()["MemTotal"], "kernel": platform.release(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "fs_source": fs[0] if fs else None, "fs_type": fs[1] if len(fs) > 1 else None}
-
-
-def summarize(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -492,7 +464,6 @@ def main(argv=None) -> int:
     daemon_info: dict = {}
     t_start = time.perf_counter()
     try:
-        t = time.perf_counter()
         fuyou = Fuyou(args, workdir, numel, memwatch)
         daemon_info = {"io_engine": fuyou.engine, "io_engine_reason": fuyou.engine_reason, "config": fuyou.config,
                        "create_groups_s": fuyou.create_s}

@@ -51,10 +51,8 @@ import copy
 import dataclasses
 import json
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,6 +61,7 @@ import torch
 import transformers
 
 import fuyou_client
+from common import host_info, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 LR, WD = 1e-4, 0.01
@@ -202,23 +201,6 @@ class Fuyou:
             self.engine.close(materialize=False)
         finally:
             self.daemon.stop()
-
-
-def host_info(directory: Path) -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    fs = subprocess.run(["findmnt", "-n", "-o", "SOURCE,FSTYPE", "--target", str(directory)],
-                        capture_output=True, text=True).stdout.split()
-    mem = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-               if line.startswith("MemTotal"))
-    return {"cpu": cpu, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "mem_total_bytes": mem,
-            "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "fs_source": fs[0] if fs else None,
-            "fs_type": fs[1] if len(fs) > 1 else None}
-
-
-def summarize(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
 
 
 def round_figures(its: list[dict], tokens: int, params: int) -> dict:
@@ -406,7 +388,7 @@ def main(argv=None) -> int:
         "params": params, "group_numels": cases[0].numels, "tokens_per_iter": tokens,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "lr": LR, "weight_decay": WD, "io_engine": cases[0].io_engine, "setup_s": setup, "wall_s": wall,
-        "dir": str(workdir), "host": host_info(parent), "argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "dir": str(workdir), "host": {**host_info(parent), "transformers": transformers.__version__}, "argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")

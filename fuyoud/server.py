@@ -14,7 +14,6 @@ import os
 import signal
 import threading
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc

@@ -16,7 +16,7 @@ import torch
 import fuyou_client
 from conftest import SMALL, merge, random_bytes, scrape
 from fuyou_client import In, Out
-from fuyou_proto import pb, rpc
+from fuyou_proto import pb
 
 MiB = 1 << 20
 

@@ -57,7 +57,7 @@ def test_adamw_matches_torch(session, fused):
     init, weights, grads = make_groups(session, SIZES, spec)
     ref = [torch.nn.Parameter(w.clone()) for w in init]
     opt = torch.optim.AdamW(ref, lr=LRS[0], betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, fused=fused)
-    infos = run_steps(session, weights, grads, ref, opt, 10, LRS)
+    run_steps(session, weights, grads, ref, opt, 10, LRS)
     for w, p in zip(weights, ref):
         got = w.tensor(torch.float32)
         if fused:  # the same kernel: bitwise
