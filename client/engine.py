@@ -84,8 +84,18 @@ class Engine:
         # Offloaded groups borrow gradient buffers from a pool, unless every gradient must
         # be kept until the step (accumulation over micro-batches, exact clipping).
         self._pool_grads = offload and accumulation_steps == 1 and max_grad_norm is None
-        for spec in groups:
-            self.groups.append(self._upload(spec, optimizer, offload and spec.module is not None))
+        originals = [(p, p.data, p.grad) for spec in groups for _, p in spec.params]
+        try:
+            for spec in groups:
+                self.groups.append(self._upload(spec, optimizer, offload and spec.module is not None))
+        except BaseException:  # leave the user's model as it was
+            with torch.no_grad():
+                for p, data, grad in originals:
+                    p.grad = None
+                    p.data = data
+                    p.grad = grad
+            raise
+        del originals
         offloaded = [g.offloaded for g in self.groups if g.offloaded is not None]
         self.offloader = Offloader(session, offloaded, prefetch, keep) if offloaded else None
         self.gradients = None
@@ -97,10 +107,12 @@ class Engine:
         for g in self.groups:
             for _, p in g.spec.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, g=g: self._on_grad(g)))
-        if self.offloader is not None:
-            self._hooks.append(model.register_forward_pre_hook(lambda m, a: self._enter_forward()))
-            self._hooks.append(model.register_forward_hook(lambda m, a, o: self._exit_forward()))
         self._saved_ctx = None
+        if self.offloader is not None:  # around each block, so that calling a block directly works too
+            for og in offloaded:
+                self._hooks.append(og.module.register_forward_pre_hook(lambda m, a: self._enter_forward()))
+                self._hooks.append(og.module.register_forward_hook(lambda m, a, o: self._exit_forward(),
+                                                                   always_call=True))
         self.zero_grad()
 
     # -- set-up ---------------------------------------------------------------------------
@@ -177,6 +189,11 @@ class Engine:
             return
         g.pending = len(g.spec.params)
         g.backwards += 1
+        if g.submitted or g.backwards > self.accumulation_steps:
+            raise RuntimeError(
+                f"group {g.spec.name} got gradients from {g.backwards} backward passes since the last "
+                f"engine.step(), but accumulation_steps={self.accumulation_steps}: its step may already be "
+                "reading them; call engine.step() after each backward or attach with accumulation_steps=N")
         if g.pooled:
             self.gradients.collect(g)  # (before the weights go: views need the parameters' shapes)
         if g.offloaded is not None:
@@ -215,15 +232,30 @@ class Engine:
             scale = self._clip_coefficient()
         if self.offloader is not None:
             self.offloader.release_all()  # weights of groups that got no gradient (or eval forwards)
-        for g in self.groups:
-            if not g.submitted:  # clipping, or a group whose parameters got no gradient this time
-                self._submit(g, scale)
-        infos = {g.spec.name: g.future.result() for g in self.groups if g.future is not None}
-        if self.gradients is not None:
-            infos.update(self.gradients.reclaim_all())
-        for g in self.groups:
-            g.future, g.submitted = None, False
-        self.last_step_infos = [infos[g.spec.name] for g in self.groups]  # in group order
+        infos, errors = {}, []
+        try:
+            for g in self.groups:
+                # With clipping every step goes now; a group none of whose parameters got a
+                # gradient since the last step is not stepped (torch skips parameters without
+                # .grad; within a stepped group such a parameter steps with a zero gradient).
+                touched = g.backwards > 0 or g.pending != len(g.spec.params)
+                if not g.submitted and touched:
+                    self._submit(g, scale)
+        finally:  # wait for everything in flight, whatever failed, so no buffer is left in use
+            for g in self.groups:
+                if g.future is not None:
+                    try:
+                        infos[g.spec.name] = g.future.result()
+                    except Exception as exc:  # noqa: BLE001 - re-raised below
+                        errors.append(exc)
+                g.future, g.submitted, g.backwards = None, False, 0
+            if self.gradients is not None:
+                pooled, pool_errors = self.gradients.reclaim_all()
+                infos.update(pooled)
+                errors.extend(pool_errors)
+        self.last_step_infos = [infos[g.spec.name] for g in self.groups if g.spec.name in infos]  # group order
+        if errors:
+            raise errors[0]
 
     def _clip_coefficient(self) -> float:
         """torch.nn.utils.clip_grad_norm_'s coefficient (norm over every gradient)."""
@@ -254,20 +286,29 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        with torch.no_grad():
-            for g in self.groups:
-                if g.offloaded is not None and materialize:
-                    self.offloader.ensure(g.offloaded)
-                for _, p in g.spec.params:
-                    p.grad = None
-                    if materialize and p.data.numel():
-                        p.data = p.data.clone()  # out of shared memory, which goes with the session
-                if g.offloaded is not None:
-                    self.offloader.release(g.offloaded, keep_params=materialize)
-        if self.offloader is not None:
-            self.offloader.close()
-        if self._owns_session:
-            self.session.close()
+        try:
+            for g in self.groups:  # steps in flight still write into shared buffers: let them land
+                if g.future is not None:
+                    g.future.exception()
+            if self.gradients is not None:
+                self.gradients.reclaim_all()
+            if self.offloader is not None:
+                self.offloader.release_all()
+            with torch.no_grad():
+                for g in self.groups:
+                    if g.offloaded is not None and materialize:
+                        self.offloader.ensure(g.offloaded)
+                    for _, p in g.spec.params:
+                        p.grad = None
+                        if materialize and p.data.numel():
+                            p.data = p.data.clone()  # out of shared memory, which goes with the session
+                    if g.offloaded is not None:
+                        self.offloader.release(g.offloaded, keep_params=materialize)
+        finally:
+            if self.offloader is not None:
+                self.offloader.close()
+            if self._owns_session:
+                self.session.close()
 
     def __enter__(self) -> "Engine":
         return self

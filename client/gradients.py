@@ -18,16 +18,21 @@ from fuyou_client.session import Session
 
 class GradientPool:
     def __init__(self, session: Session, count: int, nbytes: int):
+        self._session, self._nbytes = session, nbytes
         self._free = [session.allocate(nbytes) for _ in range(count)]
         self._inflight: deque[tuple[Future, object, object]] = deque()  # (future, buffer, group)
         self.results: dict[str, object] = {}  # group name -> StepInfo, since the last barrier
+        self.errors: list[Exception] = []  # of steps that failed, raised at the barrier
 
     def assign(self, group) -> None:
         """Give ``group`` (engine._Group) a zeroed buffer and point its .grad tensors into it."""
         if group.grads is not None:
             return
         if not self._free:
-            self._reclaim_oldest()
+            if self._inflight:
+                self._reclaim_oldest()  # backpressure: wait for the oldest step
+            else:  # more groups in backward at once than buffers (a model called twice): grow
+                self._free.append(self._session.allocate(self._nbytes))
         buf = self._free.pop()
         flat = buf.tensor(group.dtype)[:group.spec.numel]
         flat.zero_()
@@ -56,15 +61,21 @@ class GradientPool:
 
     def _reclaim_oldest(self) -> None:
         future, buf, group = self._inflight.popleft()
-        self.results[group.spec.name] = future.result()
+        exc = future.exception()  # waits; the buffer comes back whatever happened
         for _, p in group.spec.params:
             p.grad = None
         group.grads = None
         self._free.append(buf)
+        if exc is not None:
+            self.errors.append(exc)
+        else:
+            self.results[group.spec.name] = future.result()
 
-    def reclaim_all(self) -> dict:
-        """Wait for every step in flight; returns (and forgets) {group name: StepInfo}."""
+    def reclaim_all(self) -> tuple[dict, list]:
+        """Wait for every step in flight; returns (and forgets) {group name: StepInfo} and
+        the errors of the steps that failed."""
         while self._inflight:
             self._reclaim_oldest()
         results, self.results = self.results, {}
-        return results
+        errors, self.errors = self.errors, []
+        return results, errors

@@ -47,6 +47,8 @@ class OffloadedGroup:
     fetch_slot: object | None = None
     fetch_via_state: bool = False  # the fetch asks the daemon to serve it from a state read-ahead
     in_backward: bool = False
+    busy: bool = False  # between its forward pre- and post-hook: its slot must stay
+    last_used: int = 0
     shapes: list[torch.Size] = field(default_factory=list)
     placeholders: list[torch.Tensor] = field(default_factory=list)
 
@@ -71,6 +73,8 @@ class Offloader:
         self.keep = keep  # blocks (the last ones) kept from forward to backward: fewer fetches, more memory
         nbytes = max(g.nbytes for g in groups)
         self._free = [session.allocate(nbytes) for _ in range(prefetch + 2 + keep)]
+        self._all = list(self._free)
+        self._clock = 0
         self._by_ptr: dict[int, OffloadedGroup] = {}
         self._hooks = []
         self.fetched_bytes = 0  # weight bytes read from the SSD array for this client
@@ -79,7 +83,8 @@ class Offloader:
         for g in groups:
             g.placeholders = [p.data for p in g.params]  # empty since the upload
             self._hooks.append(g.module.register_forward_pre_hook(lambda m, a, g=g: self._before_forward(g)))
-            self._hooks.append(g.module.register_forward_hook(lambda m, a, o, g=g: self._after_forward(g)))
+            self._hooks.append(g.module.register_forward_hook(lambda m, a, o, g=g: self._after_forward(g),
+                                                              always_call=True))
 
     # -- residency ----------------------------------------------------------------------
     def _start_fetch(self, g: OffloadedGroup, via_state: bool = False) -> None:
@@ -88,7 +93,9 @@ class Offloader:
         group's step, due right after, then uses: one SSD read instead of two."""
         if g.slot is not None or g.fetch is not None or not self._free:
             return
-        slot = self._free.pop()
+        self._fetch_into(g, self._free.pop(), via_state)
+
+    def _fetch_into(self, g: OffloadedGroup, slot, via_state: bool) -> None:
         g.fetch_slot, g.fetch_via_state = slot, via_state
         if via_state:
             g.fetch = self.session.fetch_weights_async(g.name, slot, g.dtype)
@@ -101,9 +108,7 @@ class Offloader:
         if g.slot is not None:
             return
         if g.fetch is None:
-            if not self._free:
-                raise RuntimeError("no free weight slot: more groups resident than the offloader allows")
-            self._start_fetch(g, via_state)
+            self._fetch_into(g, self._free.pop() if self._free else self._evict(g), via_state)
         served = g.fetch.result()
         if g.fetch_via_state and served:
             self.served_bytes += g.nbytes
@@ -120,6 +125,17 @@ class Offloader:
             n = shape.numel()
             p.data = flat[offset:offset + n].view(shape)
             offset += n
+
+    def _evict(self, wanted: OffloadedGroup):
+        """All slots hold groups (parameters that got no gradient keep a group resident
+        until the step; a model called twice keeps more): free the least recently used one
+        that is not computing. Its saved tensors are markers, so a later use fetches it again."""
+        victims = [g for g in self.groups if g.slot is not None and g is not wanted and not g.busy]
+        if not victims:
+            raise RuntimeError(f"no weight slot for {wanted.name}: all {len(self._all)} hold blocks computing "
+                               "right now; attach with a larger prefetch or keep")
+        self.release(min(victims, key=lambda g: g.last_used))
+        return self._free.pop()
 
     def release(self, g: OffloadedGroup, keep_params: bool = False) -> None:
         """Give the group's slot back; its parameters become empty placeholders (unless
@@ -142,13 +158,20 @@ class Offloader:
             self.release(g)
 
     # -- hooks ----------------------------------------------------------------------------
+    def _touch(self, g: OffloadedGroup) -> None:
+        self._clock += 1
+        g.last_used = self._clock
+
     def _before_forward(self, g: OffloadedGroup) -> None:
         g.in_backward = False
         self.ensure(g)
+        g.busy = True
+        self._touch(g)
         for nxt in self.groups[g.index + 1:g.index + 1 + self.prefetch]:
             self._start_fetch(nxt)
 
     def _after_forward(self, g: OffloadedGroup) -> None:
+        g.busy = False
         if g.index < len(self.groups) - 1 - self.keep:  # the last block stays: backward starts with it
             self.release(g)
 
@@ -166,6 +189,7 @@ class Offloader:
             self.ensure(g, via_state=True)
             for prev in reversed(self.groups[max(0, g.index - self.prefetch):g.index]):
                 self._start_fetch(prev, via_state=True)
+        self._touch(g)
         if not g.in_backward:
             g.in_backward = True
             self.on_backward(g)

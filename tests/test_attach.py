@@ -176,3 +176,53 @@ def test_a_dead_daemon_is_a_clear_error_not_a_hang(short_tmp, offload):
     with pytest.raises(fuyou_client.DaemonUnavailable, match="fuyoud is not reachable"):
         model(x).square().mean().backward()
         engine.step()
+
+
+class Sometimes(nn.Module):
+    """Blocks with a parameter forward never uses, called twice per step."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(512, 32)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
+        for b in self.blocks:
+            b.unused = nn.Parameter(torch.ones(3))
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = h + torch.tanh(b(h))
+        return self.out(h)
+
+
+def test_unused_parameters_and_a_model_called_twice(daemon):
+    """More groups stay resident than there are weight slots (their unused parameters
+    keep them from completing, the second call keeps the first's): slots are reused, the
+    arithmetic stays torch's (weight decay 0: a zero gradient on fresh moments is no step)."""
+    torch.manual_seed(0)
+    ours = Sometimes()
+    ref = copy.deepcopy(ours)
+    engine = fuyou_client.attach(ours, fuyou_client.AdamW(lr=1e-2, weight_decay=0.0), socket=daemon.socket)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        a, b = (torch.randint(0, 512, (2, 8), generator=gen) for _ in range(2))
+        (ours(a).square().mean() + ours(b).abs().mean()).backward()
+        engine.step()
+        engine.zero_grad()
+        (ref(a).square().mean() + ref(b).abs().mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    engine.close()
+    ref_state = ref.state_dict()
+    for name, value in ours.state_dict().items():
+        if "unused" not in name:
+            assert torch.equal(value, ref_state[name]), name
+    other = Sometimes()
+    engine = fuyou_client.attach(other, socket=daemon.socket)
+    with pytest.raises(RuntimeError, match="accumulation_steps"):
+        other(a).sum().backward()
+        other(b).sum().backward()  # a second backward before step(): its steps may be reading the grads
+    engine.step()
+    engine.close()

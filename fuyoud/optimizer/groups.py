@@ -55,6 +55,7 @@ class Group:
     step: int
     lock: threading.Lock = field(default_factory=threading.Lock)
     prefetched: memoryview | None = None  # the state, read ahead of its step
+    dead: bool = False  # forgotten (session ended, state deleted): nothing may be read ahead for it
 
     @property
     def nbytes(self) -> int:
@@ -111,8 +112,8 @@ class Optimizer:
         with self._lock:
             old = self._groups.get((namespace, name))
             self._groups[(namespace, name)] = group
-        if old is not None and old.prefetched is not None:
-            self.buffers.release(old.prefetched)
+        if old is not None:
+            self._retire(old)
         with self._lock:
             order = self._order.setdefault(namespace, [])
             if name not in order:
@@ -148,14 +149,19 @@ class Optimizer:
             for g in gone:
                 del self._groups[(g.namespace, g.name)]
         for g in gone:
-            with g.lock:
-                if g.prefetched is not None:
-                    self.buffers.release(g.prefetched)
-                    g.prefetched = None
+            self._retire(g)
         if name is None:
             with self._lock:
                 self._order.pop(namespace, None)
                 self._current.pop(namespace, None)
+
+    def _retire(self, group: Group) -> None:
+        """No longer the live group of its name: give back its read-ahead, refuse new ones."""
+        with group.lock:
+            group.dead = True
+            if group.prefetched is not None:
+                self.buffers.release(group.prefetched)
+                group.prefetched = None
 
     # -- stepping -----------------------------------------------------------------------------
     def step(self, group: Group, grads: memoryview, grad_dtype: str, out: memoryview | None, out_dtype: str,
@@ -168,6 +174,8 @@ class Optimizer:
         out_t = _tensor(out, DTYPES[out_dtype], group.numel) if out is not None else None
         self._note_order(group)
         with group.lock:
+            if group.dead:
+                raise NotFound(f"optimizer group {group.name!r} was deleted or replaced while this step waited")
             buf, prefetched = group.prefetched, group.prefetched is not None
             group.prefetched = None
             if buf is None:
@@ -203,12 +211,12 @@ class Optimizer:
                 g = g.clone() if g is grad else g
                 g.mul_(grad_scale)  # global-norm clipping: the client's clip coefficient
             run_kernel(group.spec, group.step, slots, g, lr)
-            if out is not None:
-                out.copy_(slots[0])
         state[:HEADER] = group.spec.header(n, group.step + 1).ljust(HEADER, b"\0")
         t2 = time.perf_counter()
         self.store.write([WriteItem(group.namespace, name, state, persistent=True, session_id=session_id)])
         group.step += 1
+        if out is not None:  # only once committed: weights and state never disagree
+            out.copy_(slots[0])
         t3 = time.perf_counter()
         return StepResult(group.step, t1 - t0, t2 - t1, t3 - t2, prefetched)
 
@@ -224,6 +232,8 @@ class Optimizer:
             raise InvalidArgument(f"out_dtype must be one of {sorted(DTYPES)}")
         out_t = _tensor(out, DTYPES[out_dtype], group.numel)
         with group.lock:
+            if group.dead:
+                raise NotFound(f"optimizer group {group.name!r} was deleted or replaced")
             if group.prefetched is None:
                 buf = self.buffers.try_acquire(group.buffer_bytes, leave=1)
                 if buf is None:
@@ -264,6 +274,8 @@ class Optimizer:
 
     def _prefetch(self, group: Group) -> None:
         try:  # group.lock is held (taken by _prefetch_next)
+            if group.prefetched is not None or group.dead:  # FetchWeights got there first, or it is gone
+                return
             buf = self.buffers.try_acquire(group.buffer_bytes, leave=1)
             if buf is None:
                 return
