@@ -31,6 +31,7 @@ def cmd_status(args) -> int:
     print(f"  pinned       {format_size(reply.pinned_used_bytes)} of {format_size(reply.pinned_budget_bytes)}")
     print(f"  sessions     {reply.sessions}")
     print(f"  objects      {reply.objects}")
+    print(f"  SSD traffic  {format_size(reply.bytes_read)} read, {format_size(reply.bytes_written)} written since start")
     print(f"  metrics      {reply.metrics_url or 'off'}")
     for d in reply.devices:
         print(f"  device {d.index}     {d.path}: {format_size(d.used_bytes)} used of {format_size(d.capacity_bytes)}")
