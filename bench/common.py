@@ -5,6 +5,7 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -38,3 +39,44 @@ def host_info(directory: Path) -> dict:
     return {"cpu": cpu, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "mem_total_bytes": mem,
             "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
             "fs_source": fs[0] if fs else None, "fs_type": fs[1] if len(fs) > 1 else None}
+
+
+class BareLoop:
+    """The disk as a bare loop sees it: fuyoud's engine called directly (no daemon, no
+    gRPC) over a private 2 MiB-aligned huge-page buffer, O_DIRECT, on a preallocated file
+    of ``size`` bytes in ``block_size`` requests, ``depth`` deep."""
+
+    def __init__(self, path: Path, size: int, block_size: int, depth: int):
+        from fuyoud.io import uring
+        from fuyoud.io.engine import IORequest, Op
+        from fuyoud.io.threadpool import ThreadPoolEngine
+        from fuyoud.memory.hugepages import huge_page_buffer
+
+        ok, self.engine_reason = uring.available()
+        self.engine = uring.UringEngine(depth) if ok else ThreadPoolEngine(depth)
+        self.size, self.path = size, path
+        preallocate(path, size)
+        self.fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+        self.map, self.view = huge_page_buffer(size)
+        self.tensor = torch.frombuffer(self.view, dtype=torch.uint8)
+        self.requests = {op: [IORequest(op, self.fd, o, self.view[o:o + block_size])
+                              for o in range(0, size, block_size)] for op in (Op.READ, Op.WRITE)}
+        self.READ, self.WRITE = Op.READ, Op.WRITE
+
+    def run(self, op, requests=None) -> float:
+        """Seconds to run ``requests`` (default: the whole file in direction ``op``)."""
+        requests = self.requests[op] if requests is None else requests
+        t = time.perf_counter()
+        results = self.engine.execute(requests)
+        dt = time.perf_counter() - t
+        bad = [r for r in results if not r.ok or r.nbytes != len(requests[0].buf)]
+        if bad:
+            raise RuntimeError(f"bare loop {op.name}: {bad[0]}")
+        return dt
+
+    def close(self) -> None:
+        self.engine.close()
+        os.close(self.fd)
+        del self.tensor, self.requests
+        self.view.release()
+        self.map.close()

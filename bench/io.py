@@ -44,7 +44,7 @@ import torch
 
 import fuyou_client
 from fuyoud.units import parse_size
-from common import gbps, host_info, preallocate, summarize
+from common import BareLoop, gbps, host_info, preallocate, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -102,53 +102,22 @@ class Limit:
     name = "limit"
 
     def __init__(self, args, workdir: Path, ref: torch.Tensor):
-        import mmap
-
-        from fuyoud.io import uring
-        from fuyoud.io.engine import IORequest, Op
-        from fuyoud.io.threadpool import ThreadPoolEngine
-        from fuyoud.memory.segment import buffer_address
-
-        ok, _ = uring.available()
-        self.engine = uring.UringEngine(args.depth) if ok else ThreadPoolEngine(args.depth)
-        self.size, self.ref, self.path = args.size, ref, workdir / "limit.data"
-        preallocate(self.path, args.size)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
-        self.map = mmap.mmap(-1, args.size + 2 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.map.madvise(mmap.MADV_HUGEPAGE)
-        start = -buffer_address(self.map) % (2 * MiB)
-        self.view = memoryview(self.map)[start:start + args.size]
-        self.tensor = torch.frombuffer(self.view, dtype=torch.uint8)
-        self.tensor.copy_(ref)
-        self.requests = {op: [IORequest(op, self.fd, o, self.view[o:o + args.block_size])
-                              for o in range(0, args.size, args.block_size)] for op in (Op.READ, Op.WRITE)}
-        self.op = Op
-
-    def _run(self, op) -> float:
-        t = time.perf_counter()
-        results = self.engine.execute(self.requests[op])
-        dt = time.perf_counter() - t
-        bad = [r for r in results if not r.ok or r.nbytes != len(self.requests[op][0].buf)]
-        if bad:
-            raise RuntimeError(f"bare loop {op.name}: {bad[0]}")
-        return dt
+        self.ref = ref
+        self.loop = BareLoop(workdir / "limit.data", args.size, args.block_size, args.depth)
+        self.loop.tensor.copy_(ref)
 
     def write(self) -> float:
-        return self._run(self.op.WRITE)
+        return self.loop.run(self.loop.WRITE)
 
     def read(self) -> float:
-        self.tensor.zero_()
-        return self._run(self.op.READ)
+        self.loop.tensor.zero_()
+        return self.loop.run(self.loop.READ)
 
     def verify(self) -> bool:
-        return torch.equal(self.tensor, self.ref)
+        return torch.equal(self.loop.tensor, self.ref)
 
     def close(self) -> None:
-        self.engine.close()
-        os.close(self.fd)
-        del self.tensor, self.requests
-        self.view.release()
-        self.map.close()
+        self.loop.close()
 
 
 class Fio:

@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import mmap
 import os
 import re
 import resource
@@ -66,7 +65,7 @@ import torch
 
 import fuyou_client
 from fuyoud.units import parse_size
-from common import gbps, host_info, preallocate, summarize
+from common import BareLoop, gbps, host_info, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 KiB, MiB = 1 << 10, 1 << 20
@@ -238,51 +237,25 @@ class SsdBound:
     name = "ssd_bound"
 
     def __init__(self, args, workdir: Path):
-        from fuyoud.io import uring
-        from fuyoud.io.engine import IORequest, Op
-        from fuyoud.io.threadpool import ThreadPoolEngine
-        from fuyoud.memory.segment import buffer_address
-
         size, bs = args.ssd_size, args.block_size
-        ok, self.engine_reason = uring.available()
-        self.engine = uring.UringEngine(args.depth) if ok else ThreadPoolEngine(args.depth)
-        self.engine_name = self.engine.name
-        self.size, self.path = size, workdir / "ssd-bound.data"
-        preallocate(self.path, size)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
-        self.map = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.map.madvise(mmap.MADV_HUGEPAGE)
-        start = -buffer_address(self.map) % HUGE
-        self.view = memoryview(self.map)[start:start + size]
-        self.tensor = torch.frombuffer(self.view, dtype=torch.uint8)
-        self.tensor.random_(0, 256, generator=torch.Generator().manual_seed(1))
-        self.requests = {op: [IORequest(op, self.fd, o, self.view[o:o + bs]) for o in range(0, size, bs)]
-                         for op in (Op.READ, Op.WRITE)}
-        self.op = Op
+        self.loop = BareLoop(workdir / "ssd-bound.data", size, bs, args.depth)
+        self.engine_name, self.engine_reason = self.loop.engine.name, self.loop.engine_reason
+        self.size = size
+        self.loop.tensor.random_(0, 256, generator=torch.Generator().manual_seed(1))
         half = size // 2 // bs * bs  # the mixed pass: write the first half while reading the second
-        self.mixed = {Op.WRITE: self.requests[Op.WRITE][:half // bs], Op.READ: self.requests[Op.READ][half // bs:]}
+        reqs = self.loop.requests
+        self.mixed = {self.loop.WRITE: reqs[self.loop.WRITE][:half // bs], self.loop.READ: reqs[self.loop.READ][half // bs:]}
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="ssd-mixed")  # one ring per thread, kept
-        self._run(Op.WRITE)  # untimed: turns the fallocated (unwritten) extents into written ones
-        self._run(Op.READ)
-
-    def _run(self, op, requests=None) -> float:
-        requests = self.requests[op] if requests is None else requests
-        t = time.perf_counter()
-        results = self.engine.execute(requests)
-        dt = time.perf_counter() - t
-        want = len(requests[0].buf)
-        bad = [r for r in results if not r.ok or r.nbytes != want]
-        if bad:
-            raise RuntimeError(f"bare loop {op.name}: {bad[0]}")
-        return dt
+        self.loop.run(self.loop.WRITE)  # untimed: turns the fallocated (unwritten) extents into written ones
+        self.loop.run(self.loop.READ)
 
     def measure(self) -> tuple[float, float, float]:
         """(write GB/s, read GB/s) of one pass over the file each, then the aggregate GB/s of
         writing one half while reading the other (both directions at once, as Fuyou runs them)."""
-        w = self._run(self.op.WRITE)
-        r = self._run(self.op.READ)
+        w = self.loop.run(self.loop.WRITE)
+        r = self.loop.run(self.loop.READ)
         t = time.perf_counter()
-        futs = [self.pool.submit(self._run, op, reqs) for op, reqs in self.mixed.items()]
+        futs = [self.pool.submit(self.loop.run, op, reqs) for op, reqs in self.mixed.items()]
         for f in futs:
             f.result()
         mixed = time.perf_counter() - t
@@ -291,11 +264,8 @@ class SsdBound:
 
     def close(self) -> None:
         self.pool.shutdown()
-        self.engine.close()
-        os.close(self.fd)
-        del self.tensor, self.requests, self.mixed
-        self.view.release()
-        self.map.close()
+        del self.mixed
+        self.loop.close()
 
 
 def _inmem_tensors(numel: int, groups: int, seed: int) -> tuple[list[torch.nn.Parameter], float]:

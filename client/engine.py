@@ -31,7 +31,7 @@ from torch import nn
 
 from fuyou_client.gradients import GradientPool
 from fuyou_client.grouping import ParamGroup, split
-from fuyou_client.offload import HEADER, OffloadedGroup, Offloader
+from fuyou_client.offload import OffloadedGroup, Offloader
 from fuyou_client.optim import AdamW, SGD, StepInfo
 from fuyou_client.session import Session, connect
 
@@ -142,11 +142,11 @@ class Engine:
         shapes = [p.shape for p in params]
         master = self.session.allocate(n * 4)
         torch.cat([p.detach().reshape(-1).float() for p in params], out=master.tensor(torch.float32)[:n])
-        self.session.create_group(spec.name, master, optimizer, numel=n)
+        info = self.session.create_group(spec.name, master, optimizer, numel=n)
         pooled = offload and self._pool_grads
         grads = None if pooled else self.session.allocate(n * dtype.itemsize)
         if offload and dtype == torch.float32:  # the compute weights are the masters: read them in place
-            weights, source = None, (f"optim/{spec.name}", HEADER)
+            weights, source = None, (f"optim/{spec.name}", info.weights_offset)
         else:
             weights = self.session.allocate(n * dtype.itemsize)
             torch.cat([p.detach().reshape(-1) for p in params], out=weights.tensor(dtype)[:n])

@@ -30,8 +30,6 @@ from torch import nn
 
 from fuyou_client.session import In, Session
 
-HEADER = 4096  # the optimizer state object's header (fuyoud/optimizer/groups.py)
-
 
 @dataclass
 class OffloadedGroup:

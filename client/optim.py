@@ -51,13 +51,14 @@ class GroupInfo:
     step: int
     state_bytes: int
     optimizer: AdamW | SGD
+    weights_offset: int  # of the fp32 master weights in the state object "optim/<name>"
 
     @classmethod
     def from_pb(cls, m: pb.GroupInfo) -> "GroupInfo":
         o = m.optimizer
         spec = (AdamW(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay) if o.kind == "adamw"
                 else SGD(momentum=o.momentum, dampening=o.dampening, weight_decay=o.weight_decay, nesterov=o.nesterov))
-        return cls(m.name, m.numel, m.step, m.state_bytes, spec)
+        return cls(m.name, m.numel, m.step, m.state_bytes, spec, m.weights_offset)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from fuyou_proto import SESSION_METADATA_KEY, pb, rpc
 from fuyoud import __version__
 from fuyoud.errors import FuyouError, InvalidArgument, PermissionDenied
 from fuyoud.memory.pool import BufferRef
-from fuyoud.optimizer.groups import Group, state_bytes
+from fuyoud.optimizer.groups import HEADER, Group, itemsize, state_bytes
 from fuyoud.optimizer.kernels import OptimizerSpec
 from fuyoud.storage.index import ObjectMeta
 from fuyoud.storage.store import ReadItem, WriteItem
@@ -75,7 +75,7 @@ def _spec(msg: pb.OptimizerSpec) -> OptimizerSpec:
 
 def group_info(group: Group) -> pb.GroupInfo:
     return pb.GroupInfo(name=group.name, optimizer=pb.OptimizerSpec(**group.spec.to_dict()), numel=group.numel,
-                        step=group.step, state_bytes=state_bytes(group.spec, group.numel))
+                        step=group.step, state_bytes=state_bytes(group.spec, group.numel), weights_offset=HEADER)
 
 
 def object_info(meta: ObjectMeta) -> pb.ObjectInfo:
@@ -218,15 +218,12 @@ class FuyouServicer(rpc.FuyouServicer):
         session = self._session(context)
         pool, opt = self.daemon.pool, self.daemon.optimizer
         group = opt.get(session.namespace, _check_name(request.name))
-        width = {"float32": 4, "bfloat16": 2, "float16": 2}
-        wants_out = request.HasField("weights_out") or request.weights_object
-        if request.grad_dtype not in width or (wants_out and request.out_dtype not in width):
-            raise InvalidArgument(f"grad_dtype and out_dtype must be one of {sorted(width)}")
-        grads = pool.view(session.id, _ref(request.grads), request.grads_offset, group.numel * width[request.grad_dtype])
+        grads = pool.view(session.id, _ref(request.grads), request.grads_offset,
+                          group.numel * itemsize(request.grad_dtype))
         out = None
         if request.HasField("weights_out"):
             out = pool.view(session.id, _ref(request.weights_out), request.weights_out_offset,
-                            group.numel * width[request.out_dtype])
+                            group.numel * itemsize(request.out_dtype))
         if not request.lr >= 0:
             raise InvalidArgument(f"learning rate must be a non-negative number, got {request.lr}")
         scale = request.grad_scale if request.HasField("grad_scale") else 1.0
@@ -245,11 +242,8 @@ class FuyouServicer(rpc.FuyouServicer):
     def FetchWeights(self, request, context):
         session = self._session(context)
         group = self.daemon.optimizer.get(session.namespace, _check_name(request.name))
-        width = {"float32": 4, "bfloat16": 2, "float16": 2}
-        if request.out_dtype not in width:
-            raise InvalidArgument(f"out_dtype must be one of {sorted(width)}")
         out = self.daemon.pool.view(session.id, _ref(request.out), request.out_offset,
-                                    group.numel * width[request.out_dtype])
+                                    group.numel * itemsize(request.out_dtype))
         return pb.FetchWeightsReply(served=self.daemon.optimizer.fetch_weights(group, out, request.out_dtype))
 
     @_handler

@@ -167,18 +167,20 @@ class GetGroupRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
-    __slots__ = ("name", "optimizer", "numel", "step", "state_bytes")
+    __slots__ = ("name", "optimizer", "numel", "step", "state_bytes", "weights_offset")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_OFFSET_FIELD_NUMBER: _ClassVar[int]
     name: str
     optimizer: OptimizerSpec
     numel: int
     step: int
     state_bytes: int
-    def __init__(self, name: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
+    weights_offset: int
+    def __init__(self, name: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., state_bytes: _Optional[int] = ..., weights_offset: _Optional[int] = ...) -> None: ...
 
 class StepGroupRequest(_message.Message):
     __slots__ = ("name", "grads", "grads_offset", "grad_dtype", "weights_out", "weights_out_offset", "out_dtype", "lr", "grad_scale", "weights_object")

@@ -15,14 +15,27 @@ buffers let the block layer build large requests. So segments use, in this order
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import re
 from pathlib import Path
+
+from fuyoud.memory.segment import buffer_address
 
 log = logging.getLogger(__name__)
 
 HUGE = 2 << 20
 SHMEM_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+
+
+def huge_page_buffer(size: int) -> tuple[mmap.mmap, memoryview]:
+    """Daemon-private memory of ``size`` bytes starting on a 2 MiB boundary, advised for
+    transparent huge pages (private anonymous mappings get them whatever shmem_enabled
+    says). Returns the mapping (close it when done) and a view of the aligned part."""
+    m = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    start = -buffer_address(m) % HUGE
+    return m, memoryview(m)[start:start + size]
 
 
 def hugetlb_free_bytes() -> int:

@@ -14,11 +14,12 @@ from typing import Callable
 
 from fuyoud.allocator import ExtentAllocator, OutOfSpace
 from fuyoud.errors import InvalidArgument, OutOfMemoryBudget
+from fuyoud.memory.hugepages import HUGE  # segments are whole huge pages, whatever backs them
 from fuyoud.memory.segment import Segment
 from fuyoud.units import align_up, format_size
 
 PAGE = 4096
-HUGE = 2 << 20  # segments are whole huge pages, whatever backs them
+
 
 
 @dataclass(frozen=True)

@@ -8,15 +8,12 @@ the project's machine: 1.2-1.5x faster O_DIRECT I/O than scattered 4 KiB pages).
 """
 from __future__ import annotations
 
-import mmap
 import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-from fuyoud.memory.segment import buffer_address
+from fuyoud.memory.hugepages import huge_page_buffer
 from fuyoud.units import align_up
-
-HUGE = 2 << 20
 
 
 class StagingPool:
@@ -24,13 +21,8 @@ class StagingPool:
         self.slab_bytes = align_up(slab_bytes, 4096)
         count = max(2, total_bytes // self.slab_bytes)
         self.total_bytes = count * self.slab_bytes
-        # One mapping, 2 MiB aligned, cut into slabs.
-        self._map = mmap.mmap(-1, self.total_bytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            self._map.madvise(mmap.MADV_HUGEPAGE)
-        base = memoryview(self._map)
-        start = (-buffer_address(self._map)) % HUGE
-        self._free = [base[start + i * self.slab_bytes: start + (i + 1) * self.slab_bytes] for i in range(count)]
+        self._map, base = huge_page_buffer(self.total_bytes)  # one mapping, cut into slabs
+        self._free = [base[i * self.slab_bytes:(i + 1) * self.slab_bytes] for i in range(count)]
         self._cond = threading.Condition()
 
     @contextmanager

@@ -8,25 +8,19 @@ per step would cost more than the step.
 """
 from __future__ import annotations
 
-import mmap
 import threading
 from contextlib import contextmanager
 from typing import Iterator
 
 from fuyoud.errors import ResourceExhausted
-from fuyoud.memory.segment import buffer_address
+from fuyoud.memory.hugepages import HUGE, huge_page_buffer
 from fuyoud.units import align_up, format_size
-
-HUGE = 2 << 20
 
 
 class _Buffer:
     def __init__(self, size: int):
         self.size = size
-        self.map = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.map.madvise(mmap.MADV_HUGEPAGE)
-        start = -buffer_address(self.map) % HUGE
-        self.view = memoryview(self.map)[start:start + size]
+        self.map, self.view = huge_page_buffer(size)
 
 
 class StateBuffers:

@@ -34,6 +34,13 @@ HEADER = 4096
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype named in a request; InvalidArgument for others."""
+    if dtype not in DTYPES:
+        raise InvalidArgument(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[dtype].itemsize
+
+
 def state_name(group: str) -> str:
     return f"optim/{group}"
 
