@@ -52,6 +52,15 @@ class DaemonProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def status(self, timeout: float = 10.0):
+        """The daemon's Status reply (no session needed): version, devices, metrics URL..."""
+        import grpc
+
+        from fuyou_proto import pb, rpc
+
+        with grpc.insecure_channel(f"unix:{self.socket}") as channel:
+            return rpc.FuyouStub(channel).Status(pb.StatusRequest(), timeout=timeout)
+
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, wait; returns the exit code (SIGKILL after ``timeout``)."""
         if self.process.poll() is None:

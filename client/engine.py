@@ -23,6 +23,7 @@ resident. Gradients of every group stay in shared memory (they accumulate there)
 from __future__ import annotations
 
 import math
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -77,6 +78,7 @@ class Engine:
         self.accumulation_steps = accumulation_steps
         self._owns_session = owns_session
         self.last_step_infos: list[StepInfo] = []
+        self._last_step_end: float | None = None  # for the iteration times reported to the daemon
         self.optimizer = _Optimizer(self, optimizer.lr)
         self.groups: list[_Group] = []
         self._hooks = []
@@ -226,6 +228,7 @@ class Engine:
     def step(self) -> None:
         """The barrier: after it every update of this iteration is in the parameters.
         With ``accumulation_steps=n``, call it after the n-th backward (as with torch)."""
+        t_start = time.perf_counter()
         self.optimizer._opt_called = True  # tells torch's LR schedulers that a step happened
         scale = None
         if self.max_grad_norm is not None:
@@ -256,6 +259,15 @@ class Engine:
         self.last_step_infos = [infos[g.spec.name] for g in self.groups if g.spec.name in infos]  # group order
         if errors:
             raise errors[0]
+        self._report(t_start)
+
+    def _report(self, t_start: float) -> None:
+        """Send this iteration's time and the part of it spent waiting in step() to the
+        daemon's metrics (fire and forget: a lost report costs nothing but a sample)."""
+        now, last = time.perf_counter(), self._last_step_end
+        self._last_step_end = now
+        if last is not None:  # an iteration runs from one step() return to the next
+            self.session.report_async(1, now - last, now - t_start).add_done_callback(lambda f: f.exception())
 
     def _clip_coefficient(self) -> float:
         """torch.nn.utils.clip_grad_norm_'s coefficient (norm over every gradient)."""

@@ -17,6 +17,10 @@ rewrites. A handful of shared buffers ("slots") hold the groups in use:
   Backward's fetches are served by the daemon from a read-ahead of the group's whole
   optimizer state, which the group's step uses moments later (one read, not two);
   when the daemon has no spare buffer, the client reads the weights itself;
+* a group whose weights backward never unpacks (a first block whose input needs no
+  gradient saves none) is made resident when its first gradient arrives, by a hook on
+  its parameters: autograd shapes new gradients after their parameter, so that must
+  not be an empty placeholder then;
 * a group's weights go as soon as its gradients are complete (its step is then
   submitted). Parameters not resident are empty placeholders.
 """
@@ -83,6 +87,8 @@ class Offloader:
             self._hooks.append(g.module.register_forward_pre_hook(lambda m, a, g=g: self._before_forward(g)))
             self._hooks.append(g.module.register_forward_hook(lambda m, a, o, g=g: self._after_forward(g),
                                                               always_call=True))
+            for p in g.params:
+                self._hooks.append(p.register_hook(lambda grad, g=g: self._gradient_arriving(g)))
 
     # -- residency ----------------------------------------------------------------------
     def _start_fetch(self, g: OffloadedGroup, via_state: bool = False) -> None:
@@ -187,11 +193,19 @@ class Offloader:
             self.ensure(g, via_state=True)
             for prev in reversed(self.groups[max(0, g.index - self.prefetch):g.index]):
                 self._start_fetch(prev, via_state=True)
+        self._begin_backward(g)
+        return g.slot.tensor(g.dtype).as_strided(saved.size, saved.stride, saved.offset)
+
+    def _gradient_arriving(self, g: OffloadedGroup) -> None:
+        if g.slot is None:
+            self.ensure(g, via_state=True)
+        self._begin_backward(g)
+
+    def _begin_backward(self, g: OffloadedGroup) -> None:
         self._touch(g)
         if not g.in_backward:
             g.in_backward = True
             self.on_backward(g)
-        return g.slot.tensor(g.dtype).as_strided(saved.size, saved.stride, saved.offset)
 
     def saved_tensors_hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

@@ -266,6 +266,23 @@ class Session:
         req = pb.FetchWeightsRequest(name=name, out=out.ref, out_dtype=DTYPE_NAMES[dtype])
         return _wrap_future(self._stub.FetchWeights.future(req, metadata=self._metadata), lambda r: r.served)
 
+    def checkpoint(self, directory: str | os.PathLike, timeout: float = 60.0) -> pb.CheckpointReply:
+        """Have the daemon copy this session's persistent objects (optimizer state
+        included) to ``directory``, an absolute path on the daemon's host that must not
+        exist yet, at a point between optimizer steps (see proto/fuyou.proto)."""
+        req = pb.CheckpointRequest(directory=os.fspath(directory), timeout_seconds=timeout)
+        return _call(self._stub.Checkpoint, req, self._metadata, timeout=timeout + 600)
+
+    def report_async(self, iterations: int, iteration_seconds: float, exposed_optimizer_seconds: float,
+                     activation_bytes_to_host: int = 0, activation_bytes_to_ssd: int = 0) -> Future:
+        """Tell the daemon this client's figures since its last report (its metrics
+        export them: iterations, time waited for the optimizer, activation traffic)."""
+        req = pb.ReportRequest(iterations=iterations, iteration_seconds=iteration_seconds,
+                               exposed_optimizer_seconds=exposed_optimizer_seconds,
+                               activation_bytes_to_host=activation_bytes_to_host,
+                               activation_bytes_to_ssd=activation_bytes_to_ssd)
+        return _wrap_future(self._stub.Report.future(req, metadata=self._metadata))
+
     @property
     def stub(self) -> rpc.FuyouStub:
         """The raw gRPC stub (with ``metadata`` below) for calls this class does not wrap."""

@@ -1,17 +1,13 @@
-"""`fuyoud [--config FILE]`: run the daemon in the foreground (systemd runs it so too)."""
+"""`fuyoud [--config FILE]`: run the daemon in the foreground (systemd runs it so too).
+`fuyoud install-service`: install the systemd unit and its companions (fuyoud/install.py)."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
 
-from fuyoud import __version__
+from fuyoud import __version__, logs
 from fuyoud.config import ConfigError, load
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def exit_with_parent() -> None:
@@ -28,7 +24,13 @@ def exit_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fuyoud", description="The Fuyou daemon: SSD-backed memory for fine-tuning.")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["install-service"]:
+        from fuyoud.install import main as install_main
+
+        return install_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="fuyoud", description="The Fuyou daemon: SSD-backed memory for fine-tuning.",
+                                     epilog="`fuyoud install-service --help`: install the systemd unit.")
     parser.add_argument("--config", metavar="FILE", help="TOML config (default: the embedded defaults)")
     parser.add_argument("--check-config", action="store_true", help="validate the config and exit")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exit-with-parent", action="store_true",
                         help="stop (as on SIGTERM) when the process that started this one dies "
                              "(private daemons of fuyou_client.start_daemon)")
+    parser.add_argument("--log-format", choices=["auto", "logfmt", "journald"], help="override [daemon.log_format]")
     parser.add_argument("--version", action="version", version=f"fuyoud {__version__}")
     args = parser.parse_args(argv)
     if args.exit_with_parent:
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_config:
         print(f"fuyoud: {args.config or 'embedded defaults'}: OK")
         return 0
-    setup_logging(args.log_level or config.daemon.log_level)
+    logs.setup(args.log_level or config.daemon.log_level, args.log_format or config.daemon.log_format)
     from fuyoud.server import Daemon  # heavy imports after argument checks
 
     try:

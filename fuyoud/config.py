@@ -8,6 +8,7 @@ back to a default.
 from __future__ import annotations
 
 import dataclasses
+import grp
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -47,10 +48,21 @@ class DaemonSection:
     control_socket: str = ""
     session_socket: str = ""
     socket_mode: int = 0o660
+    # Group owning both sockets (its members may become clients); empty: the daemon's group.
+    socket_group: str = ""
     # "host:port" to also serve gRPC over TCP (sessions still need the unix socket).
     tcp_listen: str = ""
     grpc_workers: int = 16
     log_level: str = "info"
+    # "auto": the journald format when stderr is the journal (under systemd), else logfmt.
+    log_format: str = "auto"
+
+    @property
+    def socket_gid(self) -> int:
+        """The socket group's id, -1 for "leave as created"."""
+        if not self.socket_group:
+            return -1
+        return grp.getgrnam(self.socket_group).gr_gid
 
     @property
     def control_path(self) -> Path:
@@ -135,6 +147,7 @@ _CHOICES = {
     "memory.huge_pages": {"auto", "hugetlb", "thp", "off"},
     "io.engine": {"auto", "io_uring", "threadpool"},
     "daemon.log_level": {"debug", "info", "warning", "error"},
+    "daemon.log_format": {"auto", "logfmt", "journald"},
 }
 _POSITIVE = {"daemon.grpc_workers", "io.queue_depth", "io.threads", "optimizer.buffers"}
 _PAGE_MULTIPLES = {
@@ -182,6 +195,14 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[memory.session_budget] exceeds [memory.pinned_budget]")
     if cfg.optimizer.buffer_budget < cfg.optimizer.buffers * (2 << 20):
         raise ConfigError("[optimizer.buffer_budget] must give each of [optimizer.buffers] at least 2 MiB")
+    if cfg.daemon.socket_mode & ~0o777 or cfg.daemon.socket_mode & 0o007:
+        raise ConfigError(f"[daemon.socket_mode]: {cfg.daemon.socket_mode:#o} must be a file mode giving others "
+                          "no access (e.g. 0o660)")
+    if cfg.daemon.socket_group:
+        try:
+            grp.getgrnam(cfg.daemon.socket_group)
+        except KeyError:
+            raise ConfigError(f"[daemon.socket_group]: no group {cfg.daemon.socket_group!r} on this host") from None
     if len(set(cfg.data_dirs)) != len(cfg.data_dirs):
         raise ConfigError("[storage.data_dirs] lists a directory twice")
 

@@ -1,17 +1,34 @@
-"""`fuyouctl`: ask a running fuyoud what it is doing."""
+"""`fuyouctl`: see and steer a running fuyoud.
+
+    fuyouctl status                 engine, devices, memory, throughput now, sessions
+    fuyouctl sessions               the live sessions: uid, pid, model size, last activity
+    fuyouctl drain [--wait]         stop accepting new sessions; --cancel reopens
+    fuyouctl checkpoint SESSION DIR copy a session's state to DIR on the daemon's host
+    fuyouctl health                 the grpc.health.v1 status (exit 0 when serving)
+
+Tables for people by default, ``--json`` for scripts. drain and checkpoint need the
+admin token the daemon keeps next to its control socket (readable by root and the
+daemon's user).
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
+from pathlib import Path
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fuyou_proto import pb, rpc
+from fuyou_proto import ADMIN_METADATA_KEY, pb, rpc
 from fuyoud.config import ConfigError, load
 from fuyoud.units import format_size
+
+
+class CtlError(Exception):
+    """A problem fuyouctl reports in one line and exit code 1."""
 
 
 def _socket(args) -> str:
@@ -20,50 +37,159 @@ def _socket(args) -> str:
     return str(load(args.config).daemon.control_path)
 
 
-def cmd_status(args) -> int:
-    with grpc.insecure_channel(f"unix:{_socket(args)}") as ch:
-        reply = rpc.FuyouStub(ch).Status(pb.StatusRequest(), timeout=args.timeout)
+def _admin_metadata(args) -> tuple:
+    path = Path(args.admin_token_file or Path(_socket(args)).parent / "admin.token")
+    try:
+        token = path.read_text().strip()
+    except PermissionError:
+        raise CtlError(f"{args.command} needs the admin token in {path}, which this user may not read: "
+                       "run fuyouctl as root or as the daemon's user") from None
+    except FileNotFoundError:
+        raise CtlError(f"no admin token at {path}: is fuyoud running with that control socket?") from None
+    return ((ADMIN_METADATA_KEY, token),)
+
+
+def _print_json(message) -> None:
+    print(json.dumps(MessageToDict(message, preserving_proto_field_name=True), indent=2))
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """Left-aligned columns, two spaces apart."""
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in [headers, *rows])
+
+
+def _ago(t: float) -> str:
+    s = max(0, int(time.time() - t))
+    return f"{s}s ago" if s < 120 else f"{s // 60}m ago" if s < 7200 else f"{s // 3600}h ago"
+
+
+def _params(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def sessions_table(sessions) -> str:
+    if not sessions:
+        return "no sessions"
+    rows = [[s.id, s.uid, s.pid, s.namespace, _params(s.model_params), s.groups, s.step, format_size(s.pinned_bytes),
+             format_size(s.persistent_bytes), _ago(s.last_active)] for s in sessions]
+    return table(["ID", "UID", "PID", "NAMESPACE", "PARAMS", "GROUPS", "STEP", "PINNED", "ON SSD", "LAST ACTIVE"], rows)
+
+
+def cmd_status(args, stub) -> int:
+    reply = stub.Status(pb.StatusRequest(), timeout=args.timeout)
     if args.json:
-        print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), indent=2))
+        _print_json(reply)
         return 0
-    print(f"fuyoud {reply.version} (pid {reply.pid})")
+    state = "draining (no new sessions)" if reply.draining else "serving"
+    print(f"fuyoud {reply.version} (pid {reply.pid}), {state}, up {reply.uptime_seconds} s")
     print(f"  I/O engine   {reply.io_engine} ({reply.io_engine_reason})")
     print(f"  pinned       {format_size(reply.pinned_used_bytes)} of {format_size(reply.pinned_budget_bytes)}")
-    print(f"  sessions     {reply.sessions}")
-    print(f"  objects      {reply.objects}")
+    print(f"  throughput   {format_size(int(reply.read_bytes_per_second))}/s read, "
+          f"{format_size(int(reply.write_bytes_per_second))}/s written (last 5 s)")
     print(f"  SSD traffic  {format_size(reply.bytes_read)} read, {format_size(reply.bytes_written)} written since start")
+    print(f"  objects      {reply.objects}")
     print(f"  metrics      {reply.metrics_url or 'off'}")
-    for d in reply.devices:
-        print(f"  device {d.index}     {d.path}: {format_size(d.used_bytes)} used of {format_size(d.capacity_bytes)}")
+    print()
+    print(table(["DEVICE", "PATH", "USED", "CAPACITY", "USE%"],
+                [[d.index, d.path, format_size(d.used_bytes), format_size(d.capacity_bytes),
+                  f"{100 * d.used_bytes / max(d.capacity_bytes, 1):.0f}%"] for d in reply.devices]))
+    print()
+    print(sessions_table(reply.session_list))
     return 0
 
 
-def cmd_health(args) -> int:
-    with grpc.insecure_channel(f"unix:{_socket(args)}") as ch:
-        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=args.timeout)
-    name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    print(name)
+def cmd_sessions(args, stub) -> int:
+    reply = stub.ListSessions(pb.Empty(), timeout=args.timeout)
+    if args.json:
+        _print_json(reply)
+    else:
+        print(sessions_table(reply.sessions))
+    return 0
+
+
+def cmd_drain(args, stub) -> int:
+    metadata = _admin_metadata(args)
+    reply = stub.Drain(pb.DrainRequest(cancel=args.cancel), metadata=metadata, timeout=args.timeout)
+    deadline = time.monotonic() + args.wait_timeout
+    while args.wait and reply.sessions and time.monotonic() < deadline:
+        time.sleep(0.5)
+        reply = stub.Drain(pb.DrainRequest(cancel=args.cancel), metadata=metadata, timeout=args.timeout)
+    if args.json:
+        _print_json(reply)
+    elif not reply.draining:
+        print("accepting new sessions again")
+    else:
+        print(f"draining: no new sessions; {reply.sessions} session(s) still running")
+    return 1 if args.wait and reply.sessions else 0
+
+
+def cmd_checkpoint(args, stub) -> int:
+    directory = Path(args.directory).absolute()
+    req = pb.CheckpointRequest(session_id=args.session, directory=str(directory), timeout_seconds=args.step_timeout)
+    reply = stub.Checkpoint(req, metadata=_admin_metadata(args), timeout=args.step_timeout + 3600)
+    if args.json:
+        _print_json(reply)
+    else:
+        print(f"checkpoint of session {args.session} ({reply.namespace}) at step {reply.step}: {reply.objects} "
+              f"objects, {format_size(reply.bytes)} in {reply.seconds:.2f} s -> {reply.directory}")
+    return 0
+
+
+def cmd_health(args, channel) -> int:
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=args.timeout)
+    print(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fuyouctl", description="See and steer a running fuyoud.")
+    p.add_argument("--socket", help="the daemon's control socket (default: from --config or the defaults)")
+    p.add_argument("--config", help="read the socket path from this fuyoud config")
+    p.add_argument("--admin-token-file", help="default: admin.token beside the control socket")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("status", help="engine, devices, memory, throughput, sessions")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+    s = sub.add_parser("sessions", help="the live sessions")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_sessions)
+    s = sub.add_parser("drain", help="stop accepting new sessions, let current ones finish")
+    s.add_argument("--cancel", action="store_true", help="accept new sessions again")
+    s.add_argument("--wait", action="store_true", help="wait until no session is left (exit 1 on timeout)")
+    s.add_argument("--wait-timeout", type=float, default=3600.0)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_drain)
+    s = sub.add_parser("checkpoint", help="copy a session's persistent state to a directory")
+    s.add_argument("session", type=int, help="session id (see `fuyouctl sessions`)")
+    s.add_argument("directory", help="a new directory on the daemon's host")
+    s.add_argument("--step-timeout", type=float, default=60.0,
+                   help="wait at most this long for a point between optimizer steps")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_checkpoint)
+    sub.add_parser("health", help="the grpc.health.v1 status").set_defaults(func=cmd_health, raw_channel=True)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fuyouctl", description="Inspect a running fuyoud.")
-    parser.add_argument("--socket", help="the daemon's control socket (default: from --config or the defaults)")
-    parser.add_argument("--config", help="read the socket path from this fuyoud config")
-    parser.add_argument("--timeout", type=float, default=5.0)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("status", help="engine, devices, memory, sessions")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_status)
-    sub.add_parser("health", help="the grpc.health.v1 status").set_defaults(func=cmd_health)
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     try:
-        return args.func(args)
-    except ConfigError as exc:
+        with grpc.insecure_channel(f"unix:{_socket(args)}") as channel:
+            target = channel if getattr(args, "raw_channel", False) else rpc.FuyouStub(channel)
+            return args.func(args, target)
+    except (ConfigError, CtlError) as exc:
         print(f"fuyouctl: {exc}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(exc, ConfigError) else 1
     except grpc.RpcError as exc:
-        print(f"fuyouctl: cannot reach fuyoud at {_socket(args)}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        code = exc.code()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            print(f"fuyouctl: cannot reach fuyoud at {_socket(args)}: {code.name}: {exc.details()}", file=sys.stderr)
+        else:
+            print(f"fuyouctl: {args.command}: {code.name}: {exc.details()}", file=sys.stderr)
         return 1
 
 

@@ -49,3 +49,8 @@ class DataLoss(FuyouError):
 
 class Unavailable(FuyouError):
     code, kind = grpc.StatusCode.UNAVAILABLE, "unavailable"
+
+
+class FailedPrecondition(FuyouError):
+    """The request is well formed but the system is not in a state to serve it."""
+    code, kind = grpc.StatusCode.FAILED_PRECONDITION, "failed_precondition"

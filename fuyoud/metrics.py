@@ -7,12 +7,14 @@ process).
 """
 from __future__ import annotations
 
+import platform
 import threading
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from fuyoud import __version__
 
@@ -20,6 +22,7 @@ if TYPE_CHECKING:
     from fuyoud.server import Daemon
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+CHECKPOINT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
 class Metrics:
@@ -47,8 +50,24 @@ class Metrics:
         self.optimizer_seconds = Histogram(
             "fuyoud_optimizer_step_phase_seconds", "Time of each phase of a group's optimizer step",
             ["phase"], buckets=LATENCY_BUCKETS, registry=r)
+        self.optimizer_step_seconds = Histogram(
+            "fuyoud_optimizer_step_seconds", "Time of a group's whole optimizer step (read, compute, write)",
+            buckets=LATENCY_BUCKETS, registry=r)
         self.optimizer_prefetched = Counter("fuyoud_optimizer_prefetched_steps",
                                             "Group steps whose state had been read ahead", registry=r)
+        self.checkpoint_seconds = Histogram("fuyoud_checkpoint_duration_seconds", "Time to write a checkpoint",
+                                            buckets=CHECKPOINT_BUCKETS, registry=r)
+        self.checkpoint_bytes = Counter("fuyoud_checkpoint_bytes", "Bytes written to checkpoints", registry=r)
+        # Reported by clients (fuyou_client's engine, once per engine.step()).
+        self.client_iterations = Counter("fuyoud_client_iterations", "Training iterations reported by clients",
+                                         registry=r)
+        self.client_iteration_seconds = Counter("fuyoud_client_iteration_seconds",
+                                                "Wall time of the iterations clients reported", registry=r)
+        self.client_exposed_seconds = Counter(
+            "fuyoud_client_exposed_optimizer_seconds",
+            "Time clients waited for optimizer steps at engine.step() (not hidden behind backward)", registry=r)
+        self.activation_bytes = Counter("fuyoud_activation_bytes", "Activation bytes clients swapped out, by tier",
+                                        ["tier"], registry=r)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -63,6 +82,18 @@ class Metrics:
         self.optimizer_prefetched.inc(result.prefetched)
         for phase, seconds in (("read", result.read_s), ("compute", result.compute_s), ("write", result.write_s)):
             self.optimizer_seconds.labels(phase).observe(seconds)
+        self.optimizer_step_seconds.observe(result.read_s + result.compute_s + result.write_s)
+
+    def observe_checkpoint(self, seconds: float, nbytes: int) -> None:
+        self.checkpoint_seconds.observe(seconds)
+        self.checkpoint_bytes.inc(nbytes)
+
+    def observe_report(self, report) -> None:
+        self.client_iterations.inc(report.iterations)
+        self.client_iteration_seconds.inc(report.iteration_seconds)
+        self.client_exposed_seconds.inc(report.exposed_optimizer_seconds)
+        self.activation_bytes.labels("host").inc(report.activation_bytes_to_host)
+        self.activation_bytes.labels("ssd").inc(report.activation_bytes_to_ssd)
 
     def attach(self, daemon: "Daemon") -> None:
         self.registry.register(_DaemonCollector(daemon))
@@ -89,9 +120,12 @@ class _DaemonCollector:
 
     def collect(self):
         d = self.daemon
-        info = InfoMetricFamily("fuyoud_build", "Version of the running daemon")
-        info.add_metric([], {"version": __version__})
+        info = InfoMetricFamily("fuyoud_build", "Versions of the running daemon and what it runs on")
+        info.add_metric([], {"version": __version__, "python": platform.python_version(), "torch": torch.__version__})
         yield info
+        yield GaugeMetricFamily("fuyoud_start_time_seconds", "Unix time the daemon started", value=d.started)
+        yield GaugeMetricFamily("fuyoud_draining", "1 while the daemon refuses new sessions (fuyouctl drain)",
+                                value=int(d.sessions.draining))
         engine = GaugeMetricFamily("fuyoud_io_engine", "The I/O engine in use (1 for the active one)",
                                    labels=["engine"])
         engine.add_metric([d.engine.name], 1)
@@ -112,6 +146,11 @@ class _DaemonCollector:
         yield GaugeMetricFamily("fuyoud_pinned_budget_bytes", "Pinned-memory budget of the daemon",
                                 value=pool.budget)
         yield GaugeMetricFamily("fuyoud_sessions", "Live client sessions", value=len(d.sessions.all()))
+        by_session = GaugeMetricFamily("fuyoud_session_pinned_bytes", "Shared memory held by each live session",
+                                       labels=["session"])
+        for sid, nbytes in pool.by_session.items():
+            by_session.add_metric([str(sid)], nbytes)
+        yield by_session
 
         usage = d.store.usage()
         objects = GaugeMetricFamily("fuyoud_objects", "Objects in the store", labels=["kind"])
@@ -128,3 +167,15 @@ class _DaemonCollector:
             used.add_metric([str(i)], in_use)
         yield cap
         yield used
+        depth = GaugeMetricFamily("fuyoud_io_queue_depth", "Engine requests in flight on each device now",
+                                  labels=["device"])
+        for i, n in enumerate(usage.in_flight):
+            depth.add_metric([str(i)], n)
+        yield depth
+        lifetime = CounterMetricFamily(
+            "fuyoud_device_lifetime_bytes",
+            "Bytes moved on each device over the array's whole life, kept across restarts (drive endurance)",
+            labels=["device", "direction"])
+        for (dev, direction), n in sorted(usage.lifetime.items()):
+            lifetime.add_metric([str(dev), direction], n)
+        yield lifetime

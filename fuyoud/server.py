@@ -2,7 +2,8 @@
 them in the right order.
 
 Start-up: storage first (a full disk or a locked directory stops us before anything
-listens), then the control socket, the session socket, metrics, and READY=1.
+listens), then the admin token, the control socket, the session socket, metrics, the
+housekeeping thread (throughput, watchdog) and READY=1.
 Shutdown (SIGTERM): STOPPING=1, refuse new sessions and new RPCs, let in-flight RPCs
 (and so their I/O) finish within the grace period, end every session, sync the
 devices, close the index.
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -21,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from fuyou_proto import rpc
 from fuyoud import __version__
 from fuyoud.config import Config
+from fuyoud.housekeeping import Housekeeping
 from fuyoud.io.engine import IOEngine
 from fuyoud.io.select import choose_engine
 from fuyoud.memory.hugepages import HugePagePolicy
@@ -37,6 +41,7 @@ from fuyoud.storage.device import Device
 from fuyoud.storage.index import IndexDB
 from fuyoud.storage.store import Store
 from fuyoud.units import format_size
+from fuyoud.watchdog import Watchdog, interval_from_env
 
 log = logging.getLogger("fuyoud")
 SERVICE_NAME = "fuyou.v1.Fuyou"
@@ -61,6 +66,9 @@ class Daemon:
         self._grpc: grpc.Server | None = None
         self._health = health.HealthServicer()
         self._listener: SessionListener | None = None
+        self.housekeeping: Housekeeping | None = None
+        self.admin_token = secrets.token_urlsafe(32)
+        self.started = time.time()
 
     def _open_store(self) -> Store:
         cfg = self.config
@@ -87,6 +95,7 @@ class Daemon:
     def start(self) -> "Daemon":
         cfg = self.config.daemon
         cfg.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+        self._write_admin_token()
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="grpc"),
                              options=[("grpc.so_reuseport", 0)])
         rpc.add_FuyouServicer_to_server(FuyouServicer(self), server)
@@ -102,15 +111,22 @@ class Daemon:
         if cfg.tcp_listen:
             server.add_insecure_port(cfg.tcp_listen)
         server.start()
+        os.chown(control, -1, cfg.socket_gid)
         os.chmod(control, cfg.socket_mode)
         self._grpc = server
-        self._listener = SessionListener(cfg.session_path, cfg.socket_mode, self.sessions)
+        self._listener = SessionListener(cfg.session_path, cfg.socket_mode, self.sessions, cfg.socket_gid)
         self._listener.start()
         if self.config.metrics.enabled:
             self.metrics.attach(self)
             self.metrics_url = self.metrics.serve(self.config.metrics.listen)
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        interval = interval_from_env()
+        watchdog = Watchdog(str(control), interval, self._self_check) if interval else None
+        self.housekeeping = Housekeeping(self, watchdog)
+        self.housekeeping.start()
+        if watchdog is not None:
+            log.info("systemd watchdog: probing and pinging every %.1f s", interval)
         log.info("fuyoud %s serving on %s (sessions %s), I/O engine %s (%s), %d device(s), pinned budget %s, "
                  "%s%s", __version__, control, cfg.session_path, self.engine.name, self.engine_reason,
                  len(self.store.devices), format_size(self.pool.budget), self.huge_pages.describe(),
@@ -126,6 +142,8 @@ class Daemon:
             log.info("stopping")
             self.sessions.accepting = False
             self._health.enter_graceful_shutdown()
+            if self.housekeeping is not None:
+                self.housekeeping.stop()
             if self._listener is not None:
                 self._listener.close()
             if self._grpc is not None:
@@ -134,8 +152,36 @@ class Daemon:
             self.store.close()
             self.engine.close()
             self.metrics.close()
+            self.admin_token_path.unlink(missing_ok=True)
             self._stopped.set()
             log.info("stopped")
+
+    def set_draining(self, draining: bool) -> None:
+        """Drain: refuse new sessions (the gRPC service reports NOT_SERVING) while the
+        current ones go on."""
+        self.sessions.draining = draining
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if draining else health_pb2.HealthCheckResponse.SERVING
+        self._health.set(SERVICE_NAME, status)
+        log.info("draining: %s, %d session(s) live", "on" if draining else "off", len(self.sessions.all()))
+
+    @property
+    def admin_token_path(self):
+        return self.config.daemon.control_path.parent / "admin.token"
+
+    def _write_admin_token(self) -> None:
+        """The token of operator requests (drain, checkpoint of any session): readable by
+        the daemon's own user (and root) only."""
+        path = self.admin_token_path
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.admin_token + "\n")
+
+    def _self_check(self) -> None:
+        """The watchdog's checks beyond the gRPC health probe: raises if a part is dead."""
+        if self._listener is None or not self._listener.alive:
+            raise RuntimeError("the session listener thread is dead")
+        self.store.index_db.get_meta("devices")
 
     def wait(self) -> None:
         self._stopped.wait()

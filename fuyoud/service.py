@@ -1,60 +1,29 @@
 """The gRPC servicer: proto/fuyou.proto's `Fuyou` service over the daemon's parts.
 
-Every method except Status authenticates its session from the `x-fuyou-session`
-metadata, checks that the objects it names are in the session's namespace, and maps
+The data-plane methods are here, the operator ones (Status, ListSessions, Drain,
+Checkpoint, Report) in fuyoud/admin.py. Every method here authenticates its session
+from the `x-fuyou-session` metadata, checks that the objects it names are in the session's namespace, and maps
 FuyouError subclasses to their gRPC status codes. Handlers are thin: the work is in
 the pool, the store and the session registry.
 """
 from __future__ import annotations
 
-import functools
 import logging
-import os
 import re
-import time
-from typing import TYPE_CHECKING
 
-import grpc
-
-from fuyou_proto import SESSION_METADATA_KEY, pb, rpc
-from fuyoud import __version__
-from fuyoud.errors import FuyouError, InvalidArgument, PermissionDenied
+from fuyou_proto import pb, rpc
+from fuyoud.admin import AdminMethods
+from fuyoud.errors import InvalidArgument, PermissionDenied
+from fuyoud.handler import handler as _handler
 from fuyoud.memory.pool import BufferRef
 from fuyoud.optimizer.groups import HEADER, Group, itemsize, state_bytes
 from fuyoud.optimizer.kernels import OptimizerSpec
 from fuyoud.storage.index import ObjectMeta
 from fuyoud.storage.store import ReadItem, WriteItem
 
-if TYPE_CHECKING:
-    from fuyoud.server import Daemon
-
 log = logging.getLogger(__name__)
 NAME_RE = re.compile(r"^[^\x00-\x1f/][^\x00-\x1f]{0,511}$")
 MAX_ITEMS = 65536
-
-
-def _handler(method):
-    """Authenticate, time, count and translate errors for one RPC method."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def wrapper(self: "FuyouServicer", request, context: grpc.ServicerContext):
-        t0 = time.perf_counter()
-        metrics = self.daemon.metrics
-        try:
-            return method(self, request, context)
-        except FuyouError as exc:
-            metrics.errors.labels(exc.kind).inc()
-            context.abort(exc.code, str(exc))
-        except Exception:
-            metrics.errors.labels("internal").inc()
-            log.exception("%s failed", name)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the fuyoud log")
-        finally:
-            metrics.requests.labels(name).inc()
-            metrics.request_seconds.labels(name).observe(time.perf_counter() - t0)
-
-    return wrapper
 
 
 def _ref(msg: pb.BufferRef) -> BufferRef:
@@ -83,14 +52,7 @@ def object_info(meta: ObjectMeta) -> pb.ObjectInfo:
                          devices=len(meta.layout.extents), version=meta.version)
 
 
-class FuyouServicer(rpc.FuyouServicer):
-    def __init__(self, daemon: "Daemon"):
-        self.daemon = daemon
-
-    def _session(self, context: grpc.ServicerContext):
-        token = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)
-        return self.daemon.sessions.authenticate(token)
-
+class FuyouServicer(AdminMethods, rpc.FuyouServicer):
     @staticmethod
     def _namespace(session, requested: str) -> str:
         if requested and requested != session.namespace:
@@ -104,20 +66,6 @@ class FuyouServicer(rpc.FuyouServicer):
             raise InvalidArgument("request has no items")
         if len(items) > MAX_ITEMS:
             raise InvalidArgument(f"too many items in one request ({len(items)} > {MAX_ITEMS})")
-
-    @_handler
-    def Status(self, request, context):
-        d = self.daemon
-        pool = d.pool.usage()
-        usage = d.store.usage()
-        return pb.StatusReply(
-            version=__version__, io_engine=d.engine.name, io_engine_reason=d.engine_reason,
-            devices=[pb.DeviceStatus(index=i, path=p, capacity_bytes=c, used_bytes=u)
-                     for i, (p, c, u) in enumerate(usage.devices)],
-            pinned_budget_bytes=pool.budget, pinned_used_bytes=pool.segments,
-            sessions=len(d.sessions.all()), objects=sum(usage.objects.values()), pid=os.getpid(),
-            metrics_url=d.metrics_url, session_socket=str(d.config.daemon.session_path),
-            bytes_read=usage.bytes_read, bytes_written=usage.bytes_written)
 
     @_handler
     def Allocate(self, request, context):

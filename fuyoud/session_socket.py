@@ -45,7 +45,7 @@ def send_message(sock: socket.socket, message: dict, fds: list[int] = ()) -> Non
 
 
 class SessionListener:
-    def __init__(self, path: Path, mode: int, registry: SessionRegistry):
+    def __init__(self, path: Path, mode: int, registry: SessionRegistry, gid: int = -1):
         self.path = path
         self.registry = registry
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,6 +57,7 @@ class SessionListener:
             self._sock.bind(str(path))
         finally:
             os.umask(old)
+        os.chown(path, -1, gid)
         os.chmod(path, mode)
         self._sock.listen(128)
         self._conns: set[socket.socket] = set()
@@ -124,6 +125,10 @@ class SessionListener:
         send_message(conn, {"session": session.id, "token": session.token,
                             "namespace": session.namespace, "version": __version__})
         return session
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def close(self) -> None:
         self._stopping = True

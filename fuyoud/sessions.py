@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from fuyoud.errors import AlreadyExists, InvalidArgument, PermissionDenied, Unauthenticated, Unavailable
+from fuyoud.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, Unauthenticated, Unavailable
 
 log = logging.getLogger(__name__)
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -49,12 +49,16 @@ class SessionRegistry:
         self._by_token: dict[str, Session] = {}
         self._by_namespace: dict[str, Session] = {}
         self._ids = itertools.count(1)
-        self.accepting = True
+        self.accepting = True  # False once the daemon is stopping
+        self.draining = False  # fuyouctl drain: no new sessions, current ones go on
 
     def open(self, uid: int, pid: int, namespace: str | None) -> Session:
         with self._lock:
             if not self.accepting:
                 raise Unavailable("fuyoud is shutting down and accepts no new sessions")
+            if self.draining:
+                raise Unavailable("fuyoud is draining (fuyouctl drain) and accepts no new sessions; "
+                                  "`fuyouctl drain --cancel` reopens it")
             sid = next(self._ids)
             if namespace is None:
                 namespace = f"session-{sid}-{secrets.token_hex(4)}"
@@ -98,6 +102,12 @@ class SessionRegistry:
             self._by_namespace.pop(session.namespace, None)
         log.info("session %d closed (%s)", session.id, reason)
         self._on_close(session)
+
+    def by_id(self, session_id: int) -> Session:
+        for s in self.all():
+            if s.id == session_id:
+                return s
+        raise NotFound(f"no live session {session_id} (fuyouctl sessions lists them)")
 
     def all(self) -> list[Session]:
         with self._lock:

@@ -255,7 +255,7 @@ class DeviceStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., path: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "io_engine", "io_engine_reason", "devices", "pinned_budget_bytes", "pinned_used_bytes", "sessions", "objects", "pid", "metrics_url", "session_socket", "bytes_read", "bytes_written")
+    __slots__ = ("version", "io_engine", "io_engine_reason", "devices", "pinned_budget_bytes", "pinned_used_bytes", "sessions", "objects", "pid", "metrics_url", "session_socket", "bytes_read", "bytes_written", "draining", "read_bytes_per_second", "write_bytes_per_second", "uptime_seconds", "session_list")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     IO_ENGINE_FIELD_NUMBER: _ClassVar[int]
     IO_ENGINE_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +269,11 @@ class StatusReply(_message.Message):
     SESSION_SOCKET_FIELD_NUMBER: _ClassVar[int]
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_LIST_FIELD_NUMBER: _ClassVar[int]
     version: str
     io_engine: str
     io_engine_reason: str
@@ -282,4 +287,95 @@ class StatusReply(_message.Message):
     session_socket: str
     bytes_read: int
     bytes_written: int
-    def __init__(self, version: _Optional[str] = ..., io_engine: _Optional[str] = ..., io_engine_reason: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., pinned_budget_bytes: _Optional[int] = ..., pinned_used_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., objects: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_url: _Optional[str] = ..., session_socket: _Optional[str] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...
+    draining: bool
+    read_bytes_per_second: float
+    write_bytes_per_second: float
+    uptime_seconds: int
+    session_list: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    def __init__(self, version: _Optional[str] = ..., io_engine: _Optional[str] = ..., io_engine_reason: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., pinned_budget_bytes: _Optional[int] = ..., pinned_used_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., objects: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_url: _Optional[str] = ..., session_socket: _Optional[str] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., draining: _Optional[bool] = ..., read_bytes_per_second: _Optional[float] = ..., write_bytes_per_second: _Optional[float] = ..., uptime_seconds: _Optional[int] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+
+class ReportRequest(_message.Message):
+    __slots__ = ("iterations", "iteration_seconds", "exposed_optimizer_seconds", "activation_bytes_to_host", "activation_bytes_to_ssd")
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPOSED_OPTIMIZER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_BYTES_TO_HOST_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_BYTES_TO_SSD_FIELD_NUMBER: _ClassVar[int]
+    iterations: int
+    iteration_seconds: float
+    exposed_optimizer_seconds: float
+    activation_bytes_to_host: int
+    activation_bytes_to_ssd: int
+    def __init__(self, iterations: _Optional[int] = ..., iteration_seconds: _Optional[float] = ..., exposed_optimizer_seconds: _Optional[float] = ..., activation_bytes_to_host: _Optional[int] = ..., activation_bytes_to_ssd: _Optional[int] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("id", "uid", "pid", "namespace", "started", "last_active", "pinned_bytes", "model_params", "groups", "step", "persistent_bytes")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    uid: int
+    pid: int
+    namespace: str
+    started: float
+    last_active: float
+    pinned_bytes: int
+    model_params: int
+    groups: int
+    step: int
+    persistent_bytes: int
+    def __init__(self, id: _Optional[int] = ..., uid: _Optional[int] = ..., pid: _Optional[int] = ..., namespace: _Optional[str] = ..., started: _Optional[float] = ..., last_active: _Optional[float] = ..., pinned_bytes: _Optional[int] = ..., model_params: _Optional[int] = ..., groups: _Optional[int] = ..., step: _Optional[int] = ..., persistent_bytes: _Optional[int] = ...) -> None: ...
+
+class ListSessionsReply(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("cancel",)
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    cancel: bool
+    def __init__(self, cancel: _Optional[bool] = ...) -> None: ...
+
+class DrainReply(_message.Message):
+    __slots__ = ("draining", "sessions")
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    sessions: int
+    def __init__(self, draining: _Optional[bool] = ..., sessions: _Optional[int] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("session_id", "directory", "timeout_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    directory: str
+    timeout_seconds: float
+    def __init__(self, session_id: _Optional[int] = ..., directory: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class CheckpointReply(_message.Message):
+    __slots__ = ("directory", "namespace", "objects", "bytes", "step", "seconds")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    namespace: str
+    objects: int
+    bytes: int
+    step: int
+    seconds: float
+    def __init__(self, directory: _Optional[str] = ..., namespace: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...

@@ -99,6 +99,26 @@ class FuyouStub:
                 request_serializer=fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
                 response_deserializer=fuyou__proto_dot_fuyou__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Report = channel.unary_unary(
+                '/fuyou.v1.Fuyou/Report',
+                request_serializer=fuyou__proto_dot_fuyou__pb2.ReportRequest.SerializeToString,
+                response_deserializer=fuyou__proto_dot_fuyou__pb2.Empty.FromString,
+                _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/fuyou.v1.Fuyou/ListSessions',
+                request_serializer=fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
+                response_deserializer=fuyou__proto_dot_fuyou__pb2.ListSessionsReply.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/fuyou.v1.Fuyou/Drain',
+                request_serializer=fuyou__proto_dot_fuyou__pb2.DrainRequest.SerializeToString,
+                response_deserializer=fuyou__proto_dot_fuyou__pb2.DrainReply.FromString,
+                _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/fuyou.v1.Fuyou/Checkpoint',
+                request_serializer=fuyou__proto_dot_fuyou__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=fuyou__proto_dot_fuyou__pb2.CheckpointReply.FromString,
+                _registered_method=True)
 
 
 class FuyouServicer:
@@ -199,6 +219,40 @@ class FuyouServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Report(self, request, context):
+        """A client's own figures, as deltas since its last report (iterations, time spent
+        waiting for the optimizer, activation traffic), exported by the daemon's metrics.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSessions(self, request, context):
+        """Operators (fuyouctl). ListSessions needs only access to the control socket;
+        Drain and Checkpoint need the admin token (x-fuyou-admin metadata), which the
+        daemon writes to <runtime_dir>/admin.token readable by its own user only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Stop (or, with cancel, resume) accepting new sessions; current ones go on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Checkpoint(self, request, context):
+        """Copy a namespace's persistent objects (optimizer state included) to a directory on
+        the daemon's host, taken at a point where every optimizer group of the namespace
+        has the same step count and none is being stepped. With a session token and no
+        session_id: the caller's own namespace; with the admin token: session_id's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FuyouServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -266,6 +320,26 @@ def add_FuyouServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=fuyou__proto_dot_fuyou__pb2.Empty.FromString,
                     response_serializer=fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
+            ),
+            'Report': grpc.unary_unary_rpc_method_handler(
+                    servicer.Report,
+                    request_deserializer=fuyou__proto_dot_fuyou__pb2.ReportRequest.FromString,
+                    response_serializer=fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=fuyou__proto_dot_fuyou__pb2.Empty.FromString,
+                    response_serializer=fuyou__proto_dot_fuyou__pb2.ListSessionsReply.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=fuyou__proto_dot_fuyou__pb2.DrainRequest.FromString,
+                    response_serializer=fuyou__proto_dot_fuyou__pb2.DrainReply.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=fuyou__proto_dot_fuyou__pb2.CheckpointRequest.FromString,
+                    response_serializer=fuyou__proto_dot_fuyou__pb2.CheckpointReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -619,6 +693,114 @@ class Fuyou:
             '/fuyou.v1.Fuyou/CloseSession',
             fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
             fuyou__proto_dot_fuyou__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Report(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuyou.v1.Fuyou/Report',
+            fuyou__proto_dot_fuyou__pb2.ReportRequest.SerializeToString,
+            fuyou__proto_dot_fuyou__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuyou.v1.Fuyou/ListSessions',
+            fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
+            fuyou__proto_dot_fuyou__pb2.ListSessionsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuyou.v1.Fuyou/Drain',
+            fuyou__proto_dot_fuyou__pb2.DrainRequest.SerializeToString,
+            fuyou__proto_dot_fuyou__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuyou.v1.Fuyou/Checkpoint',
+            fuyou__proto_dot_fuyou__pb2.CheckpointRequest.SerializeToString,
+            fuyou__proto_dot_fuyou__pb2.CheckpointReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -226,3 +226,36 @@ def test_unused_parameters_and_a_model_called_twice(daemon):
         other(b).sum().backward()  # a second backward before step(): its steps may be reading the grads
     engine.step()
     engine.close()
+
+
+class Chain(nn.Module):
+    """Blocks fed straight from the input: the first saves no weight for backward (its
+    input needs no gradient), so nothing fetches it there; its gradients must still land."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_a_block_whose_input_needs_no_gradient(daemon):
+    torch.manual_seed(0)
+    ours = Chain()
+    ref = copy.deepcopy(ours)
+    engine = fuyou_client.attach(ours, fuyou_client.AdamW(**HYPER), socket=daemon.socket)
+    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(4, 32, generator=gen)
+        ours(x).square().mean().backward()
+        engine.step()
+        engine.zero_grad()
+        ref(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    engine.close()
+    assert_same(ours, ref)

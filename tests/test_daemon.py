@@ -194,17 +194,6 @@ def test_metrics_endpoint_and_health(session):
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_fuyouctl_status(daemon, session):
-    out = subprocess.run([sys.executable, "-m", "fuyoud.ctl", "--socket", daemon.socket, "status"],
-                         capture_output=True, text=True, check=True).stdout
-    assert "I/O engine" in out and "sessions     1" in out and "device 2" in out
-    import json
-
-    js = json.loads(subprocess.run([sys.executable, "-m", "fuyoud.ctl", "--socket", daemon.socket, "status", "--json"],
-                                   capture_output=True, text=True, check=True).stdout)
-    assert js["sessions"] == 1 and len(js["devices"]) == 3
-
-
 def test_no_daemon_gives_a_clear_error(short_tmp):
     with pytest.raises(fuyou_client.DaemonUnavailable, match="no fuyoud answers"):
         fuyou_client.connect(str(short_tmp / "missing.sock"), timeout=0.5)

@@ -148,6 +148,16 @@ class Optimizer:
         with self._lock:
             return self._groups.setdefault((namespace, name), Group(namespace, name, spec, numel, step))
 
+    def groups_of(self, namespace: str) -> list[Group]:
+        """Every group of a namespace, those only on SSD (after a restart) loaded too."""
+        names = [m.name[len("optim/"):] for m in self.store.list(namespace, "optim/")]
+        return sorted((self.get(namespace, n) for n in names), key=lambda g: g.name)
+
+    def loaded(self, namespace: str) -> list[Group]:
+        """The namespace's groups in memory (cheap: for status displays)."""
+        with self._lock:
+            return [g for (ns, _), g in self._groups.items() if ns == namespace]
+
     def forget(self, namespace: str, name: str | None = None) -> None:
         """Drop cached groups (of a session that ended, or one whose state was deleted);
         the state objects stay on SSD unless deleted."""

@@ -93,8 +93,12 @@ class IndexDB:
         return row[0] if row else None
 
     def set_meta(self, key: str, value: str) -> None:
+        self.set_metas({key: value})
+
+    def set_metas(self, values: dict[str, str]) -> None:
+        """Several keys in one transaction."""
         with self._lock, self._db:
-            self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+            self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", list(values.items()))
 
     def close(self) -> None:
         with self._lock:

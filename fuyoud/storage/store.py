@@ -72,6 +72,9 @@ class StoreUsage:
     object_bytes: dict[bool, int]
     bytes_read: int = 0
     bytes_written: int = 0
+    in_flight: list[int] = field(default_factory=list)  # engine requests in flight, per device
+    # Bytes moved per (device, "read"|"write") over the array's whole life (drive endurance).
+    lifetime: dict[tuple[int, str], int] = field(default_factory=dict)
 
 
 class Store:
@@ -88,6 +91,10 @@ class Store:
         self._lock = threading.Lock()
         self._objects: dict[tuple[str, str], _Entry] = {}
         self._moved = {Op.READ: 0, Op.WRITE: 0}  # bytes since start
+        self._moved_dev: dict[tuple[int, str], int] = defaultdict(int)
+        self._in_flight = [0] * len(self.devices)
+        self._lifetime_base = {(d.index, direction): int(self.index_db.get_meta(f"lifetime_{direction}:{d.index}") or 0)
+                               for d in self.devices for direction in ("read", "write")}
         self._check_devices()
         for meta in index.load():
             for ext in meta.layout.extents:
@@ -193,11 +200,35 @@ class Store:
             if errors:
                 raise errors[min(errors)]
         finally:
-            with self._lock:
-                for entry in entries:
-                    entry.readers -= 1
-                    if entry.retired and entry.readers == 0:
-                        self._free_layouts([entry.meta.layout], locked=True)
+            self.unpin(entries)
+
+    # -- snapshots: versions held past a later overwrite -----------------------------------
+    def pin(self, namespace: str) -> list[_Entry]:
+        """Hold the current version of every persistent object of a namespace: later
+        overwrites and deletes do not recycle its extents until ``unpin``."""
+        with self._lock:
+            entries = [e for (ns, _), e in self._objects.items() if ns == namespace and e.meta.persistent]
+            for e in entries:
+                e.readers += 1
+        return entries
+
+    def unpin(self, entries: Iterable[_Entry]) -> None:
+        with self._lock:
+            for entry in entries:
+                entry.readers -= 1
+                if entry.retired and entry.readers == 0:
+                    self._free_layouts([entry.meta.layout], locked=True)
+
+    def read_pinned(self, entry: _Entry, dst: memoryview, object_offset: int) -> None:
+        """Read a range of the version ``pin`` returned (whatever was written since)."""
+        meta = entry.meta
+        if object_offset < 0 or object_offset + len(dst) > meta.size:
+            raise InvalidArgument(f"range outside object {meta.namespace}/{meta.name} of {meta.size} bytes")
+        batch = _Batch()
+        self._plan(batch, 0, meta.layout, object_offset, dst, Op.READ)
+        errors = self._execute(batch, Op.READ, [ReadItem(meta.namespace, meta.name, dst, object_offset)])
+        if errors:
+            raise errors[0]
 
     # -- planning and running transfers --------------------------------------------------
     def _plan(self, batch: _Batch, item: int, layout: Layout, start: int, buf: memoryview, op: Op) -> None:
@@ -251,18 +282,33 @@ class Store:
                         view[:] = space[dev_off - lo:dev_off - lo + len(view)]
 
     def _timed(self, reqs: list[IORequest], op: Op) -> list[IOResult]:
+        queued: dict[int, int] = defaultdict(int)
+        for req in reqs:
+            queued[req.device] += 1
+        self._count_in_flight(queued, 1)
         t0 = time.perf_counter()
-        results = self.engine.execute(reqs)
+        try:
+            results = self.engine.execute(reqs)
+        finally:
+            self._count_in_flight(queued, -1)
         elapsed = time.perf_counter() - t0
         per_dev: dict[int, list[int]] = defaultdict(lambda: [0, 0])
         for req, res in zip(reqs, results):
             per_dev[req.device][0] += res.nbytes
             per_dev[req.device][1] += 1
         direction = "read" if op is Op.READ else "write"
-        self._moved[op] += sum(r.nbytes for r in results)
+        with self._lock:
+            self._moved[op] += sum(r.nbytes for r in results)
+            for dev, (nbytes, _) in per_dev.items():
+                self._moved_dev[(dev, direction)] += nbytes
         for dev, (nbytes, ops) in per_dev.items():
             self._observe(dev, direction, nbytes, ops, elapsed)
         return results
+
+    def _count_in_flight(self, queued: dict[int, int], sign: int) -> None:
+        with self._lock:
+            for dev, n in queued.items():
+                self._in_flight[dev] += sign * n
 
     def _check(self, res: IOResult, want: int, op: Op, dev: int, offset: int, item, index: int,
                errors: dict[int, Exception]) -> bool:
@@ -342,9 +388,23 @@ class Store:
                 objects[e.meta.persistent] += 1
                 nbytes[e.meta.persistent] += e.meta.size
             devices = [(str(d.directory), d.capacity, d.allocator.used_bytes) for d in self.devices]
-        return StoreUsage(devices, objects, nbytes, self._moved[Op.READ], self._moved[Op.WRITE])
+            lifetime = self._lifetime_locked()
+            return StoreUsage(devices, objects, nbytes, self._moved[Op.READ], self._moved[Op.WRITE],
+                              list(self._in_flight), lifetime)
+
+    def _lifetime_locked(self) -> dict[tuple[int, str], int]:
+        return {key: base + self._moved_dev.get(key, 0) for key, base in self._lifetime_base.items()}
+
+    def save_lifetime(self) -> None:
+        """Record the lifetime byte counters in the index (every minute and at close: a
+        crash loses at most a minute of them, never committed data)."""
+        with self._lock:
+            lifetime = self._lifetime_locked()
+        self.index_db.set_metas({f"lifetime_{direction}:{dev}": str(value)
+                                 for (dev, direction), value in lifetime.items()})
 
     def close(self) -> None:
+        self.save_lifetime()
         with self._lock:
             for d in self.devices:
                 d.sync()

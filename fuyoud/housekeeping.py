@@ -1,0 +1,80 @@
+"""The daemon's once-a-second chores, on one thread: sample SSD throughput (for
+`fuyouctl status`), run the systemd watchdog, and persist the lifetime byte counters
+every minute."""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from fuyoud.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from fuyoud.server import Daemon
+
+log = logging.getLogger(__name__)
+TICK = 1.0
+SAVE_EVERY = 60.0
+
+
+class RateMeter:
+    """Bytes per second over a sliding window of (time, counter) samples."""
+
+    def __init__(self, window: float = 5.0):
+        self.window = window
+        self._samples: collections.deque[tuple[float, int, int]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def sample(self, now: float, read: int, written: int) -> None:
+        with self._lock:
+            self._samples.append((now, read, written))
+            while len(self._samples) > 2 and now - self._samples[0][0] > self.window:
+                self._samples.popleft()
+
+    def rates(self) -> tuple[float, float]:
+        with self._lock:
+            if len(self._samples) < 2:
+                return 0.0, 0.0
+            (t0, r0, w0), (t1, r1, w1) = self._samples[0], self._samples[-1]
+        dt = max(t1 - t0, 1e-9)
+        return (r1 - r0) / dt, (w1 - w0) / dt
+
+
+class Housekeeping:
+    def __init__(self, daemon: "Daemon", watchdog: Watchdog | None):
+        self.daemon = daemon
+        self.watchdog = watchdog
+        self.throughput = RateMeter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="housekeeping", daemon=True)
+        self._last_save = time.monotonic()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        period = min(TICK, self.watchdog.interval) if self.watchdog is not None else TICK
+        while not self._stop.wait(period):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - chores must not kill the thread
+                log.exception("housekeeping failed")
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        usage = self.daemon.store.usage()
+        self.throughput.sample(now, usage.bytes_read, usage.bytes_written)
+        if self.watchdog is not None:
+            self.watchdog.tick(now)
+        if now - self._last_save >= SAVE_EVERY:
+            self._last_save = now
+            self.daemon.store.save_lifetime()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if self.watchdog is not None:
+            self.watchdog.close()
