@@ -81,11 +81,39 @@ setup() {
     .venv/bin/python -c 'from fuyoud.io import uring; ok, why = uring.available(); print("[fuyou] io_uring engine:", "available" if ok else why)' >&2
 }
 
+# What the operations tests drive for real: systemd-analyze (and systemd-sysusers,
+# systemd-tmpfiles) from Debian's systemd, and a Prometheus server. Prometheus is taken
+# from Debian's package without installing it (dpkg-deb -x into .fuyou/tools), so
+# running the tests never starts a system-wide Prometheus service.
+test_tools() {
+    command -v dpkg-query >/dev/null 2>&1 || return 0
+    if ! command -v systemd-analyze >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
+        log "installing Debian's systemd (for systemd-analyze verify)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd >/dev/null \
+            || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd >/dev/null; } \
+            || log "could not install systemd: its tests will be skipped"
+    fi
+    if ! command -v prometheus >/dev/null 2>&1 && [ ! -x .fuyou/tools/bin/prometheus ]; then
+        log "fetching Debian's prometheus package into .fuyou/tools"
+        local tmp; tmp="$(mktemp -d)"
+        if (cd "$tmp" && { apt-get download prometheus >/dev/null 2>&1 \
+                || { [ "$(id -u)" -eq 0 ] && apt-get update -qq && apt-get download prometheus >/dev/null 2>&1; }; }); then
+            mkdir -p .fuyou/tools/bin
+            dpkg-deb -x "$tmp"/prometheus_*.deb .fuyou/tools/pkg
+            ln -sf "$PWD/.fuyou/tools/pkg/usr/bin/prometheus" .fuyou/tools/bin/prometheus
+            ln -sf "$PWD/.fuyou/tools/pkg/usr/bin/promtool" .fuyou/tools/bin/promtool
+        else
+            log "could not fetch prometheus: the Prometheus integration test will be skipped"
+        fi
+        rm -rf "$tmp"
+    fi
+}
+
 cmd="${1:-}"; shift || true
 case "$cmd" in
     demo) setup; exec .venv/bin/python examples/finetune.py "$@" ;;
     swap) setup; exec .venv/bin/python examples/swap_roundtrip.py "$@" ;;
-    test) setup; exec .venv/bin/python -m pytest "$@" ;;
+    test) setup; test_tools; exec .venv/bin/python -m pytest "$@" ;;
     setup) setup ;;
     *) echo "usage: ./run.sh demo|test|swap|setup [args]" >&2; exit 2 ;;
 esac

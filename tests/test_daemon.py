@@ -274,7 +274,7 @@ def test_sigterm_lets_in_flight_swaps_finish(short_tmp):
 def test_a_private_daemon_stops_when_its_parent_dies(short_tmp):
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import fuyou_client, time
-        d = fuyou_client.start_daemon({str(short_tmp / 'state')!r})
+        d = fuyou_client.start_daemon({str(short_tmp / 'state')!r}, config={SMALL!r})
         print(d.pid, flush=True)
         time.sleep(600)
     """)], stdout=subprocess.PIPE, text=True)
