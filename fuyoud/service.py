@@ -2,9 +2,9 @@
 
 The data-plane methods are here, the operator ones (Status, ListSessions, Drain,
 Checkpoint, Report) in fuyoud/admin.py. Every method here authenticates its session
-from the `x-fuyou-session` metadata, checks that the objects it names are in the session's namespace, and maps
-FuyouError subclasses to their gRPC status codes. Handlers are thin: the work is in
-the pool, the store and the session registry.
+from the `x-fuyou-session` metadata and checks that the objects it names are in the
+session's namespace; fuyoud/handler.py maps FuyouError subclasses to their gRPC status
+codes. Handlers are thin: the work is in the pool, the store and the session registry.
 """
 from __future__ import annotations
 
