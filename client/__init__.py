@@ -3,6 +3,7 @@
 `connect()` opens a session with the host's fuyoud; `start_daemon()` runs a private one.
 """
 from fuyou_client.buffers import SharedBuffer
+from fuyou_client.checkpoints import load_exported
 from fuyou_client.daemon import DaemonProcess, start_daemon
 from fuyou_client.engine import Engine, attach
 from fuyou_client.errors import (DaemonUnavailable, DataLoss, FuyouClientError, InvalidArgument, NamespaceBusy,
@@ -11,7 +12,7 @@ from fuyou_client.optim import SGD, AdamW, GroupInfo, StepInfo
 from fuyou_client.session import In, ObjectInfo, Out, Session, connect
 
 __all__ = [
-    "attach", "Engine", "connect", "Session", "AdamW", "SGD", "GroupInfo", "StepInfo", "SharedBuffer", "ObjectInfo", "In", "Out", "start_daemon", "DaemonProcess",
+    "attach", "Engine", "load_exported", "connect", "Session", "AdamW", "SGD", "GroupInfo", "StepInfo", "SharedBuffer", "ObjectInfo", "In", "Out", "start_daemon", "DaemonProcess",
     "FuyouClientError", "DaemonUnavailable", "DataLoss", "InvalidArgument", "NamespaceBusy", "ObjectNotFound",
     "PermissionDenied", "ResourceExhausted", "SessionClosed",
 ]

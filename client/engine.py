@@ -23,6 +23,7 @@ resident. Gradients of every group stay in shared memory (they accumulate there)
 from __future__ import annotations
 
 import math
+import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fuyou_client import checkpoints
 from fuyou_client.gradients import GradientPool
 from fuyou_client.grouping import ParamGroup, split
 from fuyou_client.offload import OffloadedGroup, Offloader
@@ -71,8 +73,11 @@ class _Group:
 class Engine:
     def __init__(self, model: nn.Module, session: Session, optimizer: AdamW | SGD, groups: list[ParamGroup],
                  max_grad_norm: float | None, accumulation_steps: int, owns_session: bool,
-                 offload: bool = True, prefetch: int = 2, keep: int = 0):
+                 offload: bool = True, prefetch: int = 2, keep: int = 0, resume: bool = False):
         self.model = model
+        self._resume = resume  # the groups exist in the daemon (restored): take their weights
+        self.checkpoint_extra = None  # what save_checkpoint(extra=...) kept, after a resume
+        self._checkpoint_lr: dict = {}
         self.session = session
         self.max_grad_norm = max_grad_norm
         self.accumulation_steps = accumulation_steps
@@ -142,9 +147,21 @@ class Engine:
         n = spec.numel
         params = [p for _, p in spec.params]
         shapes = [p.shape for p in params]
-        master = self.session.allocate(n * 4)
-        torch.cat([p.detach().reshape(-1).float() for p in params], out=master.tensor(torch.float32)[:n])
-        info = self.session.create_group(spec.name, master, optimizer, numel=n)
+        if self._resume:  # the parameters take the checkpoint's masters, cast as each step casts them
+            master, info = checkpoints.read_masters(self, spec.name, n)
+            if info.optimizer.to_pb() != optimizer.to_pb():
+                master.free()
+                raise ValueError(f"group {spec.name} was checkpointed with {info.optimizer}, not {optimizer}; "
+                                 "resume with the same optimizer settings (lr may differ)")
+            with torch.no_grad():
+                flat, offset = master.tensor(torch.float32)[:n], 0
+                for p in params:
+                    p.copy_(flat[offset:offset + p.numel()].view(p.shape))
+                    offset += p.numel()
+        else:
+            master = self.session.allocate(n * 4)
+            torch.cat([p.detach().reshape(-1).float() for p in params], out=master.tensor(torch.float32)[:n])
+            info = self.session.create_group(spec.name, master, optimizer, numel=n)
         pooled = offload and self._pool_grads
         grads = None if pooled else self.session.allocate(n * dtype.itemsize)
         if offload and dtype == torch.float32:  # the compute weights are the masters: read them in place
@@ -287,6 +304,33 @@ class Engine:
                 g.grads.tensor(torch.uint8).zero_()
             g.pending, g.backwards = len(g.spec.params), 0
 
+    def require_idle(self, what: str) -> None:
+        if any(g.submitted or g.future is not None or g.backwards for g in self.groups):
+            raise RuntimeError(f"{what} between iterations: call engine.step() first")
+
+    def save_checkpoint(self, directory, extra=None, mode: str = "auto", timeout: float = 60.0):
+        """Everything needed to resume: the daemon's optimizer state (master weights,
+        moments, step counts) and this engine's learning rate, plus ``extra`` (plain data:
+        scheduler.state_dict(), the data loader's position...), given back after
+        ``attach(model, resume=directory)`` as ``engine.checkpoint_extra``. ``directory``
+        is a new path on the daemon's host; on the SSD array's filesystem the checkpoint is
+        a snapshot (no bytes copied), elsewhere a copy (``mode`` forces either)."""
+        self.require_idle("save_checkpoint")
+        return self.session.checkpoint(directory, timeout, mode, checkpoints.client_state(self, extra))
+
+    def resume_lr(self) -> None:
+        """Set the learning rate (and a scheduler's initial_lr) back to the checkpoint's.
+        attach(resume=...) does it; call it again after creating an LR scheduler, whose
+        constructor sets the rate of its epoch 0, and loading its state_dict."""
+        self.optimizer.param_groups[0].update(self._checkpoint_lr)
+
+    def export(self, directory, dtype: torch.dtype | None = None):
+        """The trained weights as sharded safetensors (``from_pretrained`` reads the
+        directory; plain modules: ``load_state_dict(fuyou_client.load_exported(dir))``),
+        streamed from the SSD array one layer group at a time. ``dtype``: default, each
+        group's parameter dtype."""
+        return checkpoints.export(self, directory, dtype)
+
     def state_dict(self) -> dict:
         return {"lr": self.lr, "group_steps": {g.spec.name: self.session.group(g.spec.name).step
                                                for g in self.groups}}
@@ -332,11 +376,13 @@ class Engine:
 def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: Session | None = None,
            socket: str | None = None, namespace: str | None = None, blocks: list[nn.Module] | None = None,
            max_grad_norm: float | None = None, accumulation_steps: int = 1, offload: bool = True,
-           prefetch: int = 2, keep: int = 0) -> Engine:
+           prefetch: int = 2, keep: int = 0, resume: str | os.PathLike | None = None) -> Engine:
     """Hook ``model`` up to fuyoud: its optimizer state moves to the SSD array, each layer
     group is stepped by the daemon as soon as backward has finished it, and (``offload``)
     the blocks' weights are fetched ahead of use, ``prefetch`` blocks deep; the last
-    ``keep`` blocks stay in memory from forward to backward instead of being fetched twice."""
+    ``keep`` blocks stay in memory from forward to backward instead of being fetched twice.
+    ``resume``: a directory written by ``engine.save_checkpoint``; the model's weights,
+    the optimizer state, step counts and learning rate continue from it."""
     if accumulation_steps < 1:
         raise ValueError("accumulation_steps must be at least 1")
     groups = split(model, blocks)
@@ -345,8 +391,16 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
     owns = session is None
     session = session or connect(socket, namespace=namespace)
     try:
-        return Engine(model, session, optimizer or AdamW(), groups, max_grad_norm, accumulation_steps, owns,
-                      offload, prefetch, keep)
+        state = None
+        if resume is not None:
+            state = checkpoints.load_client_state(session.restore(resume).client_state)
+        engine = Engine(model, session, optimizer or AdamW(), groups, max_grad_norm, accumulation_steps, owns,
+                        offload, prefetch, keep, resume=state is not None)
+        if state is not None:
+            engine._checkpoint_lr = state["lr"] or {}
+            engine.resume_lr()
+            engine.checkpoint_extra = state["extra"]
+        return engine
     except BaseException:
         if owns:
             session.close()

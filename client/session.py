@@ -266,12 +266,26 @@ class Session:
         req = pb.FetchWeightsRequest(name=name, out=out.ref, out_dtype=DTYPE_NAMES[dtype])
         return _wrap_future(self._stub.FetchWeights.future(req, metadata=self._metadata), lambda r: r.served)
 
-    def checkpoint(self, directory: str | os.PathLike, timeout: float = 60.0) -> pb.CheckpointReply:
-        """Have the daemon copy this session's persistent objects (optimizer state
-        included) to ``directory``, an absolute path on the daemon's host that must not
-        exist yet, at a point between optimizer steps (see proto/fuyou.proto)."""
-        req = pb.CheckpointRequest(directory=os.fspath(directory), timeout_seconds=timeout)
-        return _call(self._stub.Checkpoint, req, self._metadata, timeout=timeout + 600)
+    def checkpoint(self, directory: str | os.PathLike, timeout: float = 60.0, mode: str = "auto",
+                   client_state: bytes = b"") -> pb.CheckpointReply:
+        """Have the daemon checkpoint this session's persistent objects (optimizer state
+        included) into ``directory``, an absolute path on the daemon's host that must not
+        exist yet, at a point between optimizer steps. ``mode``: "snapshot" (shares the
+        objects' extents on the array: no copy), "copy" (files in the directory), "auto"
+        (snapshot when the directory is on the array's filesystem). See proto/fuyou.proto."""
+        req = pb.CheckpointRequest(directory=os.fspath(directory), timeout_seconds=timeout, mode=mode,
+                                   client_state=client_state)
+        return _call(self._stub.Checkpoint, req, self._metadata, timeout=timeout + 3600)
+
+    def restore(self, directory: str | os.PathLike) -> pb.RestoreReply:
+        """Bring a checkpoint's objects into this session's namespace (all or nothing)."""
+        return _call(self._stub.Restore, pb.RestoreRequest(directory=os.fspath(directory)), self._metadata,
+                     timeout=3600)
+
+    def delete_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Remove a checkpoint: its directory and, for a snapshot, the extents it holds."""
+        _call(self._stub.DeleteCheckpoint, pb.DeleteCheckpointRequest(directory=os.fspath(directory)),
+              self._metadata, timeout=600)
 
     def report_async(self, iterations: int, iteration_seconds: float, exposed_optimizer_seconds: float,
                      activation_bytes_to_host: int = 0, activation_bytes_to_ssd: int = 0) -> Future:

@@ -17,7 +17,7 @@ import grpc
 
 from fuyou_proto import ADMIN_METADATA_KEY, pb
 from fuyoud import __version__
-from fuyoud.checkpoint import checkpoint
+from fuyoud import checkpoint as ckpt
 from fuyoud.errors import InvalidArgument, PermissionDenied
 from fuyoud.handler import ServicerBase, handler
 from fuyoud.sessions import Session
@@ -80,20 +80,36 @@ class AdminMethods(ServicerBase):
         if self._is_admin(context):
             if not request.session_id:
                 raise InvalidArgument("an operator's checkpoint names its session (session_id)")
-            session = self.daemon.sessions.by_id(request.session_id)
+            session, caller = self.daemon.sessions.by_id(request.session_id), None
         else:
-            session = self._session(context)
+            session = caller = self._session(context)
             if request.session_id not in (0, session.id):
                 raise PermissionDenied(
                     f"session {session.id} may checkpoint only itself, not session {request.session_id} "
                     "(operators: fuyouctl checkpoint, with the admin token)")
         if request.timeout_seconds < 0:
             raise InvalidArgument(f"timeout_seconds must not be negative, got {request.timeout_seconds}")
-        result = checkpoint(self.daemon, session.namespace, request.directory,
-                            request.timeout_seconds or DEFAULT_CHECKPOINT_TIMEOUT)
-        self.daemon.metrics.observe_checkpoint(result.seconds, result.bytes)
+        target = ckpt.checkpoint_path(self.daemon, request.directory, caller)
+        result = ckpt.checkpoint(self.daemon, session.namespace, target,
+                                 request.timeout_seconds or DEFAULT_CHECKPOINT_TIMEOUT, request.mode or "auto",
+                                 request.client_state)
+        self.daemon.metrics.observe_checkpoint(result.mode, result.seconds, result.bytes)
         return pb.CheckpointReply(directory=result.directory, namespace=result.namespace, objects=result.objects,
-                                  bytes=result.bytes, step=result.step, seconds=result.seconds)
+                                  bytes=result.bytes, step=result.step, seconds=result.seconds, mode=result.mode)
+
+    @handler
+    def Restore(self, request, context):
+        session = self._session(context)
+        result = ckpt.restore(self.daemon, session, ckpt.checkpoint_path(self.daemon, request.directory, session))
+        return pb.RestoreReply(namespace=result.namespace, step=result.step, objects=result.objects,
+                               bytes=result.bytes, mode=result.mode, client_state=result.client_state,
+                               seconds=result.seconds)
+
+    @handler
+    def DeleteCheckpoint(self, request, context):
+        caller = None if self._is_admin(context) else self._session(context)
+        ckpt.delete(self.daemon, caller, ckpt.checkpoint_path(self.daemon, request.directory, caller))
+        return pb.Empty()
 
     @handler
     def Report(self, request, context):

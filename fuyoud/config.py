@@ -56,6 +56,10 @@ class DaemonSection:
     log_level: str = "info"
     # "auto": the journald format when stderr is the journal (under systemd), else logfmt.
     log_format: str = "auto"
+    # Where clients of other uids may have the daemon write and read checkpoints (it acts
+    # with its own permissions there); empty means "<state_dir>/checkpoints". Clients of
+    # the daemon's own uid, root and operators may name any directory.
+    checkpoint_dirs: list[Path] = field(default_factory=list)
 
     @property
     def socket_gid(self) -> int:
@@ -132,6 +136,10 @@ class Config:
     @property
     def data_dirs(self) -> list[Path]:
         return self.storage.data_dirs or [self.daemon.state_dir / "data"]
+
+    @property
+    def checkpoint_dirs(self) -> list[Path]:
+        return self.daemon.checkpoint_dirs or [self.daemon.state_dir / "checkpoints"]
 
     @property
     def session_budget(self) -> int:

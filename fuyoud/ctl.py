@@ -129,13 +129,14 @@ def cmd_drain(args, stub) -> int:
 
 def cmd_checkpoint(args, stub) -> int:
     directory = Path(args.directory).absolute()
-    req = pb.CheckpointRequest(session_id=args.session, directory=str(directory), timeout_seconds=args.step_timeout)
+    req = pb.CheckpointRequest(session_id=args.session, directory=str(directory), timeout_seconds=args.step_timeout,
+                               mode=args.mode)
     reply = stub.Checkpoint(req, metadata=_admin_metadata(args), timeout=args.step_timeout + 3600)
     if args.json:
         _print_json(reply)
     else:
-        print(f"checkpoint of session {args.session} ({reply.namespace}) at step {reply.step}: {reply.objects} "
-              f"objects, {format_size(reply.bytes)} in {reply.seconds:.2f} s -> {reply.directory}")
+        print(f"checkpoint ({reply.mode}) of session {args.session} ({reply.namespace}) at step {reply.step}: "
+              f"{reply.objects} objects, {format_size(reply.bytes)} in {reply.seconds:.2f} s -> {reply.directory}")
     return 0
 
 
@@ -167,6 +168,9 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("checkpoint", help="copy a session's persistent state to a directory")
     s.add_argument("session", type=int, help="session id (see `fuyouctl sessions`)")
     s.add_argument("directory", help="a new directory on the daemon's host")
+    s.add_argument("--mode", choices=["auto", "snapshot", "copy"], default="auto",
+                   help="snapshot: share the objects' extents on the SSD array (no copy); copy: files in "
+                        "DIR; auto: snapshot when DIR is on the array's filesystem")
     s.add_argument("--step-timeout", type=float, default=60.0,
                    help="wait at most this long for a point between optimizer steps")
     s.add_argument("--json", action="store_true")

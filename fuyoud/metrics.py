@@ -55,9 +55,11 @@ class Metrics:
             buckets=LATENCY_BUCKETS, registry=r)
         self.optimizer_prefetched = Counter("fuyoud_optimizer_prefetched_steps",
                                             "Group steps whose state had been read ahead", registry=r)
-        self.checkpoint_seconds = Histogram("fuyoud_checkpoint_duration_seconds", "Time to write a checkpoint",
-                                            buckets=CHECKPOINT_BUCKETS, registry=r)
-        self.checkpoint_bytes = Counter("fuyoud_checkpoint_bytes", "Bytes written to checkpoints", registry=r)
+        self.checkpoint_seconds = Histogram("fuyoud_checkpoint_duration_seconds", "Time to take a checkpoint, by mode",
+                                            ["mode"], buckets=CHECKPOINT_BUCKETS, registry=r)
+        self.checkpoint_bytes = Counter(
+            "fuyoud_checkpoint_bytes", "Bytes of the objects checkpointed (copied to files, or shared by a snapshot)",
+            ["mode"], registry=r)
         # Reported by clients (fuyou_client's engine, once per engine.step()).
         self.client_iterations = Counter("fuyoud_client_iterations", "Training iterations reported by clients",
                                          registry=r)
@@ -84,9 +86,9 @@ class Metrics:
             self.optimizer_seconds.labels(phase).observe(seconds)
         self.optimizer_step_seconds.observe(result.read_s + result.compute_s + result.write_s)
 
-    def observe_checkpoint(self, seconds: float, nbytes: int) -> None:
-        self.checkpoint_seconds.observe(seconds)
-        self.checkpoint_bytes.inc(nbytes)
+    def observe_checkpoint(self, mode: str, seconds: float, nbytes: int) -> None:
+        self.checkpoint_seconds.labels(mode).observe(seconds)
+        self.checkpoint_bytes.labels(mode).inc(nbytes)
 
     def observe_report(self, report) -> None:
         self.client_iterations.inc(report.iterations)

@@ -37,6 +37,17 @@ def _check_name(name: str) -> str:
     return name
 
 
+RESERVED = {"optim/": "optimizer groups", "snapshots/": "checkpoint snapshots"}
+
+
+def _check_writable(name: str) -> str:
+    """Names a client may write directly (the reserved prefixes belong to the daemon)."""
+    for prefix, owner in RESERVED.items():
+        if name.startswith(prefix):
+            raise InvalidArgument(f"object names under {prefix!r} belong to {owner}: {name!r}")
+    return name
+
+
 def _spec(msg: pb.OptimizerSpec) -> OptimizerSpec:
     return OptimizerSpec(msg.kind, msg.beta1, msg.beta2, msg.eps, msg.weight_decay, msg.momentum,
                          msg.dampening, msg.nesterov)
@@ -90,8 +101,7 @@ class FuyouServicer(AdminMethods, rpc.FuyouServicer):
         items, seen = [], set()
         for it in request.items:
             name = _check_name(it.name)
-            if name.startswith("optim/"):
-                raise InvalidArgument(f"object names under 'optim/' belong to optimizer groups: {name!r}")
+            _check_writable(name)
             if name in seen:
                 raise InvalidArgument(f"object {name!r} appears twice in one SwapOut")
             seen.add(name)
@@ -177,9 +187,7 @@ class FuyouServicer(AdminMethods, rpc.FuyouServicer):
         scale = request.grad_scale if request.HasField("grad_scale") else 1.0
         weights_object = ""
         if request.weights_object:
-            weights_object = _check_name(request.weights_object)
-            if weights_object.startswith("optim/"):
-                raise InvalidArgument(f"object names under 'optim/' belong to optimizer groups: {weights_object!r}")
+            weights_object = _check_writable(_check_name(request.weights_object))
         result = opt.step(group, grads, request.grad_dtype, out, request.out_dtype, request.lr, scale, session.id,
                           weights_object)
         self.daemon.metrics.observe_step(result)

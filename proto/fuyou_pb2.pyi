@@ -355,27 +355,63 @@ class DrainReply(_message.Message):
     def __init__(self, draining: _Optional[bool] = ..., sessions: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("session_id", "directory", "timeout_seconds")
+    __slots__ = ("session_id", "directory", "timeout_seconds", "mode", "client_state")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_STATE_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     directory: str
     timeout_seconds: float
-    def __init__(self, session_id: _Optional[int] = ..., directory: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    mode: str
+    client_state: bytes
+    def __init__(self, session_id: _Optional[int] = ..., directory: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., client_state: _Optional[bytes] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("directory",)
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+
+class RestoreReply(_message.Message):
+    __slots__ = ("namespace", "step", "objects", "bytes", "mode", "client_state", "seconds")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_STATE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    step: int
+    objects: int
+    bytes: int
+    mode: str
+    client_state: bytes
+    seconds: float
+    def __init__(self, namespace: _Optional[str] = ..., step: _Optional[int] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ..., mode: _Optional[str] = ..., client_state: _Optional[bytes] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class DeleteCheckpointRequest(_message.Message):
+    __slots__ = ("directory",)
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    def __init__(self, directory: _Optional[str] = ...) -> None: ...
 
 class CheckpointReply(_message.Message):
-    __slots__ = ("directory", "namespace", "objects", "bytes", "step", "seconds")
+    __slots__ = ("directory", "namespace", "objects", "bytes", "step", "seconds", "mode")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     directory: str
     namespace: str
     objects: int
     bytes: int
     step: int
     seconds: float
-    def __init__(self, directory: _Optional[str] = ..., namespace: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    mode: str
+    def __init__(self, directory: _Optional[str] = ..., namespace: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ..., mode: _Optional[str] = ...) -> None: ...

@@ -119,6 +119,16 @@ class FuyouStub:
                 request_serializer=fuyou__proto_dot_fuyou__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=fuyou__proto_dot_fuyou__pb2.CheckpointReply.FromString,
                 _registered_method=True)
+        self.Restore = channel.unary_unary(
+                '/fuyou.v1.Fuyou/Restore',
+                request_serializer=fuyou__proto_dot_fuyou__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=fuyou__proto_dot_fuyou__pb2.RestoreReply.FromString,
+                _registered_method=True)
+        self.DeleteCheckpoint = channel.unary_unary(
+                '/fuyou.v1.Fuyou/DeleteCheckpoint',
+                request_serializer=fuyou__proto_dot_fuyou__pb2.DeleteCheckpointRequest.SerializeToString,
+                response_deserializer=fuyou__proto_dot_fuyou__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class FuyouServicer:
@@ -253,6 +263,21 @@ class FuyouServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Restore(self, request, context):
+        """Bring a checkpoint's objects back into the calling session's namespace (replacing
+        objects of the same names), after checking them (crc32 of copies); all or nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteCheckpoint(self, request, context):
+        """Remove a checkpoint: its directory and, for a snapshot, the objects it holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FuyouServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -340,6 +365,16 @@ def add_FuyouServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=fuyou__proto_dot_fuyou__pb2.CheckpointRequest.FromString,
                     response_serializer=fuyou__proto_dot_fuyou__pb2.CheckpointReply.SerializeToString,
+            ),
+            'Restore': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=fuyou__proto_dot_fuyou__pb2.RestoreRequest.FromString,
+                    response_serializer=fuyou__proto_dot_fuyou__pb2.RestoreReply.SerializeToString,
+            ),
+            'DeleteCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteCheckpoint,
+                    request_deserializer=fuyou__proto_dot_fuyou__pb2.DeleteCheckpointRequest.FromString,
+                    response_serializer=fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -801,6 +836,60 @@ class Fuyou:
             '/fuyou.v1.Fuyou/Checkpoint',
             fuyou__proto_dot_fuyou__pb2.CheckpointRequest.SerializeToString,
             fuyou__proto_dot_fuyou__pb2.CheckpointReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuyou.v1.Fuyou/Restore',
+            fuyou__proto_dot_fuyou__pb2.RestoreRequest.SerializeToString,
+            fuyou__proto_dot_fuyou__pb2.RestoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuyou.v1.Fuyou/DeleteCheckpoint',
+            fuyou__proto_dot_fuyou__pb2.DeleteCheckpointRequest.SerializeToString,
+            fuyou__proto_dot_fuyou__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
 import socket
@@ -17,7 +16,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import fuyou_client
@@ -120,7 +118,7 @@ def trained_daemon(tmp_path_factory):
     model = Blocks()
     engine = fuyou_client.attach(model, socket=d.socket)
     train(engine, model, 4)
-    engine.session.checkpoint(root / "ckpt")
+    engine.session.checkpoint(root / "ckpt", mode="copy")
     with pytest.raises(fuyou_client.ObjectNotFound):
         engine.session.stat("no-such-object")
     time.sleep(0.3)
@@ -174,7 +172,7 @@ def test_metrics_cover_what_operators_need_with_help_text(trained_daemon):
     assert samples[("fuyoud_errors_total", (("kind", "not_found"),))] == 1
     written = sum(v for (n, labels), v in samples.items()
                   if n == "fuyoud_device_lifetime_bytes_total" and ("direction", "write") in labels)
-    assert written >= samples[("fuyoud_checkpoint_bytes_total", ())] > 0
+    assert written >= samples[("fuyoud_checkpoint_bytes_total", (("mode", "copy"),))] > 0
     assert {s.labels["device"] for s in fams["fuyoud_io_queue_depth"].samples} == {"0", "1"}
 
 

@@ -110,8 +110,11 @@ def check_checkpoint(directory: Path, session) -> dict:
     manifest = json.loads((directory / "manifest.json").read_text())
     assert manifest["format"] == "fuyou-checkpoint/1"
     for obj in manifest["objects"]:
-        data = (directory / obj["file"]).read_bytes()
-        assert len(data) == obj["size"] and zlib.crc32(data) == obj["crc32"]
+        if manifest["mode"] == "copy":
+            data = (directory / obj["file"]).read_bytes()
+            assert len(data) == obj["size"] and zlib.crc32(data) == obj["crc32"]
+        else:  # a snapshot: the object lives on in the array under its snapshot name
+            assert read_object(session, obj["snapshot"], obj["size"])
     return manifest
 
 
@@ -123,8 +126,8 @@ def test_checkpoint_of_a_training_session_while_it_trains(daemon, short_tmp):
         sid = int(json.loads(fuyouctl(daemon, "sessions", "--json").stdout)["sessions"][0]["id"])
         # Quiet point: the checkpoint holds exactly what the store holds.
         quiet = short_tmp / "quiet"
-        out = fuyouctl(daemon, "checkpoint", str(sid), str(quiet)).stdout
-        assert "at step 2" in out and str(quiet) in out
+        out = fuyouctl(daemon, "checkpoint", "--mode", "copy", str(sid), str(quiet)).stdout
+        assert "(copy)" in out and "at step 2" in out and str(quiet) in out
         manifest = check_checkpoint(quiet, engine.session)
         assert {g["name"] for g in manifest["groups"]} == {g.spec.name for g in engine.groups}
         assert {g["step"] for g in manifest["groups"]} == {2} and manifest["step"] == 2
@@ -147,10 +150,10 @@ def test_checkpoint_of_a_training_session_while_it_trains(daemon, short_tmp):
         trainer.start()
         try:
             busy = []
-            for i in range(3):
-                reply = engine.session.checkpoint(short_tmp / f"busy{i}", timeout=30)
+            for i, mode in enumerate(["copy", "snapshot", "copy", "snapshot"]):
+                reply = engine.session.checkpoint(short_tmp / f"busy{i}", timeout=30, mode=mode)
                 busy.append(check_checkpoint(Path(reply.directory), engine.session))
-                assert reply.step == busy[-1]["step"]
+                assert reply.step == busy[-1]["step"] and reply.mode == busy[-1]["mode"] == mode
         finally:
             stop.set()
             trainer.join()
@@ -167,8 +170,9 @@ def test_checkpoint_of_a_training_session_while_it_trains(daemon, short_tmp):
         assert refused.returncode == 1 and "no live session" in refused.stderr
     assert not list(short_tmp.glob("*.partial-*"))
     m = scrape(daemon.status().metrics_url)
-    assert m["fuyoud_checkpoint_duration_seconds_count"] == 4
-    assert m["fuyoud_checkpoint_bytes_total"] > 0
+    assert m['fuyoud_checkpoint_duration_seconds_count{mode="copy"}'] == 3
+    assert m['fuyoud_checkpoint_duration_seconds_count{mode="snapshot"}'] == 2
+    assert m['fuyoud_checkpoint_bytes_total{mode="copy"}'] > 0
 
 
 def test_a_session_may_checkpoint_only_itself(daemon, short_tmp):

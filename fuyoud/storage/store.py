@@ -21,6 +21,7 @@ from fuyoud.io.engine import IOEngine, IORequest, IOResult, Op
 from fuyoud.memory.segment import buffer_address
 from fuyoud.memory.staging import StagingPool
 from fuyoud.storage.device import Device
+from fuyoud.storage.extents import ExtentRefs
 from fuyoud.storage.index import IndexDB, ObjectMeta
 from fuyoud.storage.layout import Extent, Layout, extent_lengths
 from fuyoud.units import align_down, align_up, format_size
@@ -95,10 +96,10 @@ class Store:
         self._in_flight = [0] * len(self.devices)
         self._lifetime_base = {(d.index, direction): int(self.index_db.get_meta(f"lifetime_{direction}:{d.index}") or 0)
                                for d in self.devices for direction in ("read", "write")}
+        self._extents = ExtentRefs(self.devices)
         self._check_devices()
         for meta in index.load():
-            for ext in meta.layout.extents:
-                self.devices[ext.device].allocator.reserve(ext.offset, ext.length)
+            self._extents.load(meta.layout)
             self._objects[meta.key] = _Entry(meta)
         self._next_version = 1 + max((m.meta.version for m in self._objects.values()), default=0)
         if self._objects:
@@ -161,7 +162,9 @@ class Store:
                     "on one of them); delete objects or add capacity") from None
             version = self._next_version
             self._next_version += 1
-        return ObjectMeta(namespace, name, size, False, version, Layout(size, self.stripe_size, tuple(extents)))
+            layout = Layout(size, self.stripe_size, tuple(extents))
+            self._extents.adopt(layout)
+        return ObjectMeta(namespace, name, size, False, version, layout)
 
     def _commit(self, metas: list[ObjectMeta]) -> None:
         persistent = [m for m in metas if m.persistent]
@@ -178,6 +181,46 @@ class Store:
                 self._objects[m.key] = _Entry(m)
                 if old is not None:
                     self._retire(old)
+
+    def open_write(self, namespace: str, name: str, size: int, persistent: bool = True,
+                   session_id: int = 0) -> "PendingWrite":
+        """An object written in pieces (from a file, say) and committed at the end, as
+        ``write`` commits: the old version, if any, stays until then."""
+        return PendingWrite(self, replace(self._allocate(namespace, name, size), persistent=persistent,
+                                          session_id=session_id))
+
+    def commit_writes(self, pending: Sequence["PendingWrite"]) -> list[ObjectMeta]:
+        """Commit several pieced writes in one index transaction (all or none)."""
+        metas = [w.meta for w in pending]
+        self._commit(metas)
+        for w in pending:
+            w._open = False
+        return metas
+
+    def link(self, src_namespace: str, namespace: str, pairs: Sequence[tuple[str, str]]) -> list[ObjectMeta]:
+        """Make each ``namespace/dst`` a persistent object with the bytes of persistent
+        object ``src_namespace/src`` by sharing its extents (no copy): snapshots and
+        their restore. All pairs commit in one index transaction; a ``dst`` that existed
+        is replaced."""
+        with self._lock:
+            metas = []
+            for src, dst in pairs:
+                meta = self._get(src_namespace, src).meta
+                if not meta.persistent:
+                    raise InvalidArgument(f"object {src_namespace}/{src} is transient: only persistent objects "
+                                          "are linked")
+                metas.append(replace(meta, namespace=namespace, name=dst, version=self._next_version, session_id=0))
+                self._next_version += 1
+            if len({m.name for m in metas}) != len(metas):
+                raise InvalidArgument("a link target appears twice")
+            self.index_db.commit(metas)
+            for m in metas:
+                self._extents.share(m.layout)
+                old = self._objects.get(m.key)
+                self._objects[m.key] = _Entry(m)
+                if old is not None:
+                    self._retire(old)
+        return metas
 
     # -- reading ------------------------------------------------------------------------
     def read(self, items: Sequence[ReadItem]) -> None:
@@ -372,8 +415,7 @@ class Store:
     def _free_layouts(self, layouts: Iterable[Layout], locked: bool = False) -> None:
         def free():
             for layout in layouts:
-                for e in layout.extents:
-                    self.devices[e.device].allocator.free(e.offset, e.length)
+                self._extents.release(layout)
         if locked:
             free()
         else:
@@ -410,3 +452,35 @@ class Store:
                 d.sync()
                 d.close()
             self.index_db.close()
+
+
+class PendingWrite:
+    def __init__(self, store: Store, meta: ObjectMeta):
+        self.store, self.meta = store, meta
+        self._open = True
+
+    def write(self, offset: int, src: memoryview) -> None:
+        """Bytes [offset, offset + len(src)) of the object; offsets are 4 KiB aligned."""
+        if offset % BLOCK or offset < 0 or offset + len(src) > self.meta.size:
+            raise InvalidArgument(f"piece [{offset}, {offset + len(src)}) of {self.meta.name!r} is unaligned or "
+                                  f"outside its {self.meta.size} bytes")
+        batch = _Batch()
+        self.store._plan(batch, 0, self.meta.layout, offset, src, Op.WRITE)
+        errors = self.store._execute(batch, Op.WRITE, [WriteItem(self.meta.namespace, self.meta.name, src)])
+        if errors:
+            self.abort()
+            raise errors[0]
+
+    def commit(self) -> ObjectMeta:
+        self._open = False
+        try:
+            self.store._commit([self.meta])
+        except BaseException:
+            self.store._free_layouts([self.meta.layout])
+            raise
+        return self.meta
+
+    def abort(self) -> None:
+        if self._open:
+            self._open = False
+            self.store._free_layouts([self.meta.layout])

@@ -1,0 +1,117 @@
+"""The engine's checkpoints and exports.
+
+* ``save_checkpoint``: the daemon checkpoints the session's optimizer state (master
+  weights, moments, step counts) between two steps (see fuyoud/checkpoint.py); the
+  client's own state (learning rate, the caller's ``extra``: scheduler state, data
+  position) travels with it as ``client_state``.
+* resume: ``attach(model, resume=dir)`` restores the objects into the new session's
+  namespace, then builds its groups from them: the parameters take the checkpoint's
+  master weights (cast to their dtype, as every step does), so training continues
+  bitwise as if it had never stopped.
+* ``export``: the trained weights as sharded safetensors (one shard per layer group,
+  with ``model.safetensors.index.json``, the layout ``from_pretrained`` reads; plain
+  modules: ``model.load_state_dict(load_exported(dir))``), streamed from the SSD array
+  one group at a time.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+if TYPE_CHECKING:
+    from fuyou_client.engine import Engine
+
+CLIENT_STATE_FORMAT = 1
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def client_state(engine: "Engine", extra: Any) -> bytes:
+    buf = io.BytesIO()
+    groups = engine.optimizer.param_groups[0]
+    lr_state = {k: v for k, v in groups.items() if k in ("lr", "initial_lr")}
+    torch.save({"format": CLIENT_STATE_FORMAT, "lr": lr_state, "extra": extra}, buf)
+    return buf.getvalue()
+
+
+def load_client_state(data: bytes) -> dict:
+    """Plain data only (weights_only): a checkpoint cannot run code in the client."""
+    if not data:
+        return {"lr": None, "extra": None}
+    state = torch.load(io.BytesIO(data), weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != CLIENT_STATE_FORMAT:
+        raise ValueError("the checkpoint's client state is not one this version of fuyou_client reads")
+    return state
+
+
+def read_masters(engine: "Engine", name: str, numel: int):
+    """A group's fp32 master weights, from its state object on the SSD array, into a new
+    shared buffer (the caller frees it)."""
+    info = engine.session.group(name)
+    if info.numel != numel:
+        raise ValueError(f"group {name} has {info.numel} parameters in the daemon, {numel} in this model: "
+                         "the checkpoint is of another model")
+    buf = engine.session.allocate(numel * 4)
+    engine.session.swap_in(f"optim/{name}", buf, length=numel * 4, object_offset=info.weights_offset)
+    return buf, info
+
+
+def export(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+    """Write the trained weights (and the model's persistent buffers) to ``directory``;
+    holds one layer group in memory at a time."""
+    engine.require_idle("export")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    model = engine.model
+    names = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    keys = set(model.state_dict().keys())
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers() if n in keys}
+    count = len(engine.groups)
+    weight_map, total = {}, 0
+    for i, g in enumerate(engine.groups):
+        n = g.spec.numel
+        buf, _ = read_masters(engine, g.spec.name, n)
+        try:
+            flat = buf.tensor(torch.float32)[:n]
+            tensors, offset = {}, 0
+            for j, (_, p) in enumerate(g.spec.params):
+                shape = g.offloaded.shapes[j] if g.offloaded is not None else p.shape
+                k = shape.numel()
+                tensors[names[id(p)]] = flat[offset:offset + k].view(shape).to(dtype or g.dtype, copy=True)
+                offset += k
+        finally:
+            buf.free()
+        if i == count - 1:
+            tensors.update(buffers)
+        shard = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+        save_file(tensors, out / shard, metadata={"format": "pt"})
+        for key, t in tensors.items():
+            weight_map[key] = shard
+            total += t.numel() * t.element_size()
+        del tensors
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                             indent=2))
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(out)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and hasattr(generation, "save_pretrained"):
+            generation.save_pretrained(out)
+    return out
+
+
+def load_exported(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """An exported directory as one state dict (for ``load_state_dict``)."""
+    root = Path(directory)
+    index = json.loads((root / INDEX_FILE).read_text())
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        state.update(load_file(root / shard))
+    return state

@@ -1,0 +1,165 @@
+"""Checkpoints, resume and export: a resumed run continues bitwise like one that never
+stopped; snapshots share extents; copies are checked; exports load with transformers."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import fuyou_client
+from conftest import SMALL, merge
+
+transformers = pytest.importorskip("transformers")
+CONFIG = merge(SMALL, {"optimizer": {"buffer_budget": "12MiB", "buffers": 3}})
+HYPER = dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+
+
+def gpt2(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=32,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+BATCHES = [torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+
+def schedule(step):
+    return 1.0 / (1 + step)
+
+
+def run(model, engine, sched, batches):
+    for x in batches:
+        model(x, labels=x).loss.backward()
+        engine.step()
+        engine.zero_grad()
+        sched.step()
+
+
+def start(root):
+    return fuyou_client.start_daemon(root / "state", config=merge(CONFIG, {"storage": {"data_dirs": [
+        str(root / "ssd0"), str(root / "ssd1")]}}))
+
+
+def params(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "copy"])
+def test_resume_continues_bitwise_like_a_run_that_never_stopped(short_tmp, mode):
+    d = start(short_tmp)
+    try:
+        # The run that never stops: 3 steps, checkpoint, 3 more.
+        model = gpt2()
+        engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), socket=d.socket)
+        sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule)
+        run(model, engine, sched, BATCHES[:3])
+        reply = engine.save_checkpoint(short_tmp / "ckpt", extra={"sched": sched.state_dict(), "batch": 3},
+                                       mode=mode)
+        assert reply.mode == mode and reply.step == 3
+        run(model, engine, sched, BATCHES[3:])
+        engine.close()
+        uninterrupted = params(model)
+        if mode == "snapshot":  # the snapshot outlives the daemon
+            assert d.stop() == 0, d.log()
+            d = start(short_tmp)
+
+        # The resumed run: another process's fresh model (other random weights).
+        resumed = gpt2(seed=123)
+        engine = fuyou_client.attach(resumed, fuyou_client.AdamW(**HYPER), socket=d.socket, resume=short_tmp / "ckpt")
+        assert engine.checkpoint_extra["batch"] == 3
+        sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule)
+        sched.load_state_dict(engine.checkpoint_extra["sched"])
+        engine.resume_lr()
+        assert engine.lr == HYPER["lr"] * schedule(3)
+        assert engine.state_dict()["group_steps"] == {g.spec.name: 3 for g in engine.groups}
+        run(resumed, engine, sched, BATCHES[3:])
+        engine.close()
+        for name, value in params(resumed).items():
+            assert torch.equal(value, uninterrupted[name]), name
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_snapshots_share_extents_and_deleting_one_frees_them(short_tmp):
+    d = start(short_tmp)
+    try:
+        model = gpt2()
+        engine = fuyou_client.attach(model, socket=d.socket)
+        sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule)
+        run(model, engine, sched, BATCHES[:1])
+        used = lambda: sum(dev.used_bytes for dev in d.status().devices)  # noqa: E731
+        before = used()
+        engine.save_checkpoint(short_tmp / "snap")
+        assert used() == before  # nothing copied
+        snap_objects = engine.session.objects("snapshots/")
+        assert len(snap_objects) == len(engine.groups)
+        run(model, engine, sched, BATCHES[1:3])  # new versions: the snapshot keeps the old extents
+        state = sum(o.size for o in engine.session.objects("optim/"))
+        assert used() >= before + state - (1 << 20)
+        engine.session.delete_checkpoint(short_tmp / "snap")
+        assert not (short_tmp / "snap").exists() and not engine.session.objects("snapshots/")
+        assert used() <= before + (1 << 20)
+        with pytest.raises(fuyou_client.InvalidArgument, match="belong to checkpoint snapshots"):
+            engine.session.swap_out("snapshots/mine", engine.session.allocate(4096), persistent=True)
+        engine.close()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_corrupt_copy_is_refused_and_nothing_is_restored(short_tmp):
+    d = start(short_tmp)
+    try:
+        model = gpt2()
+        engine = fuyou_client.attach(model, socket=d.socket, namespace="run1")
+        sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule)
+        run(model, engine, sched, BATCHES[:1])
+        engine.save_checkpoint(short_tmp / "copy", mode="copy")
+        engine.close()
+        manifest = json.loads((short_tmp / "copy" / "manifest.json").read_text())
+        victim = short_tmp / "copy" / manifest["objects"][-1]["file"]
+        data = bytearray(victim.read_bytes())
+        data[5000] ^= 0x01
+        victim.write_bytes(bytes(data))
+        with fuyou_client.connect(d.socket, namespace="run2") as s:
+            with pytest.raises(fuyou_client.DataLoss, match=f"{victim.name}.*corrupt"):
+                s.restore(short_tmp / "copy")
+            assert s.objects() == []  # all or nothing
+            with pytest.raises(fuyou_client.ObjectNotFound, match="no checkpoint"):
+                s.restore(short_tmp / "nowhere")
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_export_loads_with_from_pretrained_and_load_state_dict(short_tmp):
+    d = start(short_tmp)
+    try:
+        model = gpt2()
+        engine = fuyou_client.attach(model, socket=d.socket)
+        sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule)
+        run(model, engine, sched, BATCHES[:2])
+        out = engine.export(short_tmp / "export")
+        engine.close()  # materialises the trained weights in `model`
+        loaded = transformers.GPT2LMHeadModel.from_pretrained(out)
+        assert len(list(out.glob("*.safetensors"))) == len(engine.groups)
+        trained = model.state_dict()
+        for name, value in loaded.state_dict().items():
+            assert torch.equal(value, trained[name]), name
+
+        mlp = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+        engine = fuyou_client.attach(mlp, socket=d.socket, blocks=[mlp[0], mlp[2]], offload=False)
+        mlp(torch.randn(4, 8)).sum().backward()
+        engine.step()
+        out = engine.export(short_tmp / "mlp", dtype=torch.float32)
+        engine.close()
+        fresh = copy.deepcopy(mlp)
+        for p in fresh.parameters():
+            nn.init.zeros_(p)
+        fresh.load_state_dict(fuyou_client.load_exported(out))
+        for (name, a), b in zip(fresh.state_dict().items(), mlp.state_dict().values()):
+            assert torch.equal(a, b), name
+    finally:
+        assert d.stop() == 0, d.log()
