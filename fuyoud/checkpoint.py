@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fuyoud import __version__
+from fuyoud import __version__, failpoints
 from fuyoud.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from fuyoud.memory.hugepages import huge_page_buffer
 from fuyoud.optimizer.groups import HEADER, Group
@@ -135,16 +135,21 @@ def checkpoint(daemon: "Daemon", namespace: str, target: Path, timeout: float = 
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     store = daemon.store
     entries, links = [], []
+    # Until DIR exists the checkpoint is marked pending in the index: a crash in between
+    # leaves a partial directory and, for a snapshot, objects no manifest names; the next
+    # start removes both (recover()).
+    snap = f"{SNAPSHOTS}{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}/" if mode == "snapshot" else ""
+    pending = _pending_key(namespace, snap)
+    store.index_db.set_meta(pending, str(target))
     try:
         (partial / "objects").mkdir(parents=True)
         if mode == "snapshot":
-            snap = f"{SNAPSHOTS}{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}/"
-
             def link():
                 names = [m.name for m in store.list(namespace) if m.persistent and not m.name.startswith(SNAPSHOTS)]
                 return store.link(namespace, namespace, [(n, snap + n) for n in names])
 
             links, step = _at_common_step(daemon, namespace, timeout, link)
+            failpoints.hit("checkpoint.linked")
             objects = [{"name": m.name[len(snap):], "snapshot": m.name, "size": m.size, "version": m.version}
                        for m in links]
             groups = _groups_from_headers(daemon, namespace, [m.name for m in links])
@@ -153,6 +158,7 @@ def checkpoint(daemon: "Daemon", namespace: str, target: Path, timeout: float = 
                                             lambda: [e for e in store.pin(namespace)
                                                      if not e.meta.name.startswith(SNAPSHOTS)])
             objects, groups = _copy_all(daemon, entries, partial)
+            failpoints.hit("checkpoint.copied")
         manifest = {"format": FORMAT, "mode": mode, "fuyoud_version": __version__, "namespace": namespace,
                     "step": step, "created": time.time(), "groups": groups, "objects": objects}
         _write_file(partial / "client_state.bin", client_state)
@@ -163,12 +169,12 @@ def checkpoint(daemon: "Daemon", namespace: str, target: Path, timeout: float = 
         _fsync_dir(target.parent)
     except BaseException as exc:
         shutil.rmtree(partial, ignore_errors=True)
-        if links:
-            store.delete(namespace, [m.name for m in links], missing_ok=True)
+        store.delete(namespace, [m.name for m in links], missing_ok=True)
         if isinstance(exc, OSError):
             raise FailedPrecondition(f"cannot write checkpoint {target}: {exc}") from None
         raise
     finally:
+        store.index_db.delete_meta(pending)
         store.unpin(entries)
     total = sum(o["size"] for o in objects)
     seconds = time.perf_counter() - t0
@@ -226,6 +232,30 @@ def _copy_out(daemon: "Daemon", entry, buf: memoryview, path: Path) -> tuple[int
     finally:
         os.close(fd)
     return crc, head
+
+
+def _pending_key(namespace: str, snap: str) -> str:
+    return f"pending_checkpoint|{namespace}|{snap}|{secrets.token_hex(4)}"
+
+
+def recover(daemon: "Daemon") -> None:
+    """At start-up, for each checkpoint the daemon died taking: remove its partial
+    directory and, for a snapshot, the objects it had linked (unless the directory was
+    renamed into place just before the crash: then it is complete)."""
+    index = daemon.store.index_db
+    for key, target in index.meta_items("pending_checkpoint|"):
+        _, namespace, snap, _ = key.split("|")
+        path = Path(target)
+        complete = (path / "manifest.json").exists()
+        if not complete:
+            for partial in path.parent.glob(f"{path.name}.partial-*"):
+                shutil.rmtree(partial, ignore_errors=True)
+            if snap:
+                names = [m.name for m in daemon.store.list(namespace, snap)]
+                daemon.store.delete(namespace, names, missing_ok=True)
+            log.warning("checkpoint %s of %s never completed (the daemon stopped while taking it): removed what "
+                        "it had written", target, namespace)
+        index.delete_meta(key)
 
 
 # -- restoring and deleting ----------------------------------------------------------------------

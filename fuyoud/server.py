@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fuyou_proto import rpc
-from fuyoud import __version__
+from fuyoud import __version__, checkpoint
 from fuyoud.config import Config
 from fuyoud.housekeeping import Housekeeping
 from fuyoud.io.engine import IOEngine
@@ -60,6 +60,7 @@ class Daemon:
         self.pool = Pool(config.memory.pinned_budget, config.session_budget, config.memory.segment_size,
                          lock=config.memory.lock != "no", pages=self.huge_pages.choose)
         self.store = self._open_store()
+        checkpoint.recover(self)
         self.optimizer = Optimizer(self.store, StateBuffers(config.optimizer.buffers, config.optimizer.buffer_budget))
         self.sessions = SessionRegistry(self._session_closed, self.store.index_db.namespace_owner,
                                         self.store.index_db.claim_namespace)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -39,9 +40,10 @@ def run(model, engine, sched, batches):
         sched.step()
 
 
-def start(root):
+def start(root, failpoints=None):
+    env = dict(os.environ, FUYOUD_FAILPOINTS=failpoints) if failpoints else None
     return fuyou_client.start_daemon(root / "state", config=merge(CONFIG, {"storage": {"data_dirs": [
-        str(root / "ssd0"), str(root / "ssd1")]}}))
+        str(root / "ssd0"), str(root / "ssd1")]}}), env=env)
 
 
 def params(model):
@@ -161,5 +163,29 @@ def test_export_loads_with_from_pretrained_and_load_state_dict(short_tmp):
         fresh.load_state_dict(fuyou_client.load_exported(out))
         for (name, a), b in zip(fresh.state_dict().items(), mlp.state_dict().values()):
             assert torch.equal(a, b), name
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+@pytest.mark.parametrize("point, mode", [("checkpoint.linked", "snapshot"), ("checkpoint.copied", "copy")])
+def test_a_daemon_killed_while_checkpointing_leaves_no_debris(short_tmp, point, mode):
+    d = start(short_tmp, failpoints=f"{point}=kill")
+    model = gpt2()
+    engine = fuyou_client.attach(model, socket=d.socket, namespace="victim")
+    sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule)
+    run(model, engine, sched, BATCHES[:1])
+    groups = len(engine.groups)
+    with pytest.raises(fuyou_client.DaemonUnavailable):
+        engine.save_checkpoint(short_tmp / "ck", mode=mode)
+    d.process.wait()
+    engine.session.close()
+    d = start(short_tmp)
+    try:
+        assert not (short_tmp / "ck").exists() and not list(short_tmp.glob("ck.partial-*"))
+        assert "never completed" in d.log()
+        with fuyou_client.connect(d.socket, namespace="victim") as s:
+            assert s.objects("snapshots/") == []
+            assert len(s.objects("optim/")) == groups  # the live state is untouched
+            assert all(s.group(o.name[len("optim/"):]).step == 1 for o in s.objects("optim/"))
     finally:
         assert d.stop() == 0, d.log()

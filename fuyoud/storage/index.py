@@ -100,6 +100,15 @@ class IndexDB:
         with self._lock, self._db:
             self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", list(values.items()))
 
+    def delete_meta(self, key: str) -> None:
+        with self._lock, self._db:
+            self._db.execute("DELETE FROM meta WHERE key = ?", (key,))
+
+    def meta_items(self, prefix: str) -> list[tuple[str, str]]:
+        with self._lock:
+            return self._db.execute("SELECT key, value FROM meta WHERE substr(key, 1, ?) = ?",
+                                    (len(prefix), prefix)).fetchall()
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
