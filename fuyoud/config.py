@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import grp
 import os
+import pwd
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,11 @@ class DaemonSection:
     # with its own permissions there); empty means "<state_dir>/checkpoints". Clients of
     # the daemon's own uid, root and operators may name any directory.
     checkpoint_dirs: list[Path] = field(default_factory=list)
+    # Who may open a session, beyond the daemon's own uid and root: these uids, and the
+    # members of allow_group (empty: the sockets' group, i.e. socket_group or the
+    # daemon's own group). Everyone else is refused even if the socket mode lets them in.
+    allow_uids: list[int] = field(default_factory=list)
+    allow_group: str = ""
 
     @property
     def socket_gid(self) -> int:
@@ -67,6 +73,18 @@ class DaemonSection:
         if not self.socket_group:
             return -1
         return grp.getgrnam(self.socket_group).gr_gid
+
+    def admits(self, uid: int) -> bool:
+        """May a process of ``uid`` open a session?"""
+        if uid in (0, os.getuid()) or uid in self.allow_uids:
+            return True
+        group = grp.getgrnam(self.allow_group or self.socket_group) if (self.allow_group or self.socket_group) \
+            else grp.getgrgid(os.getgid())
+        try:
+            user = pwd.getpwuid(uid)
+        except KeyError:
+            return False
+        return group.gr_gid in os.getgrouplist(user.pw_name, user.pw_gid)
 
     @property
     def control_path(self) -> Path:
@@ -170,11 +188,15 @@ def _convert(key: str, annotation: Any, value: Any) -> Any:
             return parse_size(value)
         except ValueError as exc:
             raise ConfigError(f"[{key}]: {exc}") from None
-    expected = {"int": int, "str": str, "bool": bool, "Path": (str,), "list[Path]": list}[annotation]
+    expected = {"int": int, "str": str, "bool": bool, "Path": (str,), "list[Path]": list, "list[int]": list}[annotation]
     if not isinstance(value, expected) or (annotation == "int" and isinstance(value, bool)):
         raise ConfigError(f"[{key}]: expected {annotation}, got {type(value).__name__} {value!r}")
     if annotation == "Path":
         return Path(os.path.expanduser(value))
+    if annotation == "list[int]":
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+            raise ConfigError(f"[{key}]: expected a list of uids (non-negative integers), got {value!r}")
+        return list(value)
     if annotation == "list[Path]":
         if not all(isinstance(v, str) and v for v in value):
             raise ConfigError(f"[{key}]: expected a list of directory paths, got {value!r}")
@@ -206,11 +228,13 @@ def _validate(cfg: Config) -> None:
     if cfg.daemon.socket_mode & ~0o777 or cfg.daemon.socket_mode & 0o007:
         raise ConfigError(f"[daemon.socket_mode]: {cfg.daemon.socket_mode:#o} must be a file mode giving others "
                           "no access (e.g. 0o660)")
-    if cfg.daemon.socket_group:
-        try:
-            grp.getgrnam(cfg.daemon.socket_group)
-        except KeyError:
-            raise ConfigError(f"[daemon.socket_group]: no group {cfg.daemon.socket_group!r} on this host") from None
+    for key in ("socket_group", "allow_group"):
+        name = getattr(cfg.daemon, key)
+        if name:
+            try:
+                grp.getgrnam(name)
+            except KeyError:
+                raise ConfigError(f"[daemon.{key}]: no group {name!r} on this host") from None
     if len(set(cfg.data_dirs)) != len(cfg.data_dirs):
         raise ConfigError("[storage.data_dirs] lists a directory twice")
 

@@ -47,6 +47,11 @@ class DataLoss(FuyouError):
     code, kind = grpc.StatusCode.DATA_LOSS, "io_error"
 
 
+class ChecksumMismatch(DataLoss):
+    """Bytes read back do not match the checksum committed with them."""
+    kind = "checksum"
+
+
 class Unavailable(FuyouError):
     code, kind = grpc.StatusCode.UNAVAILABLE, "unavailable"
 

@@ -63,7 +63,7 @@ class Daemon:
         checkpoint.recover(self)
         self.optimizer = Optimizer(self.store, StateBuffers(config.optimizer.buffers, config.optimizer.buffer_budget))
         self.sessions = SessionRegistry(self._session_closed, self.store.index_db.namespace_owner,
-                                        self.store.index_db.claim_namespace)
+                                        self.store.index_db.claim_namespace, config.daemon.admits)
         self._grpc: grpc.Server | None = None
         self._health = health.HealthServicer()
         self._listener: SessionListener | None = None
@@ -97,6 +97,11 @@ class Daemon:
         cfg = self.config.daemon
         cfg.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
         self._write_admin_token()
+        for d in self.config.checkpoint_dirs:
+            try:
+                d.mkdir(parents=True, exist_ok=True, mode=0o750)
+            except OSError as exc:
+                log.warning("cannot create checkpoint directory %s: %s", d, exc)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="grpc"),
                              options=[("grpc.so_reuseport", 0)])
         rpc.add_FuyouServicer_to_server(FuyouServicer(self), server)

@@ -41,8 +41,10 @@ class Session:
 class SessionRegistry:
     def __init__(self, on_close: Callable[[Session], None],
                  namespace_owner: Callable[[str], int | None],
-                 claim_namespace: Callable[[str, int], None]):
+                 claim_namespace: Callable[[str, int], None],
+                 admits: Callable[[int], bool] = lambda uid: True):
         self._on_close = on_close
+        self._admits = admits
         self._namespace_owner = namespace_owner
         self._claim_namespace = claim_namespace
         self._lock = threading.Lock()
@@ -56,6 +58,9 @@ class SessionRegistry:
         with self._lock:
             if not self.accepting:
                 raise Unavailable("fuyoud is shutting down and accepts no new sessions")
+            if not self._admits(uid):
+                raise PermissionDenied(f"uid {uid} may not use this fuyoud: add it to [daemon] allow_uids, or to "
+                                       "the group in [daemon] allow_group (default: the sockets' group)")
             if self.draining:
                 raise Unavailable("fuyoud is draining (fuyouctl drain) and accepts no new sessions; "
                                   "`fuyouctl drain --cancel` reopens it")

@@ -6,7 +6,7 @@ import mmap
 import pytest
 
 from conftest import ENGINES, make_engine, random_bytes
-from fuyoud.errors import DataLoss, NotFound, StorageFull
+from fuyoud.errors import ChecksumMismatch, DataLoss, NotFound, StorageFull
 from fuyoud.io.engine import Op
 from fuyoud.io.faults import Fault, FaultyEngine
 from fuyoud.memory.staging import StagingPool
@@ -136,14 +136,42 @@ def test_failed_writes_are_never_committed(tmp_path, engine, kind, error, words)
 
 
 @pytest.mark.parametrize("kind", ["eio", "short"])
-def test_failed_reads_are_reported_with_device_and_object(tmp_path, engine, kind):
+def test_failed_reads_are_retried_then_reported_with_device_and_object(tmp_path, engine, kind):
     faulty = FaultyEngine(engine)
     store = open_store(tmp_path, faulty)
-    store.write([WriteItem("ns", "obj", buffer(random_bytes(3 * MiB + 5)))])
-    faulty.arm(Fault(kind, op=Op.READ))
+    data = random_bytes(3 * MiB + 5)
+    store.write([WriteItem("ns", "obj", buffer(data))])
+    faulty.arm(Fault(kind, op=Op.READ))  # one failure: the retry succeeds
+    out = empty(3 * MiB + 5)
+    store.read([ReadItem("ns", "obj", out)])
+    assert bytes(out) == data and faulty.injected == 1
+    faulty.arm(Fault(kind, op=Op.READ, count=-1))  # the retry fails too: reported
     with pytest.raises(DataLoss, match=r"device \d .* reading object ns/obj"):
         store.read([ReadItem("ns", "obj", empty(3 * MiB + 5))])
-    store.read([ReadItem("ns", "obj", empty(3 * MiB + 5))])  # the fault was one-shot
+    faulty.clear()
+    store.read([ReadItem("ns", "obj", out)])
+    assert bytes(out) == data
+    store.close()
+
+
+@pytest.mark.parametrize("start, length", [(0, 3 * MiB + 5), (4096, MiB), (MiB - 7, 2 * MiB + 12), (3 * MiB, 5)])
+def test_corruption_of_persistent_objects_is_detected_never_returned(tmp_path, engine, start, length):
+    faulty = FaultyEngine(engine)
+    store = open_store(tmp_path, faulty)
+    data = random_bytes(3 * MiB + 5)
+    store.write([WriteItem("ns", "obj", buffer(data), persistent=True)])
+    out = empty(length)
+    faulty.arm(Fault("corrupt", op=Op.READ))  # once: the re-read is clean
+    store.read([ReadItem("ns", "obj", out, start)])
+    assert bytes(out) == data[start:start + length]
+    faulty.arm(Fault("corrupt", op=Op.READ, count=-1))
+    with pytest.raises(ChecksumMismatch, match=r"checksum mismatch in object ns/obj, bytes \[\d+, \d+\) on device"):
+        store.read([ReadItem("ns", "obj", empty(length), start)])
+    faulty.clear()
+    store.close()
+    store = open_store(tmp_path, engine)  # the checksums are in the index: still checked after a restart
+    store.read([ReadItem("ns", "obj", out, start)])
+    assert bytes(out) == data[start:start + length]
     store.close()
 
 

@@ -24,6 +24,7 @@ CREATE TABLE IF NOT EXISTS objects (
     size      INTEGER NOT NULL,
     version   INTEGER NOT NULL,
     layout    TEXT NOT NULL,
+    checksums BLOB,
     PRIMARY KEY (namespace, name)
 );
 CREATE TABLE IF NOT EXISTS namespaces (
@@ -46,6 +47,7 @@ class ObjectMeta:
     version: int
     layout: Layout
     session_id: int = 0  # the owning session for transient objects
+    checksums: bytes = b""  # CRC32C per 1 MiB block (persistent objects; see checksums.py)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -61,21 +63,25 @@ class IndexDB:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(objects)")}
+        if "checksums" not in columns:  # an index from before checksums: its objects go unchecked
+            self._db.execute("ALTER TABLE objects ADD COLUMN checksums BLOB")
         self._lock = threading.Lock()
 
     def load(self) -> list[ObjectMeta]:
         with self._lock:
-            rows = self._db.execute("SELECT namespace, name, size, version, layout FROM objects").fetchall()
-        return [ObjectMeta(ns, name, size, True, version, Layout.from_json(size, json.loads(layout)))
-                for ns, name, size, version, layout in rows]
+            rows = self._db.execute("SELECT namespace, name, size, version, layout, checksums FROM objects").fetchall()
+        return [ObjectMeta(ns, name, size, True, version, Layout.from_json(size, json.loads(layout)), 0, sums or b"")
+                for ns, name, size, version, layout, sums in rows]
 
     def commit(self, put: list[ObjectMeta], delete: list[tuple[str, str]] = ()) -> None:
         with self._lock:
             with self._db:  # one transaction
                 self._db.execute("BEGIN")
                 self._db.executemany(
-                    "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?)",
-                    [(m.namespace, m.name, m.size, m.version, json.dumps(m.layout.to_json())) for m in put])
+                    "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?, ?)",
+                    [(m.namespace, m.name, m.size, m.version, json.dumps(m.layout.to_json()), m.checksums)
+                     for m in put])
                 self._db.executemany("DELETE FROM objects WHERE namespace = ? AND name = ?", list(delete))
 
     def namespace_owner(self, namespace: str) -> int | None:

@@ -20,6 +20,7 @@ from fuyoud.errors import DataLoss, InvalidArgument, NotFound, StorageFull
 from fuyoud.io.engine import IOEngine, IORequest, IOResult, Op
 from fuyoud.memory.segment import buffer_address
 from fuyoud.memory.staging import StagingPool
+from fuyoud.storage import checksums
 from fuyoud.storage.device import Device
 from fuyoud.storage.extents import ExtentRefs
 from fuyoud.storage.index import IndexDB, ObjectMeta
@@ -28,6 +29,7 @@ from fuyoud.units import align_down, align_up, format_size
 
 log = logging.getLogger(__name__)
 BLOCK = 4096
+READ_ATTEMPTS = 2
 
 # Called after each engine batch: (device, "read"|"write", bytes, operations, seconds).
 IOObserver = Callable[[int, str, int, int, float], None]
@@ -122,8 +124,9 @@ class Store:
         metas: list[ObjectMeta | None] = []
         try:
             for it in items:
+                sums = checksums.block_checksums(it.src) if it.persistent else b""
                 metas.append(replace(self._allocate(it.namespace, it.name, len(it.src)),
-                                     persistent=it.persistent, session_id=it.session_id))
+                                     persistent=it.persistent, session_id=it.session_id, checksums=sums))
         except BaseException:
             self._free_layouts(m.layout for m in metas)
             raise
@@ -236,12 +239,7 @@ class Store:
                             f"{it.namespace}/{it.name} of {entry.meta.size} bytes")
                     entry.readers += 1
                     entries.append(entry)
-            batch = _Batch()
-            for i, (it, entry) in enumerate(zip(items, entries)):
-                self._plan(batch, i, entry.meta.layout, it.object_offset, it.dst, Op.READ)
-            errors = self._execute(batch, Op.READ, items)
-            if errors:
-                raise errors[min(errors)]
+            self._read_checked(items, [e.meta for e in entries])
         finally:
             self.unpin(entries)
 
@@ -267,11 +265,41 @@ class Store:
         meta = entry.meta
         if object_offset < 0 or object_offset + len(dst) > meta.size:
             raise InvalidArgument(f"range outside object {meta.namespace}/{meta.name} of {meta.size} bytes")
+        self._read_checked([ReadItem(meta.namespace, meta.name, dst, object_offset)], [meta])
+
+    def _read_checked(self, items: Sequence[ReadItem], metas: Sequence[ObjectMeta]) -> None:
+        """Read and verify the checksums; an item that fails (EIO, short read, checksum)
+        is read once more - reading is safe to repeat - before its error is raised."""
+        todo = list(range(len(items)))
+        for attempt in range(READ_ATTEMPTS):
+            batch = _Batch()
+            for i in todo:
+                self._plan(batch, i, metas[i].layout, items[i].object_offset, items[i].dst, Op.READ)
+            errors = self._execute(batch, Op.READ, items)
+            for i in todo:
+                if i not in errors and metas[i].checksums:
+                    exc = checksums.verify(metas[i], items[i].object_offset, items[i].dst, self._read_raw,
+                                           self._where)
+                    if exc is not None:
+                        errors[i] = exc
+            if not errors:
+                return
+            todo = sorted(errors)
+            if attempt + 1 < READ_ATTEMPTS:
+                log.warning("read of %d object(s) failed, retrying: %s", len(todo), errors[todo[0]])
+        raise errors[todo[0]]
+
+    def _read_raw(self, meta: ObjectMeta, object_offset: int, dst: memoryview) -> Exception | None:
+        """One range, unchecked (checksums.verify reads partly covered blocks with it)."""
         batch = _Batch()
         self._plan(batch, 0, meta.layout, object_offset, dst, Op.READ)
         errors = self._execute(batch, Op.READ, [ReadItem(meta.namespace, meta.name, dst, object_offset)])
-        if errors:
-            raise errors[0]
+        return errors.get(0)
+
+    def _where(self, meta: ObjectMeta, object_offset: int) -> str:
+        piece = next(iter(meta.layout.pieces(object_offset, 1, self.chunk_size)))
+        dev = self.devices[piece.device]
+        return f"device {dev.index} ({dev.path}) at device offset {piece.device_offset}"
 
     # -- planning and running transfers --------------------------------------------------
     def _plan(self, batch: _Batch, item: int, layout: Layout, start: int, buf: memoryview, op: Op) -> None:
@@ -458,10 +486,12 @@ class PendingWrite:
     def __init__(self, store: Store, meta: ObjectMeta):
         self.store, self.meta = store, meta
         self._open = True
+        self._sums = bytearray(4 * -(-meta.size // checksums.BLOCK)) if meta.persistent else None
 
     def write(self, offset: int, src: memoryview) -> None:
-        """Bytes [offset, offset + len(src)) of the object; offsets are 4 KiB aligned."""
-        if offset % BLOCK or offset < 0 or offset + len(src) > self.meta.size:
+        """Bytes [offset, offset + len(src)) of the object; offsets are 1 MiB aligned
+        (checksum blocks), lengths too but for the object's tail."""
+        if offset % checksums.BLOCK or offset < 0 or offset + len(src) > self.meta.size:
             raise InvalidArgument(f"piece [{offset}, {offset + len(src)}) of {self.meta.name!r} is unaligned or "
                                   f"outside its {self.meta.size} bytes")
         batch = _Batch()
@@ -470,6 +500,11 @@ class PendingWrite:
         if errors:
             self.abort()
             raise errors[0]
+        if self._sums is not None:
+            first = offset // checksums.BLOCK * 4
+            sums = checksums.block_checksums(src)
+            self._sums[first:first + len(sums)] = sums
+            self.meta = replace(self.meta, checksums=bytes(self._sums))
 
     def commit(self) -> ObjectMeta:
         self._open = False

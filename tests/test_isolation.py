@@ -1,0 +1,109 @@
+"""Isolation: a client of another uid (root setuids a child to nobody) is refused unless
+configured, and once admitted reaches nothing of another user's."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import fuyou_client
+from conftest import SMALL, merge
+
+NOBODY = 65534
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+
+# Starts as root (the interpreter may live where nobody can read), imports, then drops
+# to uid/gid 65534 before it connects: SO_PEERCRED sees nobody. Each probe records what
+# it got ("OK", or the error's class and message).
+CLIENT = textwrap.dedent("""
+    import json, os, sys
+    import fuyou_client
+    from fuyou_proto import pb
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+    socket, root_dir, ckpt, token_path = sys.argv[1:5]
+    out = {}
+    def probe(name, fn):
+        try:
+            fn()
+            out[name] = "OK"
+        except fuyou_client.FuyouClientError as exc:
+            out[name] = type(exc).__name__ + ": " + str(exc)
+        except Exception as exc:
+            out[name] = "error " + type(exc).__name__ + ": " + str(exc)
+    try:
+        s = fuyou_client.connect(socket)
+    except fuyou_client.FuyouClientError as exc:
+        print(json.dumps({"connect": str(exc)})); sys.exit(0)
+    out["connect"] = "OK"
+    buf = s.allocate(1 << 20)
+    probe("own_object", lambda: (s.swap_out("x", buf, persistent=True), s.swap_in("x", buf)))
+    probe("root_namespace", lambda: fuyou_client.connect(socket, namespace="rootns"))
+    def other_ns():
+        s.stub.Stat(pb.StatRequest(namespace="rootns", name="secret"), metadata=s.metadata)
+    probe("other_namespace_stat", other_ns)
+    def forged():
+        ref = pb.BufferRef(segment=1, offset=0, length=4096, generation=1)
+        s.stub.SwapIn(pb.SwapInRequest(items=[pb.SwapInItem(name="x", buffer=ref, length=4096)]),
+                      metadata=s.metadata)
+    probe("forged_handle", forged)
+    probe("checkpoint_outside", lambda: s.checkpoint(root_dir + "/mine"))
+    probe("restore_roots", lambda: s.restore(ckpt))
+    probe("drain", lambda: s.stub.Drain(pb.DrainRequest(), metadata=s.metadata))
+    probe("admin_token", lambda: open(token_path).read())
+    s.close()
+    print(json.dumps(out))
+""")
+
+
+def run_as_nobody(*args):
+    proc = subprocess.run([sys.executable, "-c", CLIENT, *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def start(short_tmp, **daemon):
+    os.chmod(short_tmp, 0o755)  # let nobody reach the sockets (their own mode still decides)
+    cfg = merge(SMALL, {"daemon": {"socket_group": "nogroup", **daemon}})
+    return fuyou_client.start_daemon(short_tmp / "state", config=cfg)
+
+
+def test_another_uid_is_refused_unless_configured(short_tmp):
+    d = start(short_tmp, allow_group="root")
+    try:
+        got = run_as_nobody(d.socket, short_tmp, short_tmp / "none", short_tmp / "none")
+        assert "uid 65534 may not use this fuyoud" in got["connect"] and "allow_uids" in got["connect"]
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_an_admitted_uid_reaches_nothing_of_another_users(short_tmp):
+    d = start(short_tmp, allow_uids=[NOBODY], checkpoint_dirs=[str(short_tmp / "ckpts")])
+    try:
+        with fuyou_client.connect(d.socket, namespace="rootns") as root:
+            secret = root.allocate(4096)
+            secret.view[:5] = b"hello"
+            root.swap_out("secret", secret, persistent=True)
+            root.checkpoint(short_tmp / "ckpts" / "root-ckpt", mode="copy")
+        got = run_as_nobody(d.socket, short_tmp, short_tmp / "ckpts" / "root-ckpt",
+                            os.path.join(os.path.dirname(d.socket), "admin.token"))
+        assert got["connect"] == "OK" and got["own_object"] == "OK"
+        assert got["root_namespace"].startswith("PermissionDenied") and "belongs to uid 0" in got["root_namespace"]
+        assert "PERMISSION_DENIED" in got["other_namespace_stat"] and "not this session's" in got["other_namespace_stat"]
+        assert "not one of this session's" in got["forged_handle"]
+        assert got["checkpoint_outside"].startswith("PermissionDenied") and "checkpoint_dirs" in got["checkpoint_outside"]
+        assert got["restore_roots"].startswith("PermissionDenied") and "uid 0" in got["restore_roots"]
+        assert "PERMISSION_DENIED" in got["drain"] and "admin token" in got["drain"]
+        assert got["admin_token"].startswith("error PermissionError")
+        with fuyou_client.connect(d.socket, namespace="rootns") as root:  # untouched
+            out = root.allocate(4096)
+            root.swap_in("secret", out)
+            assert bytes(out.view[:5]) == b"hello"
+    finally:
+        assert d.stop() == 0, d.log()
