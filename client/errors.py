@@ -59,7 +59,13 @@ def from_code(code: str, message: str) -> FuyouClientError:
 def from_rpc_error(exc: grpc.RpcError) -> FuyouClientError:
     code = exc.code()
     if code == grpc.StatusCode.UNAVAILABLE:
-        return DaemonUnavailable(f"fuyoud is not reachable: {exc.details()}")
+        details = exc.details() or ""
+        if details.startswith("fuyoud is"):  # the daemon's own word: draining, shutting down
+            return DaemonUnavailable(details)
+        return DaemonUnavailable(
+            f"fuyoud is not reachable ({details}). If it died, everything it committed is safe on the SSD "
+            "array: restart it (systemctl restart fuyoud, or fuyou_client.start_daemon on the same state "
+            "directory) and continue with attach(model, resume=DIR) from your last engine.save_checkpoint(DIR)")
     err = from_code(code.name, exc.details() or code.name)
     err.code = code.name
     return err
