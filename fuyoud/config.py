@@ -116,6 +116,8 @@ class StorageSection:
     capacity_per_device: int = 16 << 30
     stripe_size: int = 4 << 20
     direct_io: bool = True
+    # Bytes one namespace (one training run) may hold on the array, 0 for no limit.
+    namespace_quota: int = 0
 
 
 @dataclass
@@ -167,6 +169,7 @@ class Config:
 _SIZE_KEYS = {
     "memory.pinned_budget", "memory.session_budget", "memory.segment_size", "memory.staging_size",
     "storage.capacity_per_device", "storage.stripe_size", "io.chunk_size", "optimizer.buffer_budget",
+    "storage.namespace_quota",
 }
 _CHOICES = {
     "memory.lock": {"auto", "yes", "no"},

@@ -42,6 +42,10 @@ class StorageFull(ResourceExhausted):
     kind = "storage_full"
 
 
+class QuotaExceeded(ResourceExhausted):
+    kind = "quota"
+
+
 class DataLoss(FuyouError):
     """The SSD failed a transfer (errno) or returned fewer bytes than asked."""
     code, kind = grpc.StatusCode.DATA_LOSS, "io_error"

@@ -79,7 +79,8 @@ class Daemon:
                 devices.append(Device(i, d, cfg.storage.capacity_per_device, cfg.storage.direct_io))
             index = IndexDB(cfg.daemon.state_dir / "index.sqlite")
             return Store(devices, index, self.engine, self.staging, cfg.io.chunk_size,
-                         cfg.storage.stripe_size, observer=self.metrics.observe_io)
+                         cfg.storage.stripe_size, observer=self.metrics.observe_io,
+                         namespace_quota=cfg.storage.namespace_quota)
         except BaseException:
             for dev in devices:
                 dev.close()

@@ -6,7 +6,7 @@ import mmap
 import pytest
 
 from conftest import ENGINES, make_engine, random_bytes
-from fuyoud.errors import ChecksumMismatch, DataLoss, NotFound, StorageFull
+from fuyoud.errors import ChecksumMismatch, QuotaExceeded, DataLoss, NotFound, StorageFull
 from fuyoud.io.engine import Op
 from fuyoud.io.faults import Fault, FaultyEngine
 from fuyoud.memory.staging import StagingPool
@@ -191,3 +191,18 @@ def test_a_device_too_large_for_its_disk_is_refused_at_start(tmp_path):
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     with pytest.raises(DeviceError, match="not enough space"):
         Device(0, tmp_path / "ssd", (free // 4096 + 1024 * 1024) * 4096)
+
+
+def test_a_namespace_quota_holds_and_rewrites_at_the_limit_still_work(tmp_path, engine):
+    store = open_store(tmp_path, engine)
+    store.namespace_quota = 4 * MiB
+    store.write([WriteItem("greedy", "a", buffer(random_bytes(3 * MiB)), persistent=True)])
+    store.write([WriteItem("greedy", "a", buffer(random_bytes(3 * MiB)), persistent=True)])  # a new version
+    with pytest.raises(QuotaExceeded, match=r"namespace 'greedy' would hold 5.0 MiB .* quota is 4.0 MiB"):
+        store.write([WriteItem("greedy", "b", buffer(random_bytes(2 * MiB)))])
+    with pytest.raises(QuotaExceeded):
+        store.link("greedy", "greedy", [("a", "snapshots/s/a")])
+    store.write([WriteItem("modest", "b", buffer(random_bytes(2 * MiB)))])  # others are not starved
+    store.delete("greedy", ["a"])
+    store.write([WriteItem("greedy", "b", buffer(random_bytes(2 * MiB)))])  # space came back
+    store.close()

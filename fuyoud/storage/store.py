@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
 from fuyoud.allocator import OutOfSpace
-from fuyoud.errors import DataLoss, InvalidArgument, NotFound, StorageFull
+from fuyoud.errors import DataLoss, InvalidArgument, NotFound, QuotaExceeded, StorageFull
 from fuyoud.io.engine import IOEngine, IORequest, IOResult, Op
 from fuyoud.memory.segment import buffer_address
 from fuyoud.memory.staging import StagingPool
@@ -83,7 +83,7 @@ class StoreUsage:
 class Store:
     def __init__(self, devices: Sequence[Device], index: IndexDB, engine: IOEngine,
                  staging: StagingPool, chunk_size: int = 1 << 20, stripe_size: int = 4 << 20,
-                 observer: IOObserver | None = None):
+                 observer: IOObserver | None = None, namespace_quota: int = 0):
         self.devices = list(devices)
         self.engine = engine
         self.staging = staging
@@ -93,6 +93,8 @@ class Store:
         self._observe = observer or (lambda *a: None)
         self._lock = threading.Lock()
         self._objects: dict[tuple[str, str], _Entry] = {}
+        self.namespace_quota = namespace_quota  # bytes per namespace on the array, 0: none
+        self._reserved: dict[str, int] = defaultdict(int)  # bytes of writes in flight, per namespace
         self._moved = {Op.READ: 0, Op.WRITE: 0}  # bytes since start
         self._moved_dev: dict[tuple[int, str], int] = defaultdict(int)
         self._in_flight = [0] * len(self.devices)
@@ -123,30 +125,54 @@ class Store:
         first failure after committing the others."""
         metas: list[ObjectMeta | None] = []
         try:
-            for it in items:
-                sums = checksums.block_checksums(it.src) if it.persistent else b""
-                metas.append(replace(self._allocate(it.namespace, it.name, len(it.src)),
-                                     persistent=it.persistent, session_id=it.session_id, checksums=sums))
-        except BaseException:
-            self._free_layouts(m.layout for m in metas)
-            raise
-        batch = _Batch()
-        for i, (it, meta) in enumerate(zip(items, metas)):
-            self._plan(batch, i, meta.layout, 0, it.src, Op.WRITE)
-        errors = self._execute(batch, Op.WRITE, items)
-        done = [m for i, m in enumerate(metas) if i not in errors]
-        self._free_layouts(m.layout for i, m in enumerate(metas) if i in errors)
-        try:
-            self._commit(done)
-        except BaseException:
-            self._free_layouts(m.layout for m in done)
-            raise
+            try:
+                for it in items:
+                    sums = checksums.block_checksums(it.src) if it.persistent else b""
+                    metas.append(replace(self._allocate(it.namespace, it.name, len(it.src)),
+                                         persistent=it.persistent, session_id=it.session_id, checksums=sums))
+            except BaseException:
+                self._free_layouts(m.layout for m in metas)
+                raise
+            batch = _Batch()
+            for i, (it, meta) in enumerate(zip(items, metas)):
+                self._plan(batch, i, meta.layout, 0, it.src, Op.WRITE)
+            errors = self._execute(batch, Op.WRITE, items)
+            done = [m for i, m in enumerate(metas) if i not in errors]
+            self._free_layouts(m.layout for i, m in enumerate(metas) if i in errors)
+            try:
+                self._commit(done)
+            except BaseException:
+                self._free_layouts(m.layout for m in done)
+                raise
+        finally:
+            self._unreserve(metas)
         if errors:
             raise errors[min(errors)]
         return done
 
-    def _allocate(self, namespace: str, name: str, size: int) -> ObjectMeta:
+    def _check_quota(self, namespace: str, name: str, size: int) -> None:  # with self._lock held
+        """A namespace may hold at most ``namespace_quota`` bytes on the array (objects,
+        snapshots, writes in flight; the version an object's write replaces is not counted
+        twice), so one tenant cannot fill it for the others."""
+        used = self._reserved[namespace] + sum(e.meta.size for (ns, n), e in self._objects.items()
+                                               if ns == namespace and n != name)
+        if used + size > self.namespace_quota:
+            raise QuotaExceeded(
+                f"namespace {namespace!r} would hold {format_size(used + size)} on the SSD array with "
+                f"{namespace}/{name} ({format_size(size)}); its quota is {format_size(self.namespace_quota)} "
+                "([storage] namespace_quota): delete objects first")
+
+    def _unreserve(self, metas: Iterable[ObjectMeta]) -> None:
         with self._lock:
+            for m in metas:
+                self._reserved[m.namespace] -= m.size
+
+    def _allocate(self, namespace: str, name: str, size: int) -> ObjectMeta:
+        """Extents for a new version; the bytes count against the namespace's quota until
+        the caller ``_unreserve``s them (committed objects count by themselves)."""
+        with self._lock:
+            if self.namespace_quota:
+                self._check_quota(namespace, name, size)
             n = len(self.devices)
             lengths = extent_lengths(size, self.stripe_size, n)
             # Start with the emptiest device so that small objects spread out too.
@@ -167,6 +193,7 @@ class Store:
             self._next_version += 1
             layout = Layout(size, self.stripe_size, tuple(extents))
             self._extents.adopt(layout)
+            self._reserved[namespace] += size
         return ObjectMeta(namespace, name, size, False, version, layout)
 
     def _commit(self, metas: list[ObjectMeta]) -> None:
@@ -198,6 +225,7 @@ class Store:
         self._commit(metas)
         for w in pending:
             w._open = False
+        self._unreserve(metas)
         return metas
 
     def link(self, src_namespace: str, namespace: str, pairs: Sequence[tuple[str, str]]) -> list[ObjectMeta]:
@@ -216,6 +244,8 @@ class Store:
                 self._next_version += 1
             if len({m.name for m in metas}) != len(metas):
                 raise InvalidArgument("a link target appears twice")
+            if self.namespace_quota and metas:  # a snapshot counts in full, though it shares extents
+                self._check_quota(namespace, "", sum(m.size for m in metas))
             self.index_db.commit(metas)
             for m in metas:
                 self._extents.share(m.layout)
@@ -513,9 +543,12 @@ class PendingWrite:
         except BaseException:
             self.store._free_layouts([self.meta.layout])
             raise
+        finally:
+            self.store._unreserve([self.meta])
         return self.meta
 
     def abort(self) -> None:
         if self._open:
             self._open = False
             self.store._free_layouts([self.meta.layout])
+            self.store._unreserve([self.meta])
