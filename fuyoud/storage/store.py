@@ -13,7 +13,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from fuyoud.allocator import OutOfSpace
 from fuyoud.errors import DataLoss, InvalidArgument, NotFound, QuotaExceeded, StorageFull
@@ -26,6 +26,9 @@ from fuyoud.storage.extents import ExtentRefs
 from fuyoud.storage.index import IndexDB, ObjectMeta
 from fuyoud.storage.layout import Extent, Layout, extent_lengths
 from fuyoud.units import align_down, align_up, format_size
+
+if TYPE_CHECKING:
+    from fuyoud.storage.pending import PendingWrite
 
 log = logging.getLogger(__name__)
 BLOCK = 4096
@@ -216,10 +219,12 @@ class Store:
                    session_id: int = 0) -> "PendingWrite":
         """An object written in pieces (from a file, say) and committed at the end, as
         ``write`` commits: the old version, if any, stays until then."""
+        from fuyoud.storage.pending import PendingWrite
+
         return PendingWrite(self, replace(self._allocate(namespace, name, size), persistent=persistent,
                                           session_id=session_id))
 
-    def commit_writes(self, pending: Sequence["PendingWrite"]) -> list[ObjectMeta]:
+    def commit_writes(self, pending: Sequence[PendingWrite]) -> list[ObjectMeta]:
         """Commit several pieced writes in one index transaction (all or none)."""
         metas = [w.meta for w in pending]
         self._commit(metas)
@@ -510,45 +515,3 @@ class Store:
                 d.sync()
                 d.close()
             self.index_db.close()
-
-
-class PendingWrite:
-    def __init__(self, store: Store, meta: ObjectMeta):
-        self.store, self.meta = store, meta
-        self._open = True
-        self._sums = bytearray(4 * -(-meta.size // checksums.BLOCK)) if meta.persistent else None
-
-    def write(self, offset: int, src: memoryview) -> None:
-        """Bytes [offset, offset + len(src)) of the object; offsets are 1 MiB aligned
-        (checksum blocks), lengths too but for the object's tail."""
-        if offset % checksums.BLOCK or offset < 0 or offset + len(src) > self.meta.size:
-            raise InvalidArgument(f"piece [{offset}, {offset + len(src)}) of {self.meta.name!r} is unaligned or "
-                                  f"outside its {self.meta.size} bytes")
-        batch = _Batch()
-        self.store._plan(batch, 0, self.meta.layout, offset, src, Op.WRITE)
-        errors = self.store._execute(batch, Op.WRITE, [WriteItem(self.meta.namespace, self.meta.name, src)])
-        if errors:
-            self.abort()
-            raise errors[0]
-        if self._sums is not None:
-            first = offset // checksums.BLOCK * 4
-            sums = checksums.block_checksums(src)
-            self._sums[first:first + len(sums)] = sums
-            self.meta = replace(self.meta, checksums=bytes(self._sums))
-
-    def commit(self) -> ObjectMeta:
-        self._open = False
-        try:
-            self.store._commit([self.meta])
-        except BaseException:
-            self.store._free_layouts([self.meta.layout])
-            raise
-        finally:
-            self.store._unreserve([self.meta])
-        return self.meta
-
-    def abort(self) -> None:
-        if self._open:
-            self._open = False
-            self.store._free_layouts([self.meta.layout])
-            self.store._unreserve([self.meta])
