@@ -14,7 +14,7 @@ import fuyou_client
 from conftest import SMALL, merge
 
 NOBODY = 65534
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
 
 # Starts as root (the interpreter may live where nobody can read), imports, then drops
 # to uid/gid 65534 before it connects: SO_PEERCRED sees nobody. Each probe records what
@@ -74,6 +74,7 @@ def start(short_tmp, **daemon):
     return fuyou_client.start_daemon(short_tmp / "state", config=cfg)
 
 
+@needs_root
 def test_another_uid_is_refused_unless_configured(short_tmp):
     d = start(short_tmp, allow_group="root")
     try:
@@ -83,6 +84,7 @@ def test_another_uid_is_refused_unless_configured(short_tmp):
         assert d.stop() == 0, d.log()
 
 
+@needs_root
 def test_an_admitted_uid_reaches_nothing_of_another_users(short_tmp):
     d = start(short_tmp, allow_uids=[NOBODY], checkpoint_dirs=[str(short_tmp / "ckpts")])
     try:
@@ -107,3 +109,20 @@ def test_an_admitted_uid_reaches_nothing_of_another_users(short_tmp):
             assert bytes(out.view[:5]) == b"hello"
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_shared_memory_fds_go_only_to_their_own_session(daemon):
+    """Segments are memfds passed over each session's own socket: another session's
+    allocations never reach this one's socket."""
+    import socket as socket_mod
+
+    with fuyou_client.connect(daemon.socket) as a, fuyou_client.connect(daemon.socket) as b:
+        mine = [a.allocate(4096)]
+        theirs = [b.allocate(9 << 20) for _ in range(3)]  # each its own segment
+        mine.append(a.allocate(9 << 20))
+        assert set(a._segments) == {buf.ref.segment for buf in mine}
+        assert set(b._segments) == {buf.ref.segment for buf in theirs}
+        a._sock.setblocking(False)
+        with pytest.raises(BlockingIOError):  # nothing else is waiting on a's socket
+            socket_mod.recv_fds(a._sock, 4096, 4)
+        a._sock.setblocking(True)
