@@ -5,8 +5,9 @@ Starts a private fuyoud (embedded defaults, state under .fuyou/finetune) unless
 (random initialisation; --model PATH loads any local `from_pretrained` directory),
 attaches it to the daemon (fp32 master weights and AdamW moments live on the SSD array,
 each layer group is stepped by the daemon while backward goes on), trains on the small
-public-domain corpus in examples/data/, shows loss, tokens/s and SSD traffic, and saves
-the result with `save_pretrained` (safetensors).
+public-domain corpus in examples/data/, shows loss, tokens/s and SSD traffic, and
+exports the result with `engine.export` (safetensors shards streamed from the SSD array,
+one layer group at a time; `from_pretrained` loads the directory).
 
     python examples/finetune.py [--steps 60] [--model PATH] [--out DIR] [--socket PATH]
 """
@@ -104,9 +105,8 @@ def main() -> int:
                             ssd_read=f"{(st.bytes_read - start.bytes_read) / 1e9:.2f}GB",
                             ssd_written=f"{(st.bytes_written - start.bytes_written) / 1e9:.2f}GB")
         bar.close()
-        engine.close()
-        out = Path(args.out)
-        model.save_pretrained(out, safe_serialization=True)
+        out = engine.export(Path(args.out))
+        engine.close(materialize=False)
         print(f"loss {first:.3f} -> {last:.3f} in {args.steps} steps ({time.perf_counter() - t0:.0f} s); "
               f"fine-tuned weights saved to {out} (safetensors)")
         if not last < first:

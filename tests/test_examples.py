@@ -20,7 +20,7 @@ def test_finetune_demo_trains_and_saves_a_loadable_model(short_tmp):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "saved to" in run.stdout
     model = transformers.GPT2LMHeadModel.from_pretrained(out)
-    assert (out / "model.safetensors").exists()
+    assert (out / "model.safetensors.index.json").exists() and (out / "config.json").exists()
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
