@@ -34,7 +34,8 @@ from torch import nn
 from fuyou_client import checkpoints
 from fuyou_client.gradients import GradientPool
 from fuyou_client.grouping import ParamGroup, split
-from fuyou_client.offload import OffloadedGroup, Offloader
+from fuyou_client.activations import ActivationSwapper, treatments
+from fuyou_client.offload import OffloadedGroup, Offloader, Saved
 from fuyou_client.optim import AdamW, SGD, StepInfo
 from fuyou_client.session import Session, connect
 
@@ -73,7 +74,8 @@ class _Group:
 class Engine:
     def __init__(self, model: nn.Module, session: Session, optimizer: AdamW | SGD, groups: list[ParamGroup],
                  max_grad_norm: float | None, accumulation_steps: int, owns_session: bool,
-                 offload: bool = True, prefetch: int = 2, keep: int = 0, resume: bool = False):
+                 offload: bool = True, prefetch: int = 2, keep: int = 0, resume: bool = False,
+                 activations="keep", host_budget: int = 256 << 20):
         self.model = model
         self._resume = resume  # the groups exist in the daemon (restored): take their weights
         self.checkpoint_extra = None  # what save_checkpoint(extra=...) kept, after a resume
@@ -115,10 +117,17 @@ class Engine:
             for _, p in g.spec.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, g=g: self._on_grad(g)))
         self._saved_ctx = None
-        if self.offloader is not None:  # around each block, so that calling a block directly works too
-            for og in offloaded:
-                self._hooks.append(og.module.register_forward_pre_hook(lambda m, a: self._enter_forward()))
-                self._hooks.append(og.module.register_forward_hook(lambda m, a, o: self._exit_forward(),
+        blocks = [g for g in self.groups if g.spec.module is not None]
+        self._treatment = treatments(activations, [g.spec.name for g in blocks])
+        weights = {g.weights.tensor(torch.uint8).untyped_storage().data_ptr() for g in self.groups
+                   if g.weights is not None}
+        self.activations = ActivationSwapper(session, host_budget,
+                                             protected=lambda t: t.untyped_storage().data_ptr() in weights)
+        self._swap_now = False
+        for g in blocks:  # around each block, so that calling a block directly works too
+            swap = self._treatment[g.spec.name] == "swap"
+            self._hooks.append(g.spec.module.register_forward_pre_hook(lambda m, a, s=swap: self._enter_forward(s)))
+            self._hooks.append(g.spec.module.register_forward_hook(lambda m, a, o: self._exit_forward(),
                                                                    always_call=True))
         self.zero_grad()
 
@@ -232,15 +241,31 @@ class Engine:
             self.gradients.submitted(g, g.future)
             g.future = None  # the pool owns it now
 
-    def _enter_forward(self) -> None:
+    def _enter_forward(self, swap: bool) -> None:
+        self._swap_now = swap
         if torch.is_grad_enabled() and self._saved_ctx is None:
-            self._saved_ctx = self.offloader.saved_tensors_hooks()
+            self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_ctx.__enter__()
 
     def _exit_forward(self) -> None:
+        self._swap_now = False
         if self._saved_ctx is not None:
             self._saved_ctx.__exit__(None, None, None)
             self._saved_ctx = None
+
+    def _pack(self, t: torch.Tensor):
+        """A block's saved tensor: offloaded weights become markers (offload.py), the rest
+        are activations, kept or swapped out (activations.py)."""
+        if self.offloader is not None:
+            marker = self.offloader.pack(t)
+            if marker is not t:
+                return marker
+        return self.activations.pack(t, self._swap_now)
+
+    def _unpack(self, saved):
+        if self.offloader is not None and isinstance(saved, Saved):
+            return self.offloader.unpack(saved)
+        return self.activations.unpack(saved)
 
     def step(self) -> None:
         """The barrier: after it every update of this iteration is in the parameters.
@@ -276,6 +301,7 @@ class Engine:
         self.last_step_infos = [infos[g.spec.name] for g in self.groups if g.spec.name in infos]  # group order
         if errors:
             raise errors[0]
+        self.activations.reset()
         self._report(t_start)
 
     def _report(self, t_start: float) -> None:
@@ -284,7 +310,9 @@ class Engine:
         now, last = time.perf_counter(), self._last_step_end
         self._last_step_end = now
         if last is not None:  # an iteration runs from one step() return to the next
-            self.session.report_async(1, now - last, now - t_start).add_done_callback(lambda f: f.exception())
+            to_host, to_ssd = self.activations.stats.take_traffic()
+            self.session.report_async(1, now - last, now - t_start, to_host, to_ssd).add_done_callback(
+                lambda f: f.exception())
 
     def _clip_coefficient(self) -> float:
         """torch.nn.utils.clip_grad_norm_'s coefficient (norm over every gradient)."""
@@ -299,6 +327,8 @@ class Engine:
     def zero_grad(self) -> None:
         """Zero every gradient (in shared memory: they stay views of it; pooled ones are
         zeroed when a group's backward takes a buffer)."""
+        if getattr(self, "activations", None) is not None:
+            self.activations.reset()  # what a forward without backward parked
         for g in self.groups:
             if not g.pooled:
                 g.grads.tensor(torch.uint8).zero_()
@@ -376,13 +406,17 @@ class Engine:
 def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: Session | None = None,
            socket: str | None = None, namespace: str | None = None, blocks: list[nn.Module] | None = None,
            max_grad_norm: float | None = None, accumulation_steps: int = 1, offload: bool = True,
-           prefetch: int = 2, keep: int = 0, resume: str | os.PathLike | None = None) -> Engine:
+           prefetch: int = 2, keep: int = 0, resume: str | os.PathLike | None = None,
+           activations: str | dict[str, str] = "keep", host_budget: int = 256 << 20) -> Engine:
     """Hook ``model`` up to fuyoud: its optimizer state moves to the SSD array, each layer
     group is stepped by the daemon as soon as backward has finished it, and (``offload``)
     the blocks' weights are fetched ahead of use, ``prefetch`` blocks deep; the last
     ``keep`` blocks stay in memory from forward to backward instead of being fetched twice.
     ``resume``: a directory written by ``engine.save_checkpoint``; the model's weights,
-    the optimizer state, step counts and learning rate continue from it."""
+    the optimizer state, step counts and learning rate continue from it.
+    ``activations``: what happens to the blocks' activations saved for backward: "keep"
+    (on the compute device) or "swap" (to a host arena of ``host_budget`` bytes of
+    shared memory, then to the SSD array), for all blocks or as a dict by group name."""
     if accumulation_steps < 1:
         raise ValueError("accumulation_steps must be at least 1")
     groups = split(model, blocks)
@@ -395,7 +429,8 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
         if resume is not None:
             state = checkpoints.load_client_state(session.restore(resume).client_state)
         engine = Engine(model, session, optimizer or AdamW(), groups, max_grad_norm, accumulation_steps, owns,
-                        offload, prefetch, keep, resume=state is not None)
+                        offload, prefetch, keep, resume=state is not None, activations=activations,
+                        host_budget=host_budget)
         if state is not None:
             engine._checkpoint_lr = state["lr"] or {}
             engine.resume_lr()

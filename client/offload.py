@@ -60,7 +60,7 @@ class OffloadedGroup:
 
 
 @dataclass(frozen=True)
-class _Saved:
+class Saved:
     group: OffloadedGroup
     offset: int
     size: tuple
@@ -183,10 +183,10 @@ class Offloader:
         g = self._by_ptr.get(t.untyped_storage().data_ptr())
         if g is None or t.dtype != g.dtype:
             return t
-        return _Saved(g, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+        return Saved(g, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
 
     def unpack(self, saved):
-        if not isinstance(saved, _Saved):
+        if not isinstance(saved, Saved):
             return saved
         g = saved.group
         if g.slot is None:

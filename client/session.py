@@ -204,6 +204,11 @@ class Session:
     def delete(self, *names: str, missing_ok: bool = False) -> None:
         _call(self._stub.Delete, pb.DeleteRequest(names=list(names), missing_ok=missing_ok), self._metadata)
 
+    def delete_async(self, *names: str) -> Future:
+        """Delete objects (missing ones are fine) without waiting."""
+        req = pb.DeleteRequest(names=list(names), missing_ok=True)
+        return _wrap_future(self._stub.Delete.future(req, metadata=self._metadata))
+
     def stat(self, name: str) -> ObjectInfo:
         return ObjectInfo.from_pb(_call(self._stub.Stat, pb.StatRequest(name=name), self._metadata))
 

@@ -1,0 +1,245 @@
+"""Activation swapping: what autograd saves for backward leaves the compute device.
+
+During the forward of a block whose treatment is "swap", a saved-tensors hook copies
+each saved activation (not weights: those are the offloader's, or the parameters'
+own storage) into a *host arena* - one pinned shared buffer of ``host_budget`` bytes -
+and hands autograd a small handle instead. When the arena is full, the oldest parked
+activations (the first layers': backward needs them last) go on to the SSD array as
+transient objects, written by the daemon straight from the arena. In backward the
+handle becomes a tensor again: from the arena, or read back from SSD; as soon as
+backward reaches a parked activation, the SSD-resident ones it will need next (reverse
+order) are read ahead into free arena space. Every activation is freed (arena range
+released, object deleted) once backward has used it, and anything left over - a
+forward without backward - is dropped at the next ``engine.step()`` or
+``zero_grad()``. Transient objects die with the session, so a killed client leaves
+nothing behind.
+
+Accounting (``ActivationStats``): bytes kept on the compute device for backward (now
+and peak), bytes parked in the host arena (now and peak), and bytes moved to host and
+to SSD; the engine reports the traffic to the daemon's metrics.
+"""
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from fuyou_client.session import In, Session
+
+ALIGN = 4096
+MIN_BYTES = 16 << 10  # smaller saved tensors are not worth a round trip: kept
+TREATMENTS = ("keep", "swap")
+
+
+@dataclass
+class ActivationStats:
+    device_bytes: int = 0  # saved for backward and resident on the compute device
+    device_peak: int = 0
+    host_bytes: int = 0  # parked in the host arena
+    host_peak: int = 0
+    to_host: int = 0  # bytes moved device -> host arena (since the last report)
+    to_ssd: int = 0  # bytes moved host arena -> SSD (since the last report)
+
+    def kept(self, n: int) -> None:
+        self.device_bytes += n
+        self.device_peak = max(self.device_peak, self.device_bytes)
+
+    def take_traffic(self) -> tuple[int, int]:
+        out = (self.to_host, self.to_ssd)
+        self.to_host = self.to_ssd = 0
+        return out
+
+
+class _Arena:
+    """First-fit ranges of one shared buffer, 4 KiB aligned (so the daemon's O_DIRECT
+    transfers land in place)."""
+
+    def __init__(self, session: Session, size: int):
+        self.size = size - size % ALIGN
+        self.buffer = session.allocate(self.size)
+        self._free = [(0, self.size)]  # sorted (offset, length)
+
+    def take(self, n: int) -> int | None:
+        n = -(-n // ALIGN) * ALIGN
+        for i, (off, length) in enumerate(self._free):
+            if length >= n:
+                self._free[i:i + 1] = [(off + n, length - n)] if length > n else []
+                return off
+        return None
+
+    def give(self, off: int, n: int) -> None:
+        n = -(-n // ALIGN) * ALIGN
+        self._free.append((off, n))
+        self._free.sort()
+        merged = []
+        for o, length in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((o, length))
+        self._free = merged
+
+    def view(self, off: int, nbytes: int) -> torch.Tensor:
+        return self.buffer.tensor(torch.uint8)[off:off + nbytes]
+
+
+@dataclass(eq=False)
+class _Parked:
+    key: int
+    shape: torch.Size
+    dtype: torch.dtype
+    nbytes: int
+    offset: int | None = None  # in the arena, while there
+    name: str | None = None  # the SSD object, once spilled
+    fetch: Future | None = None  # a read-ahead from SSD into ``offset``
+
+
+@dataclass(eq=False)
+class _Kept:
+    tensor: torch.Tensor
+    nbytes: int
+
+
+class ActivationSwapper:
+    def __init__(self, session: Session, host_budget: int, protected=lambda t: False):
+        if host_budget < ALIGN:
+            raise ValueError(f"host_budget must be at least {ALIGN} bytes, got {host_budget}")
+        self.session = session
+        self.host_budget = host_budget
+        self._arena: _Arena | None = None  # allocated at the first swapped activation
+        self.stats = ActivationStats()
+        self._protected = protected  # tensors that are weights, not activations
+        self._keys = itertools.count()
+        self._host: dict[int, _Parked] = {}  # in the arena, in pack order
+        self._ssd: dict[int, _Parked] = {}  # spilled, in pack order
+        self._names = set()  # SSD objects not yet deleted
+
+    @property
+    def arena(self) -> _Arena:
+        if self._arena is None:
+            self._arena = _Arena(self.session, self.host_budget)
+        return self._arena
+
+    # -- forward ------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor, swap: bool):
+        nbytes = t.numel() * t.element_size()
+        if self._protected(t):
+            return t
+        if not swap or nbytes < MIN_BYTES:
+            self.stats.kept(nbytes)
+            return _Kept(t, nbytes)
+        if nbytes > self.arena.size:
+            raise ValueError(f"an activation of {nbytes} bytes does not fit the host arena of {self.arena.size} "
+                             f"bytes: attach with host_budget of at least {-(-nbytes // ALIGN) * ALIGN} bytes")
+        off = self._make_room(nbytes)
+        parked = _Parked(next(self._keys), t.shape, t.dtype, nbytes, off)
+        self.arena.view(off, nbytes).view(t.dtype).view(t.shape).copy_(t)
+        self._host[parked.key] = parked
+        self.stats.to_host += nbytes
+        self.stats.host_bytes += nbytes
+        self.stats.host_peak = max(self.stats.host_peak, self.stats.host_bytes)
+        return parked
+
+    def _make_room(self, nbytes: int) -> int:
+        """An arena range, spilling the oldest parked activations to SSD until one fits."""
+        while True:
+            off = self.arena.take(nbytes)
+            if off is not None:
+                return off
+            victim = next((p for p in self._host.values() if p.fetch is None), None)
+            if victim is None:
+                raise RuntimeError("the host arena is full of activations being read back; raise host_budget")
+            self._spill(victim)
+
+    def _spill(self, p: _Parked) -> None:
+        p.name = f"act/{id(self):x}/{p.key}"
+        self.session.swap_out(p.name, self.arena.buffer, offset=p.offset, length=p.nbytes)
+        self._names.add(p.name)
+        self.arena.give(p.offset, p.nbytes)
+        self.stats.host_bytes -= p.nbytes
+        self.stats.to_ssd += p.nbytes
+        p.offset = None
+        del self._host[p.key]
+        self._ssd[p.key] = p
+
+    # -- backward -----------------------------------------------------------------------
+    def unpack(self, saved):
+        if isinstance(saved, _Kept):
+            self.stats.device_bytes -= saved.nbytes
+            return saved.tensor
+        if not isinstance(saved, _Parked):
+            return saved
+        p = saved
+        if p.key in self._ssd:
+            self._read_back(p)
+        self._read_ahead(p.key)
+        t = self.arena.view(p.offset, p.nbytes).view(p.dtype).view(p.shape).clone()
+        self._release(p)
+        return t
+
+    def _read_back(self, p: _Parked) -> None:
+        if p.fetch is None:
+            p.offset = self._make_room(p.nbytes)
+            self._start_fetch(p)
+        p.fetch.result()
+        p.fetch = None
+        del self._ssd[p.key]
+        self._host[p.key] = p
+        self.stats.host_bytes += p.nbytes
+        self.stats.host_peak = max(self.stats.host_peak, self.stats.host_bytes)
+
+    def _start_fetch(self, p: _Parked) -> None:
+        p.fetch = self.session.swap_in_async([In(p.name, self.arena.buffer, p.offset, p.nbytes)])
+
+    def _read_ahead(self, key: int) -> None:
+        """Start reading back the spilled activations backward needs next (the highest
+        keys below ``key``), as far as free arena space goes."""
+        for p in sorted((q for q in self._ssd.values() if q.key < key and q.fetch is None),
+                        key=lambda q: -q.key)[:4]:
+            off = self.arena.take(p.nbytes)
+            if off is None:
+                return
+            p.offset = off
+            self._start_fetch(p)
+
+    def _release(self, p: _Parked) -> None:
+        self.arena.give(p.offset, p.nbytes)
+        self.stats.host_bytes -= p.nbytes
+        del self._host[p.key]
+        if p.name is not None:  # its SSD copy goes too (without waiting for the daemon)
+            self._names.discard(p.name)
+            self.session.delete_async(p.name).add_done_callback(lambda f: f.exception())
+
+    def reset(self) -> None:
+        """Drop everything a forward parked that no backward used."""
+        for p in list(self._ssd.values()):
+            if p.fetch is not None:
+                p.fetch.exception()
+                self._arena.give(p.offset, p.nbytes)
+        self._ssd.clear()
+        for p in list(self._host.values()):
+            self._arena.give(p.offset, p.nbytes)
+        self._host.clear()
+        if self._names:
+            self.session.delete(*self._names, missing_ok=True)
+            self._names.clear()
+        self.stats.host_bytes = 0
+        self.stats.device_bytes = 0
+
+
+def treatments(spec, group_names: list[str]) -> dict[str, str]:
+    """``activations=`` as a treatment per block group: one word for all, or a dict by
+    group name (the others keep)."""
+    if isinstance(spec, str):
+        if spec not in TREATMENTS:
+            raise ValueError(f"activations={spec!r}: expected one of {TREATMENTS} or a dict by group name")
+        return {n: spec for n in group_names}
+    unknown = set(spec) - set(group_names)
+    if unknown:
+        raise ValueError(f"activations names unknown groups {sorted(unknown)}; the block groups are {group_names}")
+    bad = {k: v for k, v in spec.items() if v not in TREATMENTS}
+    if bad:
+        raise ValueError(f"activations treatments must be one of {TREATMENTS}, got {bad}")
+    return {n: spec.get(n, "keep") for n in group_names}

@@ -1,0 +1,112 @@
+"""Activation swapping: kept, swapped to host memory or on to SSD, training is bitwise the
+same (dropout included); the compute device's activation peak falls; nothing is left."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fuyou_client
+from conftest import SMALL, scrape
+
+transformers = pytest.importorskip("transformers")
+MiB = 1 << 20
+
+
+@pytest.fixture
+def daemon(short_tmp):
+    d = fuyou_client.start_daemon(short_tmp / "state", config=SMALL)
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def gpt2():
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=64, resid_pdrop=0.1,
+                                  embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def llama():
+    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
+                                   attention_dropout=0.1, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def train(make_model, daemon, steps=3, **kwargs):
+    torch.manual_seed(0)
+    model = make_model()
+    engine = fuyou_client.attach(model, socket=daemon.socket, **kwargs)
+    torch.manual_seed(7)  # dropout draws the same masks in every run
+    losses = []
+    for i in range(steps):
+        x = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(i))
+        loss = model(x, labels=x).loss
+        loss.backward()
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return model, engine, losses
+
+
+@pytest.mark.parametrize("make_model", [gpt2, llama])
+def test_kept_swapped_to_host_and_to_ssd_train_bitwise_alike(daemon, make_model):
+    runs = {}
+    for name, kwargs in {"keep": {}, "host": dict(activations="swap", host_budget=64 * MiB),
+                         "ssd": dict(activations="swap", host_budget=256 << 10)}.items():
+        model, engine, losses = train(make_model, daemon, **kwargs)
+        stats = engine.activations.stats
+        runs[name] = (losses, stats.device_peak, stats.host_peak, engine.session.objects("act/"))
+        engine.close()
+        runs[name] += ({k: v.clone() for k, v in model.state_dict().items()},)
+    base_losses, keep_peak, _, _, base = runs["keep"]
+    for name in ("host", "ssd"):
+        losses, device_peak, host_peak, leftovers, state = runs[name]
+        assert losses == base_losses, name
+        for key, value in state.items():
+            assert torch.equal(value, base[key]), (name, key)
+        assert device_peak < keep_peak / 20, (name, device_peak, keep_peak)  # only tiny tensors stay
+        assert leftovers == []  # every parked activation was freed after backward used it
+    assert runs["host"][2] > 256 << 10 >= runs["ssd"][2]  # the small arena spilled to SSD
+
+
+def test_traffic_is_counted_and_reported(daemon):
+    _, engine, _ = train(gpt2, daemon, steps=4, activations="swap", host_budget=256 << 10)
+    stats = engine.activations.stats
+    assert stats.host_bytes == 0 and stats.device_bytes == 0  # all used by backward
+    engine.close()
+    import time
+
+    time.sleep(0.3)
+    m = scrape(daemon.status().metrics_url)
+    assert m['fuyoud_activation_bytes_total{tier="ssd"}'] > 0
+    assert m['fuyoud_activation_bytes_total{tier="host"}'] >= m['fuyoud_activation_bytes_total{tier="ssd"}']
+
+
+def test_per_group_treatments_and_a_forward_without_backward(daemon):
+    torch.manual_seed(0)
+    model = gpt2()
+    engine = fuyou_client.attach(model, socket=daemon.socket, activations={"block0000": "swap"},
+                                 host_budget=256 << 10)
+    x = torch.randint(0, 256, (4, 64))
+    model(x, labels=x).loss.backward()
+    engine.step()
+    one = engine.activations.stats.to_host
+    assert one > 0
+    model(x, labels=x)  # no backward: what it parked goes at zero_grad
+    assert engine.activations.stats.host_bytes > 0 or engine.session.objects("act/")
+    engine.zero_grad()
+    assert engine.activations.stats.host_bytes == 0 and engine.session.objects("act/") == []
+    engine.close()
+
+
+def test_bad_activation_settings_are_refused_clearly(daemon):
+    with pytest.raises(ValueError, match="expected one of"):
+        fuyou_client.attach(gpt2(), socket=daemon.socket, activations="sometimes")
+    with pytest.raises(ValueError, match=r"unknown groups \['block9'\]"):
+        fuyou_client.attach(gpt2(), socket=daemon.socket, activations={"block9": "swap"})
+    model = gpt2()
+    engine = fuyou_client.attach(model, socket=daemon.socket, activations="swap", host_budget=64 << 10)
+    x = torch.randint(0, 256, (4, 64))
+    with pytest.raises(ValueError, match="host_budget of at least"):
+        model(x, labels=x)
+    engine.close()
