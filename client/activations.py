@@ -30,7 +30,7 @@ from fuyou_client.session import In, Session
 
 ALIGN = 4096
 MIN_BYTES = 16 << 10  # smaller saved tensors are not worth a round trip: kept
-TREATMENTS = ("keep", "swap")
+TREATMENTS = ("keep", "swap", "recompute")
 
 
 @dataclass
@@ -211,6 +211,31 @@ class ActivationSwapper:
         if p.name is not None:  # its SSD copy goes too (without waiting for the daemon)
             self._names.discard(p.name)
             self.session.delete_async(p.name).add_done_callback(lambda f: f.exception())
+
+    def recomputed(self, fn, on_recompute):
+        """``fn`` wrapped for "recompute": torch.utils.checkpoint (non-reentrant, RNG state
+        restored, so dropout draws the same masks) keeps only the block's inputs and runs
+        it again in backward, after ``on_recompute()`` has made its weights resident."""
+        from torch.utils.checkpoint import checkpoint
+
+        def forward(*args, **kwargs):
+            if not torch.is_grad_enabled():
+                return fn(*args, **kwargs)
+            inputs = sum(a.numel() * a.element_size() for a in (*args, *kwargs.values())
+                         if isinstance(a, torch.Tensor))
+            self.stats.kept(inputs)
+            calls = [0]
+
+            def run(*a, **k):
+                calls[0] += 1
+                if calls[0] == 2:  # the recomputation, in backward: the inputs are used now
+                    on_recompute()
+                    self.stats.device_bytes -= inputs
+                return fn(*a, **k)
+
+            return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+        return forward
 
     def reset(self) -> None:
         """Drop everything a forward parked that no backward used."""

@@ -124,6 +124,10 @@ class Engine:
         self.activations = ActivationSwapper(session, host_budget,
                                              protected=lambda t: t.untyped_storage().data_ptr() in weights)
         self._swap_now = False
+        self._patched: list[nn.Module] = []
+        for g in blocks:
+            if self._treatment[g.spec.name] == "recompute":
+                self._recompute(g)
         for g in blocks:  # around each block, so that calling a block directly works too
             swap = self._treatment[g.spec.name] == "swap"
             self._hooks.append(g.spec.module.register_forward_pre_hook(lambda m, a, s=swap: self._enter_forward(s)))
@@ -225,6 +229,7 @@ class Engine:
         if g.pooled:
             self.gradients.collect(g)  # (before the weights go: views need the parameters' shapes)
         if g.offloaded is not None:
+            g.offloaded.busy = False
             self.offloader.release(g.offloaded)  # backward is done with these weights
         if g.backwards == self.accumulation_steps and self.max_grad_norm is None and not g.submitted:
             self._submit(g)  # final gradients: step now, while backward goes on
@@ -240,6 +245,19 @@ class Engine:
         if g.pooled:
             self.gradients.submitted(g, g.future)
             g.future = None  # the pool owns it now
+
+    def _recompute(self, g: _Group) -> None:
+        """The block's forward runs under activation checkpointing; in backward its weights
+        are fetched again first (and held until its gradients are complete)."""
+        module, og = g.spec.module, g.offloaded
+
+        def resident():
+            if og is not None:
+                self.offloader.ensure(og, via_state=True)
+                og.busy = True  # the recomputed graph holds its weights: no eviction
+
+        module.forward = self.activations.recomputed(module.forward, resident)
+        self._patched.append(module)
 
     def _enter_forward(self, swap: bool) -> None:
         self._swap_now = swap
@@ -372,6 +390,9 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for module in self._patched:
+            del module.forward  # the class's own forward again
+        self._patched.clear()
         try:
             for g in self.groups:  # steps in flight still write into shared buffers: let them land
                 if g.future is not None:
@@ -415,8 +436,9 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
     ``resume``: a directory written by ``engine.save_checkpoint``; the model's weights,
     the optimizer state, step counts and learning rate continue from it.
     ``activations``: what happens to the blocks' activations saved for backward: "keep"
-    (on the compute device) or "swap" (to a host arena of ``host_budget`` bytes of
-    shared memory, then to the SSD array), for all blocks or as a dict by group name."""
+    (on the compute device), "swap" (to a host arena of ``host_budget`` bytes of shared
+    memory, then to the SSD array) or "recompute" (only block inputs kept, the block run
+    again in backward), for all blocks or as a dict by group name."""
     if accumulation_steps < 1:
         raise ValueError("accumulation_steps must be at least 1")
     groups = split(model, blocks)
