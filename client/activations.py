@@ -21,6 +21,7 @@ to SSD; the engine reports the traffic to the daemon's metrics.
 from __future__ import annotations
 
 import itertools
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from fuyou_client.session import In, Session
 ALIGN = 4096
 MIN_BYTES = 16 << 10  # smaller saved tensors are not worth a round trip: kept
 TREATMENTS = ("keep", "swap", "recompute")
+WORDS = (*TREATMENTS, "auto")
 
 
 @dataclass
@@ -41,6 +43,13 @@ class ActivationStats:
     host_peak: int = 0
     to_host: int = 0  # bytes moved device -> host arena (since the last report)
     to_ssd: int = 0  # bytes moved host arena -> SSD (since the last report)
+    # Totals and their times, for the planner's profile.
+    copied: int = 0
+    copy_s: float = 0.0
+    spilled: int = 0
+    spill_s: float = 0.0
+    read_back: int = 0
+    read_back_s: float = 0.0
 
     def kept(self, n: int) -> None:
         self.device_bytes += n
@@ -122,6 +131,28 @@ class ActivationSwapper:
             self._arena = _Arena(self.session, self.host_budget)
         return self._arena
 
+    def is_activation(self, t: torch.Tensor) -> bool:
+        return not self._protected(t)
+
+    def probe_ssd(self, nbytes: int = 8 << 20) -> tuple[float, float]:
+        """The SSD's write and read bandwidth for activations, measured with one object
+        from the arena (for a plan made before anything spilled)."""
+        nbytes = min(nbytes, self.arena.size) // ALIGN * ALIGN
+        off = self.arena.take(nbytes)
+        if off is None:
+            return 1e9, 1e9
+        try:
+            name = f"act/{id(self):x}/probe"
+            t0 = time.perf_counter()
+            self.session.swap_out(name, self.arena.buffer, offset=off, length=nbytes)
+            t1 = time.perf_counter()
+            self.session.swap_in(name, self.arena.buffer, offset=off, length=nbytes)
+            t2 = time.perf_counter()
+            self.session.delete(name, missing_ok=True)
+        finally:
+            self.arena.give(off, nbytes)
+        return nbytes / max(t1 - t0, 1e-9), nbytes / max(t2 - t1, 1e-9)
+
     # -- forward ------------------------------------------------------------------------
     def pack(self, t: torch.Tensor, swap: bool):
         nbytes = t.numel() * t.element_size()
@@ -135,7 +166,10 @@ class ActivationSwapper:
                              f"bytes: attach with host_budget of at least {-(-nbytes // ALIGN) * ALIGN} bytes")
         off = self._make_room(nbytes)
         parked = _Parked(next(self._keys), t.shape, t.dtype, nbytes, off)
+        t0 = time.perf_counter()
         self.arena.view(off, nbytes).view(t.dtype).view(t.shape).copy_(t)
+        self.stats.copy_s += time.perf_counter() - t0
+        self.stats.copied += nbytes
         self._host[parked.key] = parked
         self.stats.to_host += nbytes
         self.stats.host_bytes += nbytes
@@ -155,7 +189,10 @@ class ActivationSwapper:
 
     def _spill(self, p: _Parked) -> None:
         p.name = f"act/{id(self):x}/{p.key}"
+        t0 = time.perf_counter()
         self.session.swap_out(p.name, self.arena.buffer, offset=p.offset, length=p.nbytes)
+        self.stats.spill_s += time.perf_counter() - t0
+        self.stats.spilled += p.nbytes
         self._names.add(p.name)
         self.arena.give(p.offset, p.nbytes)
         self.stats.host_bytes -= p.nbytes
@@ -183,7 +220,10 @@ class ActivationSwapper:
         if p.fetch is None:
             p.offset = self._make_room(p.nbytes)
             self._start_fetch(p)
+        t0 = time.perf_counter()
         p.fetch.result()
+        self.stats.read_back_s += time.perf_counter() - t0  # what read-ahead did not hide
+        self.stats.read_back += p.nbytes
         p.fetch = None
         del self._ssd[p.key]
         self._host[p.key] = p
@@ -258,9 +298,9 @@ def treatments(spec, group_names: list[str]) -> dict[str, str]:
     """``activations=`` as a treatment per block group: one word for all, or a dict by
     group name (the others keep)."""
     if isinstance(spec, str):
-        if spec not in TREATMENTS:
-            raise ValueError(f"activations={spec!r}: expected one of {TREATMENTS} or a dict by group name")
-        return {n: spec for n in group_names}
+        if spec not in WORDS:
+            raise ValueError(f"activations={spec!r}: expected one of {WORDS} or a dict by group name")
+        return {n: "swap" if spec == "auto" else spec for n in group_names}  # auto: profiles swapping first
     unknown = set(spec) - set(group_names)
     if unknown:
         raise ValueError(f"activations names unknown groups {sorted(unknown)}; the block groups are {group_names}")

@@ -35,6 +35,7 @@ from fuyou_client import checkpoints
 from fuyou_client.gradients import GradientPool
 from fuyou_client.grouping import ParamGroup, split
 from fuyou_client.activations import ActivationSwapper, treatments
+from fuyou_client.autoplan import AutoPlanner
 from fuyou_client.offload import OffloadedGroup, Offloader, Saved
 from fuyou_client.optim import AdamW, SGD, StepInfo
 from fuyou_client.session import Session, connect
@@ -75,7 +76,7 @@ class Engine:
     def __init__(self, model: nn.Module, session: Session, optimizer: AdamW | SGD, groups: list[ParamGroup],
                  max_grad_norm: float | None, accumulation_steps: int, owns_session: bool,
                  offload: bool = True, prefetch: int = 2, keep: int = 0, resume: bool = False,
-                 activations="keep", host_budget: int = 256 << 20):
+                 activations="keep", host_budget: int = 256 << 20, device_budget: int | None = None):
         self.model = model
         self._resume = resume  # the groups exist in the daemon (restored): take their weights
         self.checkpoint_extra = None  # what save_checkpoint(extra=...) kept, after a resume
@@ -124,14 +125,17 @@ class Engine:
         self.activations = ActivationSwapper(session, host_budget,
                                              protected=lambda t: t.untyped_storage().data_ptr() in weights)
         self._swap_now = False
-        self._patched: list[nn.Module] = []
-        for g in blocks:
-            if self._treatment[g.spec.name] == "recompute":
-                self._recompute(g)
+        self._current: str | None = None
+        self._originals: dict[str, object] = {}  # block -> its own forward, while recomputing
+        self._by_name = {g.spec.name: g for g in blocks}
+        self.apply_treatments(self._treatment)
+        self._auto = AutoPlanner(self, [g.spec.name for g in blocks], device_budget, host_budget) \
+            if activations == "auto" and blocks else None
         for g in blocks:  # around each block, so that calling a block directly works too
-            swap = self._treatment[g.spec.name] == "swap"
-            self._hooks.append(g.spec.module.register_forward_pre_hook(lambda m, a, s=swap: self._enter_forward(s)))
-            self._hooks.append(g.spec.module.register_forward_hook(lambda m, a, o: self._exit_forward(),
+            name = g.spec.name
+            self._hooks.append(g.spec.module.register_forward_pre_hook(
+                lambda m, a, k, n=name: self._enter_forward(n, a, k), with_kwargs=True))
+            self._hooks.append(g.spec.module.register_forward_hook(lambda m, a, o, n=name: self._exit_forward(n),
                                                                    always_call=True))
         self.zero_grad()
 
@@ -246,27 +250,46 @@ class Engine:
             self.gradients.submitted(g, g.future)
             g.future = None  # the pool owns it now
 
-    def _recompute(self, g: _Group) -> None:
-        """The block's forward runs under activation checkpointing; in backward its weights
-        are fetched again first (and held until its gradients are complete)."""
-        module, og = g.spec.module, g.offloaded
+    @property
+    def plan(self):
+        """The activation plan of ``activations="auto"`` (None until the first profiled
+        iteration's ``step()``); ``print(engine.plan)`` shows it."""
+        return self._auto.plan if self._auto is not None else None
 
-        def resident():
-            if og is not None:
-                self.offloader.ensure(og, via_state=True)
-                og.busy = True  # the recomputed graph holds its weights: no eviction
+    def apply_treatments(self, treatments: dict[str, str]) -> None:
+        """Keep, swap or recompute, per block, from the next forward on."""
+        self._treatment.update(treatments)
+        for name, g in self._by_name.items():
+            recompute = self._treatment[name] == "recompute"
+            if recompute and name not in self._originals:
+                self._originals[name] = g.spec.module.forward
+                g.spec.module.forward = self.activations.recomputed(g.spec.module.forward,
+                                                                    lambda og=g.offloaded: self._resident(og))
+            elif not recompute and name in self._originals:
+                del g.spec.module.forward  # the class's own forward again
+                del self._originals[name]
 
-        module.forward = self.activations.recomputed(module.forward, resident)
-        self._patched.append(module)
+    def _resident(self, og) -> None:
+        """Before a block is recomputed in backward: its weights, held until its gradients
+        are complete (the recomputed graph refers to them: no eviction)."""
+        if og is not None:
+            self.offloader.ensure(og, via_state=True)
+            og.busy = True
 
-    def _enter_forward(self, swap: bool) -> None:
-        self._swap_now = swap
+    def _enter_forward(self, name: str, args, kwargs) -> None:
+        if self._auto is not None:
+            self._auto.before(name, args, kwargs)
+        self._current = name
+        self._swap_now = self._treatment[name] == "swap"
         if torch.is_grad_enabled() and self._saved_ctx is None:
             self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_ctx.__enter__()
 
-    def _exit_forward(self) -> None:
+    def _exit_forward(self, name: str) -> None:
+        if self._auto is not None:
+            self._auto.after(name)
         self._swap_now = False
+        self._current = None
         if self._saved_ctx is not None:
             self._saved_ctx.__exit__(None, None, None)
             self._saved_ctx = None
@@ -278,6 +301,8 @@ class Engine:
             marker = self.offloader.pack(t)
             if marker is not t:
                 return marker
+        if self._auto is not None and self._current is not None and self.activations.is_activation(t):
+            self._auto.saved(self._current, t.numel() * t.element_size())
         return self.activations.pack(t, self._swap_now)
 
     def _unpack(self, saved):
@@ -320,6 +345,8 @@ class Engine:
         if errors:
             raise errors[0]
         self.activations.reset()
+        if self._auto is not None:
+            self._auto.step_done()
         self._report(t_start)
 
     def _report(self, t_start: float) -> None:
@@ -390,9 +417,7 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        for module in self._patched:
-            del module.forward  # the class's own forward again
-        self._patched.clear()
+        self.apply_treatments({name: "keep" for name in self._by_name})  # unpatch recomputed forwards
         try:
             for g in self.groups:  # steps in flight still write into shared buffers: let them land
                 if g.future is not None:
@@ -428,7 +453,8 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
            socket: str | None = None, namespace: str | None = None, blocks: list[nn.Module] | None = None,
            max_grad_norm: float | None = None, accumulation_steps: int = 1, offload: bool = True,
            prefetch: int = 2, keep: int = 0, resume: str | os.PathLike | None = None,
-           activations: str | dict[str, str] = "keep", host_budget: int = 256 << 20) -> Engine:
+           activations: str | dict[str, str] = "keep", host_budget: int = 256 << 20,
+           device_budget: int | None = None) -> Engine:
     """Hook ``model`` up to fuyoud: its optimizer state moves to the SSD array, each layer
     group is stepped by the daemon as soon as backward has finished it, and (``offload``)
     the blocks' weights are fetched ahead of use, ``prefetch`` blocks deep; the last
@@ -438,7 +464,9 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
     ``activations``: what happens to the blocks' activations saved for backward: "keep"
     (on the compute device), "swap" (to a host arena of ``host_budget`` bytes of shared
     memory, then to the SSD array) or "recompute" (only block inputs kept, the block run
-    again in backward), for all blocks or as a dict by group name."""
+    again in backward), for all blocks or as a dict by group name; or "auto": the planner
+    chooses per block after profiling the first iteration, fastest within
+    ``device_budget`` bytes of activations on the compute device (None: no limit)."""
     if accumulation_steps < 1:
         raise ValueError("accumulation_steps must be at least 1")
     groups = split(model, blocks)
@@ -452,7 +480,7 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
             state = checkpoints.load_client_state(session.restore(resume).client_state)
         engine = Engine(model, session, optimizer or AdamW(), groups, max_grad_norm, accumulation_steps, owns,
                         offload, prefetch, keep, resume=state is not None, activations=activations,
-                        host_budget=host_budget)
+                        host_budget=host_budget, device_budget=device_budget)
         if state is not None:
             engine._checkpoint_lr = state["lr"] or {}
             engine.resume_lr()
