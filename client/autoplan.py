@@ -1,11 +1,11 @@
 """``activations="auto"``: profile an iteration, plan (planner.py), apply, re-plan when
 the batch shape changes.
 
-The profiling iteration swaps every block (safe for memory, and it measures the copy
+The profiling iteration (the second: the first pays one-time costs) swaps every block (safe for memory, and it measures the copy
 bandwidth); per block it records the forward time (less the time spent copying and
 spilling activations), the bytes saved for backward and the bytes of its inputs; the SSD
-bandwidth comes from the spills, or from a short probe when nothing spilled. At the
-next ``engine.step()`` the plan is made and applied to the following iterations; it is
+bandwidth comes from the spills, or from a short probe when nothing spilled. At its
+``engine.step()`` the plan is made and applied to the following iterations; it is
 ``engine.plan`` (``print(engine.plan)`` shows the table) and is logged. A first block
 called with a differently shaped input starts a new profiling iteration.
 """
@@ -46,7 +46,10 @@ class AutoPlanner:
         self._t0: dict[str, tuple[float, float]] = {}
         self.start_profiling()
 
-    def start_profiling(self) -> None:
+    def start_profiling(self, warmup: int = 1) -> None:
+        """Swap everything and measure; the first ``warmup`` iterations (one-time costs:
+        allocation, first fetches) are not used."""
+        self._warmup = warmup
         self.profiling = True
         self._forward = defaultdict(float)
         self._saved = defaultdict(int)
@@ -100,6 +103,9 @@ class AutoPlanner:
     def step_done(self) -> None:
         """At engine.step(): after a profiling iteration, plan and apply."""
         if not self.profiling or not self._forward:
+            return
+        if self._warmup:
+            self.start_profiling(self._warmup - 1)
             return
         self.profiling = False
         self.plan = plan(self.profile())

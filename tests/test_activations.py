@@ -119,3 +119,53 @@ def test_bad_activation_settings_are_refused_clearly(daemon):
     with pytest.raises(ValueError, match="host_budget of at least"):
         model(x, labels=x)
     engine.close()
+
+
+class Twice(torch.nn.Module):
+    """Each block called twice per step (shared weights): every call's activations are
+    parked and come back on their own; the weights' storage is never swapped."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 64)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                                              torch.nn.Linear(256, 64)) for _ in range(3))
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = h + b(h)
+            h = h + b(h)
+        return h.square().mean()
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_blocks_called_twice_and_parameter_views(daemon, offload):
+    results = []
+    for kwargs in ({}, dict(activations="swap", host_budget=1 << 20), dict(activations="recompute")):
+        torch.manual_seed(0)
+        model = Twice()
+        engine = fuyou_client.attach(model, socket=daemon.socket, offload=offload, **kwargs)
+        for i in range(3):
+            x = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(i))
+            model(x).backward()
+            engine.step()
+            engine.zero_grad()
+        engine.close()
+        results.append({k: v.clone() for k, v in model.state_dict().items()})
+    for other in results[1:]:
+        for key, value in other.items():
+            assert torch.equal(value, results[0][key]), key
+
+
+def test_auto_on_llama_trains_bitwise_like_keep(daemon):
+    keep, engine, keep_losses = train(llama, daemon, steps=4)
+    budget = engine.activations.stats.device_peak // 3
+    engine.close()
+    auto, engine, auto_losses = train(llama, daemon, steps=4, activations="auto", device_budget=budget,
+                                      host_budget=512 << 10)
+    assert engine.plan is not None and engine.plan.fits
+    engine.close()
+    assert auto_losses == keep_losses
+    for (name, a), b in zip(auto.state_dict().items(), keep.state_dict().values()):
+        assert torch.equal(a, b), name
