@@ -32,10 +32,10 @@ import torch
 from torch import nn
 
 from fuyou_client import checkpoints
-from fuyou_client.gradients import GradientPool
-from fuyou_client.grouping import ParamGroup, split
 from fuyou_client.activations import ActivationSwapper, treatments
 from fuyou_client.autoplan import AutoPlanner
+from fuyou_client.gradients import GradientPool
+from fuyou_client.grouping import ParamGroup, split
 from fuyou_client.offload import OffloadedGroup, Offloader, Saved
 from fuyou_client.optim import AdamW, SGD, StepInfo
 from fuyou_client.session import Session, connect

@@ -207,9 +207,6 @@ class Offloader:
             g.in_backward = True
             self.on_backward(g)
 
-    def saved_tensors_hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
