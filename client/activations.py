@@ -14,6 +14,11 @@ forward without backward - is dropped at the next ``engine.step()`` or
 ``zero_grad()``. Transient objects die with the session, so a killed client leaves
 nothing behind.
 
+On a GPU the copy into the arena runs on the device's download stream (the source is
+kept from reuse by the caching allocator until it ran; a spill to SSD waits for it) and
+the copy back on the upload stream, the compute stream waiting for its event; the arena
+range is reused only once that upload has run. On the CPU both are plain copies.
+
 Accounting (``ActivationStats``): bytes kept on the compute device for backward (now
 and peak), bytes parked in the host arena (now and peak), and bytes moved to host and
 to SSD; the engine reports the traffic to the daemon's metrics.
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fuyou_client.device import DONE, Device, HostDevice
 from fuyou_client.session import In, Session
 
 ALIGN = 4096
@@ -103,6 +109,7 @@ class _Parked:
     offset: int | None = None  # in the arena, while there
     name: str | None = None  # the SSD object, once spilled
     fetch: Future | None = None  # a read-ahead from SSD into ``offset``
+    copied: object = DONE  # event: the copy into the arena
 
 
 @dataclass(eq=False)
@@ -112,10 +119,13 @@ class _Kept:
 
 
 class ActivationSwapper:
-    def __init__(self, session: Session, host_budget: int, protected=lambda t: False):
+    def __init__(self, session: Session, host_budget: int, protected=lambda t: False, device: Device | None = None):
         if host_budget < ALIGN:
             raise ValueError(f"host_budget must be at least {ALIGN} bytes, got {host_budget}")
         self.session = session
+        self.device = device or HostDevice()
+        self.measure = False  # time copies to completion (the planner's profile on an asynchronous device)
+        self._uploading: list[tuple[object, int, int]] = []  # (event, offset, nbytes): arena ranges in use
         self.host_budget = host_budget
         self._arena: _Arena | None = None  # allocated at the first swapped activation
         self.stats = ActivationStats()
@@ -167,7 +177,13 @@ class ActivationSwapper:
         off = self._make_room(nbytes)
         parked = _Parked(next(self._keys), t.shape, t.dtype, nbytes, off)
         t0 = time.perf_counter()
-        self.arena.view(off, nbytes).view(t.dtype).view(t.shape).copy_(t)
+        dst = self.arena.view(off, nbytes).view(t.dtype).view(t.shape)
+        if self.device.shares_host_memory:
+            dst.copy_(t)
+        else:
+            parked.copied = self.device.download(dst, t)
+            if self.measure:
+                parked.copied.synchronize()
         self.stats.copy_s += time.perf_counter() - t0
         self.stats.copied += nbytes
         self._host[parked.key] = parked
@@ -179,9 +195,13 @@ class ActivationSwapper:
     def _make_room(self, nbytes: int) -> int:
         """An arena range, spilling the oldest parked activations to SSD until one fits."""
         while True:
+            self._reap()
             off = self.arena.take(nbytes)
             if off is not None:
                 return off
+            if self._uploading:  # ranges still being copied back to the device
+                self._reap(wait=True)
+                continue
             victim = next((p for p in self._host.values() if p.fetch is None), None)
             if victim is None:
                 raise RuntimeError("the host arena is full of activations being read back; raise host_budget")
@@ -190,6 +210,7 @@ class ActivationSwapper:
     def _spill(self, p: _Parked) -> None:
         p.name = f"act/{id(self):x}/{p.key}"
         t0 = time.perf_counter()
+        p.copied.synchronize()  # the daemon reads what the download stream wrote
         self.session.swap_out(p.name, self.arena.buffer, offset=p.offset, length=p.nbytes)
         self.stats.spill_s += time.perf_counter() - t0
         self.stats.spilled += p.nbytes
@@ -212,9 +233,29 @@ class ActivationSwapper:
         if p.key in self._ssd:
             self._read_back(p)
         self._read_ahead(p.key)
-        t = self.arena.view(p.offset, p.nbytes).view(p.dtype).view(p.shape).clone()
-        self._release(p)
+        src = self.arena.view(p.offset, p.nbytes).view(p.dtype).view(p.shape)
+        if self.device.shares_host_memory:
+            t = src.clone()
+            self._release(p)
+        else:
+            t = torch.empty(p.shape, dtype=p.dtype, device=self.device.torch_device)
+            uploaded = self.device.upload(t, src, after=p.copied)
+            self.device.wait(uploaded)
+            self._release(p, uploaded)
         return t
+
+    def _reap(self, wait: bool = False) -> None:
+        """Arena ranges whose copy back to the device has run become free (``wait``: the
+        oldest is waited for)."""
+        if wait and self._uploading:
+            self._uploading[0][0].synchronize()
+        still = []
+        for event, off, n in self._uploading:
+            if event.query():
+                self.arena.give(off, n)
+            else:
+                still.append((event, off, n))
+        self._uploading = still
 
     def _read_back(self, p: _Parked) -> None:
         if p.fetch is None:
@@ -244,8 +285,11 @@ class ActivationSwapper:
             p.offset = off
             self._start_fetch(p)
 
-    def _release(self, p: _Parked) -> None:
-        self.arena.give(p.offset, p.nbytes)
+    def _release(self, p: _Parked, uploading=None) -> None:
+        if uploading is None:
+            self.arena.give(p.offset, p.nbytes)
+        else:  # freed once the upload out of it has run
+            self._uploading.append((uploading, p.offset, p.nbytes))
         self.stats.host_bytes -= p.nbytes
         del self._host[p.key]
         if p.name is not None:  # its SSD copy goes too (without waiting for the daemon)
@@ -279,6 +323,11 @@ class ActivationSwapper:
 
     def reset(self) -> None:
         """Drop everything a forward parked that no backward used."""
+        for event, _, _ in self._uploading:
+            event.synchronize()
+        self._reap()
+        for p in list(self._host.values()):
+            p.copied.synchronize()
         for p in list(self._ssd.values()):
             if p.fetch is not None:
                 p.fetch.exception()

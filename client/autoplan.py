@@ -12,7 +12,6 @@ called with a differently shaped input starts a new profiling iteration.
 from __future__ import annotations
 
 import logging
-import time
 from collections import defaultdict
 
 import torch
@@ -44,6 +43,7 @@ class AutoPlanner:
         self.shape = None
         self.profiling = False
         self._t0: dict[str, tuple[float, float]] = {}
+        self._now = engine.device.timer()  # on a GPU it synchronises: profiled times are the device's
         self.start_profiling()
 
     def start_profiling(self, warmup: int = 1) -> None:
@@ -57,6 +57,7 @@ class AutoPlanner:
         stats = self.engine.activations.stats
         self._ssd0 = (stats.spilled, stats.spill_s, stats.read_back, stats.read_back_s)
         self._copy0 = (stats.copied, stats.copy_s)
+        self.engine.activations.measure = True  # copies timed to completion while profiling
         self.engine.apply_treatments({n: "swap" for n in self.blocks})
 
     # -- hooks -------------------------------------------------------------------------------
@@ -69,12 +70,12 @@ class AutoPlanner:
             self.shape = shape
         if self.profiling:
             self._inputs[name] = tensor_bytes((*args, *kwargs.values()))
-            self._t0[name] = (time.perf_counter(), self._moving())
+            self._t0[name] = (self._now(), self._moving())
 
     def after(self, name: str) -> None:
         if self.profiling and name in self._t0:
             t0, moving0 = self._t0.pop(name)
-            self._forward[name] += time.perf_counter() - t0 - (self._moving() - moving0)
+            self._forward[name] += self._now() - t0 - (self._moving() - moving0)
 
     def _moving(self) -> float:
         """Seconds spent moving activations so far (not the block's own compute)."""
@@ -96,7 +97,7 @@ class AutoPlanner:
         else:
             write_bps, read_bps = spilled / max(spill_s, 1e-9), read / max(read_s, 1e-9)
         blocks = [BlockProfile(n, self._forward[n], self._saved[n], self._inputs.get(n, 0)) for n in self.blocks]
-        copies_overlap = next(iter(self.engine.model.parameters())).is_cuda
+        copies_overlap = not self.engine.device.shares_host_memory  # side streams: copies overlap compute
         return Profile(blocks, copied / max(copy_s, 1e-9) if copied else 10e9, write_bps, read_bps,
                        self.device_budget, self.host_budget, copies_overlap=copies_overlap)
 
@@ -108,6 +109,7 @@ class AutoPlanner:
             self.start_profiling(self._warmup - 1)
             return
         self.profiling = False
+        self.engine.activations.measure = False
         self.plan = plan(self.profile())
         self.engine.apply_treatments(self.plan.treatments)
         log.info("%s", self.plan.summary())

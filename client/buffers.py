@@ -29,8 +29,27 @@ class Segment:
         finally:
             os.close(fd)
         self.live_buffers = 0
+        self.device = None  # the compute device it is registered with (cudaHostRegister)
+
+    @property
+    def address(self) -> int:
+        from fuyou_client.device import buffer_address
+
+        return buffer_address(self.map)
+
+    def register(self, device) -> None:
+        """Make the mapping usable for asynchronous copies by ``device`` (once)."""
+        if self.device is None:
+            device.register(self.address, self.size)
+            self.device = device
+
+    def close_registration(self) -> None:
+        if self.device is not None:
+            self.device.unregister(self.address)
+            self.device = None
 
     def close(self) -> bool:
+        self.close_registration()  # unregistered before it is unmapped
         try:
             self.map.close()
             return True

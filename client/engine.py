@@ -7,10 +7,12 @@
         engine.step()            # barrier: every update of this iteration is in the weights
         engine.zero_grad()
 
-Each layer group's parameters and gradients become views of two shared buffers (so
-autograd accumulates gradients straight into shared memory and the daemon writes the
-new weights straight into the parameters); the fp32 master weights and the AdamW/SGD
-moments live only on the SSD array, in the daemon. A post-accumulate-grad hook counts
+On the CPU each layer group's parameters and gradients become views of two shared
+buffers (so autograd accumulates gradients straight into shared memory and the daemon
+writes the new weights straight into the parameters); on a GPU they are device memory,
+and gradients and new weights cross to and from shared memory on side streams
+(layergroup.py, device.py). The fp32 master weights and the AdamW/SGD moments live only
+on the SSD array, in the daemon. A post-accumulate-grad hook counts
 each group's gradients; when the last one lands during backward, that group's step is
 submitted while backward goes on with earlier layers. `engine.step()` waits for all of
 them. With `max_grad_norm`, clipping is exact: the steps wait for every gradient (the
@@ -25,18 +27,18 @@ from __future__ import annotations
 import math
 import os
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from fuyou_client import checkpoints
+from fuyou_client import checkpoints, layergroup
 from fuyou_client.activations import ActivationSwapper, treatments
 from fuyou_client.autoplan import AutoPlanner
+from fuyou_client.device import Device, resolve
 from fuyou_client.gradients import GradientPool
 from fuyou_client.grouping import ParamGroup, split
-from fuyou_client.offload import OffloadedGroup, Offloader, Saved
+from fuyou_client.layergroup import LayerGroup
+from fuyou_client.offload import Offloader, Saved
 from fuyou_client.optim import AdamW, SGD, StepInfo
 from fuyou_client.session import Session, connect
 
@@ -58,26 +60,14 @@ class _Optimizer(torch.optim.Optimizer):
         self._engine.zero_grad()
 
 
-@dataclass
-class _Group:
-    spec: ParamGroup
-    weights: object  # SharedBuffer of compute-dtype weights (the parameters are views of it)
-    grads: object  # SharedBuffer of gradients (the .grad tensors are views of it)
-    dtype: torch.dtype
-    offloaded: OffloadedGroup | None = None
-    pending: int = 0  # gradients still to come in the current backward
-    backwards: int = 0  # backward passes completed since the last step (gradient accumulation)
-    future: Future | None = None
-    submitted: bool = False  # this iteration's step was sent
-    pooled: bool = False  # gradients live in the shared GradientPool (only during backward and step)
-
-
 class Engine:
     def __init__(self, model: nn.Module, session: Session, optimizer: AdamW | SGD, groups: list[ParamGroup],
                  max_grad_norm: float | None, accumulation_steps: int, owns_session: bool,
                  offload: bool = True, prefetch: int = 2, keep: int = 0, resume: bool = False,
-                 activations="keep", host_budget: int = 256 << 20, device_budget: int | None = None):
+                 activations="keep", host_budget: int = 256 << 20, device_budget: int | None = None,
+                 device: Device | None = None):
         self.model = model
+        self.device = device or resolve(None, model)
         self._resume = resume  # the groups exist in the daemon (restored): take their weights
         self.checkpoint_extra = None  # what save_checkpoint(extra=...) kept, after a resume
         self._checkpoint_lr: dict = {}
@@ -88,16 +78,20 @@ class Engine:
         self.last_step_infos: list[StepInfo] = []
         self._last_step_end: float | None = None  # for the iteration times reported to the daemon
         self.optimizer = _Optimizer(self, optimizer.lr)
-        self.groups: list[_Group] = []
+        self.groups: list[LayerGroup] = []
         self._hooks = []
         self._check_capacity(groups, optimizer)
+        if not self.device.shares_host_memory:
+            session.use_device(self.device)  # cudaHostRegister of every shared segment
         # Offloaded groups borrow gradient buffers from a pool, unless every gradient must
         # be kept until the step (accumulation over micro-batches, exact clipping).
         self._pool_grads = offload and accumulation_steps == 1 and max_grad_norm is None
         originals = [(p, p.data, p.grad) for spec in groups for _, p in spec.params]
         try:
             for spec in groups:
-                self.groups.append(self._upload(spec, optimizer, offload and spec.module is not None))
+                index = sum(1 for g in self.groups if g.offloaded is not None)  # position in forward order
+                self.groups.append(layergroup.upload(self, spec, optimizer, offload and spec.module is not None,
+                                                     index))
         except BaseException:  # leave the user's model as it was
             with torch.no_grad():
                 for p, data, grad in originals:
@@ -107,12 +101,12 @@ class Engine:
             raise
         del originals
         offloaded = [g.offloaded for g in self.groups if g.offloaded is not None]
-        self.offloader = Offloader(session, offloaded, prefetch, keep) if offloaded else None
+        self.offloader = Offloader(session, self.device, offloaded, prefetch, keep) if offloaded else None
         self.gradients = None
         if offloaded and self._pool_grads:
             by_name = {g.spec.name: g for g in self.groups}
             nbytes = max(g.nbytes for g in offloaded)
-            self.gradients = GradientPool(session, prefetch + 3, nbytes)
+            self.gradients = GradientPool(session, self.device, prefetch + 3, nbytes)
             self.offloader.on_backward = lambda og: self.gradients.assign(by_name[og.name])
         for g in self.groups:
             for _, p in g.spec.params:
@@ -120,9 +114,9 @@ class Engine:
         self._saved_ctx = None
         blocks = [g for g in self.groups if g.spec.module is not None]
         self._treatment = treatments(activations, [g.spec.name for g in blocks])
-        weights = {g.weights.tensor(torch.uint8).untyped_storage().data_ptr() for g in self.groups
-                   if g.weights is not None}
-        self.activations = ActivationSwapper(session, host_budget,
+        weights = {(g.device_weights if g.device_weights is not None else g.weights.tensor(torch.uint8))
+                   .untyped_storage().data_ptr() for g in self.groups if g.weights is not None}
+        self.activations = ActivationSwapper(session, host_budget, device=self.device,
                                              protected=lambda t: t.untyped_storage().data_ptr() in weights)
         self._swap_now = False
         self._current: str | None = None
@@ -152,63 +146,6 @@ class Engine:
                 f"needs {need / 2**30:.1f} GiB (twice that while a group's new version is written); raise "
                 "[storage] capacity_per_device or add data_dirs")
 
-    def _upload(self, spec: ParamGroup, optimizer, offload: bool) -> _Group:
-        """Create the group's optimizer state in the daemon from the parameters; then the
-        parameters become views of shared memory (resident) or empty (offloaded), and
-        their gradients views of a shared gradient buffer."""
-        dtypes = {p.dtype for _, p in spec.params}
-        if len(dtypes) != 1:
-            raise TypeError(f"group {spec.name} mixes parameter dtypes {sorted(map(str, dtypes))}; "
-                            "cast the model to one dtype first")
-        dtype = dtypes.pop()
-        n = spec.numel
-        params = [p for _, p in spec.params]
-        shapes = [p.shape for p in params]
-        if self._resume:  # the parameters take the checkpoint's masters, cast as each step casts them
-            master, info = checkpoints.read_masters(self, spec.name, n)
-            if info.optimizer.to_pb() != optimizer.to_pb():
-                master.free()
-                raise ValueError(f"group {spec.name} was checkpointed with {info.optimizer}, not {optimizer}; "
-                                 "resume with the same optimizer settings (lr may differ)")
-            with torch.no_grad():
-                flat, offset = master.tensor(torch.float32)[:n], 0
-                for p in params:
-                    p.copy_(flat[offset:offset + p.numel()].view(p.shape))
-                    offset += p.numel()
-        else:
-            master = self.session.allocate(n * 4)
-            torch.cat([p.detach().reshape(-1).float() for p in params], out=master.tensor(torch.float32)[:n])
-            info = self.session.create_group(spec.name, master, optimizer, numel=n)
-        pooled = offload and self._pool_grads
-        grads = None if pooled else self.session.allocate(n * dtype.itemsize)
-        if offload and dtype == torch.float32:  # the compute weights are the masters: read them in place
-            weights, source = None, (f"optim/{spec.name}", info.weights_offset)
-        else:
-            weights = self.session.allocate(n * dtype.itemsize)
-            torch.cat([p.detach().reshape(-1) for p in params], out=weights.tensor(dtype)[:n])
-            source = (f"weights/{spec.name}", 0)
-            if offload:
-                self.session.swap_out(source[0], weights, length=n * dtype.itemsize)
-                weights.free()
-                weights = None
-        master.free()
-        flat_g = grads.tensor(dtype)[:n] if grads is not None else None
-        flat_w = weights.tensor(dtype)[:n] if weights is not None else None
-        offset = 0
-        with torch.no_grad():
-            for p, shape in zip(params, shapes):
-                k = shape.numel()
-                # From here on the parameter *is* shared memory (the daemon writes updates into
-                # it), or empty until the offloader fetches it.
-                p.grad = flat_g[offset:offset + k].view(shape) if flat_g is not None else None  # (p has its shape)
-                p.data = flat_w[offset:offset + k].view(shape) if flat_w is not None else torch.empty(0, dtype=dtype)
-                offset += k
-        group = _Group(spec, weights, grads, dtype, pooled=pooled)
-        if offload:
-            index = sum(1 for g in self.groups if g.offloaded is not None)  # position in forward order
-            group.offloaded = OffloadedGroup(index, spec.name, spec.module, params, dtype, source, n, shapes=shapes)
-        return group
-
     # -- the training loop ------------------------------------------------------------------
     @property
     def lr(self) -> float:
@@ -218,7 +155,7 @@ class Engine:
     def lr(self, value: float) -> None:
         self.optimizer.param_groups[0]["lr"] = value
 
-    def _on_grad(self, g: _Group) -> None:
+    def _on_grad(self, g: LayerGroup) -> None:
         # Called once per parameter per backward (autograd sums a parameter's uses first).
         g.pending -= 1
         if g.pending:
@@ -238,17 +175,20 @@ class Engine:
         if g.backwards == self.accumulation_steps and self.max_grad_norm is None and not g.submitted:
             self._submit(g)  # final gradients: step now, while backward goes on
 
-    def _submit(self, g: _Group, scale: float | None = None) -> None:
-        if g.pooled:
-            self.gradients.collect(g)
+    def _submit(self, g: LayerGroup, scale: float | None = None) -> None:
         offloaded_bf = g.offloaded is not None and g.dtype != torch.float32
-        g.future = self.session.step_group_async(
-            g.spec.name, g.grads, self.lr, grad_dtype=g.dtype, out=g.weights, out_dtype=g.dtype, grad_scale=scale,
-            weights_object=f"weights/{g.spec.name}" if offloaded_bf else "")
+        name, lr, session = g.spec.name, self.lr, self.session  # as of now (the step may go from another thread)
+
+        def start(grads):
+            return session.step_group_async(
+                name, grads, lr, grad_dtype=g.dtype, out=g.weights, out_dtype=g.dtype, grad_scale=scale,
+                weights_object=f"weights/{name}" if offloaded_bf else "")
+
         g.submitted = True
         if g.pooled:
-            self.gradients.submitted(g, g.future)
-            g.future = None  # the pool owns it now
+            self.gradients.submit(g, start)  # the pool owns the step's future
+        else:
+            g.future = layergroup.submit(self, g, start)
 
     @property
     def plan(self):
@@ -334,6 +274,7 @@ class Engine:
                 if g.future is not None:
                     try:
                         infos[g.spec.name] = g.future.result()
+                        layergroup.upload_weights(self.device, g)  # (GPU: the new weights into the parameters)
                     except Exception as exc:  # noqa: BLE001 - re-raised below
                         errors.append(exc)
                 g.future, g.submitted, g.backwards = None, False, 0
@@ -376,7 +317,7 @@ class Engine:
             self.activations.reset()  # what a forward without backward parked
         for g in self.groups:
             if not g.pooled:
-                g.grads.tensor(torch.uint8).zero_()
+                g.zero_grads(self.device)
             g.pending, g.backwards = len(g.spec.params), 0
 
     def require_idle(self, what: str) -> None:
@@ -439,8 +380,12 @@ class Engine:
         finally:
             if self.offloader is not None:
                 self.offloader.close()
+            self.device.synchronize()
             if self._owns_session:
                 self.session.close()
+            if not self.device.shares_host_memory:
+                self.session.use_device(None)
+            self.device.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -454,7 +399,7 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
            max_grad_norm: float | None = None, accumulation_steps: int = 1, offload: bool = True,
            prefetch: int = 2, keep: int = 0, resume: str | os.PathLike | None = None,
            activations: str | dict[str, str] = "keep", host_budget: int = 256 << 20,
-           device_budget: int | None = None) -> Engine:
+           device_budget: int | None = None, device=None) -> Engine:
     """Hook ``model`` up to fuyoud: its optimizer state moves to the SSD array, each layer
     group is stepped by the daemon as soon as backward has finished it, and (``offload``)
     the blocks' weights are fetched ahead of use, ``prefetch`` blocks deep; the last
@@ -466,12 +411,16 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
     memory, then to the SSD array) or "recompute" (only block inputs kept, the block run
     again in backward), for all blocks or as a dict by group name; or "auto": the planner
     chooses per block after profiling the first iteration, fastest within
-    ``device_budget`` bytes of activations on the compute device (None: no limit)."""
+    ``device_budget`` bytes of activations on the compute device (None: no limit).
+    ``device``: where the model computes (default: where its parameters are; the CPU or
+    a CUDA device; on CUDA the shared buffers are registered with cudaHostRegister and
+    every copy runs on a side stream)."""
     if accumulation_steps < 1:
         raise ValueError("accumulation_steps must be at least 1")
     groups = split(model, blocks)
     if not groups:
         raise ValueError("the model has no trainable parameters")
+    device = resolve(device, model)
     owns = session is None
     session = session or connect(socket, namespace=namespace)
     try:
@@ -480,7 +429,7 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
             state = checkpoints.load_client_state(session.restore(resume).client_state)
         engine = Engine(model, session, optimizer or AdamW(), groups, max_grad_norm, accumulation_steps, owns,
                         offload, prefetch, keep, resume=state is not None, activations=activations,
-                        host_budget=host_budget, device_budget=device_budget)
+                        host_budget=host_budget, device_budget=device_budget, device=device)
         if state is not None:
             engine._checkpoint_lr = state["lr"] or {}
             engine.resume_lr()

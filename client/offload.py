@@ -23,6 +23,13 @@ rewrites. A handful of shared buffers ("slots") hold the groups in use:
   not be an empty placeholder then;
 * a group's weights go as soon as its gradients are complete (its step is then
   submitted). Parameters not resident are empty placeholders.
+
+A slot is a shared host buffer (where the daemon puts the weights) and the compute
+device's memory for them. On the CPU these are the same bytes. On a GPU a landed fetch
+is uploaded on the upload stream as soon as the offloader sees it done (at the next
+hook: prefetched blocks are uploaded while earlier ones compute), after the compute
+stream has finished with the slot's previous group; a block's compute waits for its own
+upload's event only, and the host buffer takes a new fetch only after its upload ran.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fuyou_client.device import DONE, Device
 from fuyou_client.session import In, Session
 
 
@@ -44,9 +52,10 @@ class OffloadedGroup:
     dtype: torch.dtype
     source: tuple[str, int]  # (object, byte offset) holding the compute weights
     numel: int
-    slot: object | None = None  # SharedBuffer while resident
+    slot: "Slot | None" = None  # while resident
+    ready: object = DONE  # event: the slot's upload (compute waits for it before using the weights)
     fetch: Future | None = None
-    fetch_slot: object | None = None
+    fetch_slot: "Slot | None" = None
     fetch_via_state: bool = False  # the fetch asks the daemon to serve it from a state read-ahead
     in_backward: bool = False
     busy: bool = False  # between its forward pre- and post-hook: its slot must stay
@@ -59,6 +68,19 @@ class OffloadedGroup:
         return self.numel * self.dtype.itemsize
 
 
+class Slot:
+    """Room for one group's weights: a shared host buffer and its device counterpart."""
+
+    def __init__(self, session: Session, device: Device, nbytes: int):
+        self.host = session.allocate(nbytes)
+        self.device = self.host.tensor(torch.uint8) if device.shares_host_memory else device.empty(nbytes)
+        self.uploaded = DONE  # the last upload out of ``host`` (a new fetch may land only after it)
+        self.released = DONE  # compute's last use of ``device`` (a new upload waits for it)
+
+    def weights(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.device.view(dtype)
+
+
 @dataclass(frozen=True)
 class Saved:
     group: OffloadedGroup
@@ -68,13 +90,15 @@ class Saved:
 
 
 class Offloader:
-    def __init__(self, session: Session, groups: list[OffloadedGroup], prefetch: int, keep: int = 0):
+    def __init__(self, session: Session, device: Device, groups: list[OffloadedGroup], prefetch: int,
+                 keep: int = 0):
         self.session = session
+        self.device = device
         self.groups = groups
         self.prefetch = prefetch
         self.keep = keep  # blocks (the last ones) kept from forward to backward: fewer fetches, more memory
         nbytes = max(g.nbytes for g in groups)
-        self._free = [session.allocate(nbytes) for _ in range(prefetch + 2 + keep)]
+        self._free = [Slot(session, device, nbytes) for _ in range(prefetch + 2 + keep)]
         self._all = list(self._free)
         self._clock = 0
         self._by_ptr: dict[int, OffloadedGroup] = {}
@@ -99,36 +123,55 @@ class Offloader:
             return
         self._fetch_into(g, self._free.pop(), via_state)
 
-    def _fetch_into(self, g: OffloadedGroup, slot, via_state: bool) -> None:
+    def _fetch_into(self, g: OffloadedGroup, slot: Slot, via_state: bool) -> None:
+        slot.uploaded.synchronize()  # the host buffer's last upload has run (normally long ago)
         g.fetch_slot, g.fetch_via_state = slot, via_state
         if via_state:
-            g.fetch = self.session.fetch_weights_async(g.name, slot, g.dtype)
+            g.fetch = self.session.fetch_weights_async(g.name, slot.host, g.dtype)
         else:
             obj, offset = g.source
-            g.fetch = self.session.swap_in_async([In(obj, slot, length=g.nbytes, object_offset=offset)])
+            g.fetch = self.session.swap_in_async([In(obj, slot.host, length=g.nbytes, object_offset=offset)])
 
     def ensure(self, g: OffloadedGroup, via_state: bool = False) -> None:
-        """Make the group's weights resident (waits for its fetch)."""
-        if g.slot is not None:
-            return
-        if g.fetch is None:
-            self._fetch_into(g, self._free.pop() if self._free else self._evict(g), via_state)
+        """Make the group's weights resident (waits for its fetch); the compute stream's
+        next work waits for their upload."""
+        if g.slot is None:
+            if g.fetch is None:
+                self._fetch_into(g, self._free.pop() if self._free else self._evict(g), via_state)
+            self._land(g)
+        self.device.wait(g.ready)
+
+    def _land(self, g: OffloadedGroup) -> None:
+        """A fetch is done (or waited for): upload it and point the parameters at it."""
         served = g.fetch.result()
+        slot = g.fetch_slot
         if g.fetch_via_state and served:
             self.served_bytes += g.nbytes
         else:
             if g.fetch_via_state:  # no optimizer buffer was spare: read the weights ourselves
                 obj, offset = g.source
-                self.session.swap_in(obj, g.fetch_slot, length=g.nbytes, object_offset=offset)
+                self.session.swap_in(obj, slot.host, length=g.nbytes, object_offset=offset)
             self.fetched_bytes += g.nbytes
-        g.slot, g.fetch, g.fetch_slot = g.fetch_slot, None, None
-        flat = g.slot.tensor(g.dtype)
+        g.slot, g.fetch, g.fetch_slot = slot, None, None
+        if not self.device.shares_host_memory:
+            slot.uploaded = self.device.upload(slot.device[:g.nbytes], slot.host.tensor(torch.uint8)[:g.nbytes],
+                                               after=slot.released)
+        g.ready = slot.uploaded
+        flat = slot.weights(g.dtype)
         self._by_ptr[flat.untyped_storage().data_ptr()] = g
         offset = 0
         for p, shape in zip(g.params, g.shapes):
             n = shape.numel()
             p.data = flat[offset:offset + n].view(shape)
             offset += n
+
+    def _poll(self) -> None:
+        """Land the fetches that are done, so that their uploads overlap compute."""
+        if self.device.shares_host_memory:
+            return
+        for g in self.groups:
+            if g.fetch is not None and g.fetch.done():
+                self._land(g)
 
     def _evict(self, wanted: OffloadedGroup):
         """All slots hold groups (parameters that got no gradient keep a group resident
@@ -149,9 +192,10 @@ class Offloader:
         if not keep_params:
             for p, ph in zip(g.params, g.placeholders):
                 p.data = ph
-        self._by_ptr.pop(g.slot.tensor(g.dtype).untyped_storage().data_ptr(), None)
+        self._by_ptr.pop(g.slot.weights(g.dtype).untyped_storage().data_ptr(), None)
+        g.slot.released = self.device.record()  # the compute enqueued so far may still read it
         self._free.append(g.slot)
-        g.slot = None
+        g.slot, g.ready = None, DONE
 
     def release_all(self) -> None:
         for g in self.groups:
@@ -173,6 +217,7 @@ class Offloader:
         self._touch(g)
         for nxt in self.groups[g.index + 1:g.index + 1 + self.prefetch]:
             self._start_fetch(nxt)
+        self._poll()
 
     def _after_forward(self, g: OffloadedGroup) -> None:
         g.busy = False
@@ -193,12 +238,14 @@ class Offloader:
             self.ensure(g, via_state=True)
             for prev in reversed(self.groups[max(0, g.index - self.prefetch):g.index]):
                 self._start_fetch(prev, via_state=True)
+        else:
+            self.device.wait(g.ready)
+        self._poll()
         self._begin_backward(g)
-        return g.slot.tensor(g.dtype).as_strided(saved.size, saved.stride, saved.offset)
+        return g.slot.weights(g.dtype).as_strided(saved.size, saved.stride, saved.offset)
 
     def _gradient_arriving(self, g: OffloadedGroup) -> None:
-        if g.slot is None:
-            self.ensure(g, via_state=True)
+        self.ensure(g, via_state=True)
         self._begin_backward(g)
 
     def _begin_backward(self, g: OffloadedGroup) -> None:

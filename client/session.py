@@ -138,6 +138,7 @@ class Session:
         self._metadata = ((SESSION_METADATA_KEY, reply["token"]),)
         self._segments: dict[int, Segment] = {}
         self._seg_lock = threading.Lock()
+        self._device = None  # a compute device every mapped segment is registered with
         self.closed = False
 
     # -- memory ---------------------------------------------------------------------
@@ -160,8 +161,22 @@ class Session:
                     for fd in fds:
                         os.close(fd)
                     raise errors.FuyouClientError(f"unexpected message on the session socket: {info!r}")
-                self._segments[info["segment"]] = Segment(info["segment"], info["size"], fds[0])
+                seg = Segment(info["segment"], info["size"], fds[0])
+                self._segments[info["segment"]] = seg
+                if self._device is not None:
+                    seg.register(self._device)
             return self._segments[segment_id]
+
+    def use_device(self, device) -> None:
+        """Register every shared segment, mapped now or later, with a compute device
+        (``fuyou_client.device``: cudaHostRegister on CUDA); None unregisters them."""
+        with self._seg_lock:
+            for seg in self._segments.values():
+                if device is None:
+                    seg.close_registration()
+                else:
+                    seg.register(device)
+            self._device = device
 
     def _free(self, buf: SharedBuffer) -> None:
         if self.closed:

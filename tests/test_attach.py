@@ -38,11 +38,15 @@ def llama():
     return transformers.LlamaForCausalLM(cfg)
 
 
-def train_pair(make_model, daemon, steps=10, accumulation=1, clip=None, dtype=torch.float32, offload=True, keep=0):
+def train_pair(make_model, daemon, steps=10, accumulation=1, clip=None, dtype=torch.float32, offload=True, keep=0,
+               device=None):
+    """``device``: attach's (a Device at the seam, or "cuda": both models and the batches
+    move there)."""
     torch.manual_seed(0)
-    ours = make_model().to(dtype)
+    where = "cuda" if device == "cuda" else "cpu"
+    ours = make_model().to(dtype).to(where)
     ref = copy.deepcopy(ours)
-    engine = fuyou_client.attach(ours, fuyou_client.AdamW(**HYPER), socket=daemon.socket,
+    engine = fuyou_client.attach(ours, fuyou_client.AdamW(**HYPER), socket=daemon.socket, device=device,
                                  max_grad_norm=clip, accumulation_steps=accumulation, offload=offload, keep=keep)
     masters = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
     opt = torch.optim.AdamW(masters, **HYPER, fused=True)
@@ -52,7 +56,7 @@ def train_pair(make_model, daemon, steps=10, accumulation=1, clip=None, dtype=to
     losses = []
     for _ in range(steps):
         for _ in range(accumulation):
-            x = torch.randint(0, 512, (2, 32), generator=gen)
+            x = torch.randint(0, 512, (2, 32), generator=gen).to(where)
             loss = ours(x, labels=x).loss if hasattr(ours, "config") else ours(x).square().mean()
             loss.backward()
             ref_loss = ref(x, labels=x).loss if hasattr(ref, "config") else ref(x).square().mean()

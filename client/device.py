@@ -1,0 +1,268 @@
+"""The compute device: where the model runs, and how bytes cross between it and the
+daemon's shared memory.
+
+Two kinds, one interface (the engine, the offloader, the gradient pool and the
+activation swapper are written against it):
+
+* ``HostDevice`` (the CPU): the model computes on host memory, so parameters,
+  gradients and activations can *be* views of shared memory. ``shares_host_memory`` is
+  true and the engine makes no copies at all; events are complete from birth.
+* ``CudaDevice``: the model's tensors live in GPU memory. Every shared segment the
+  session maps is registered with ``cudaHostRegister`` (so copies run at pinned speed,
+  asynchronously, into the very pages the daemon's io_uring reads and writes), and bytes
+  move on two side streams: *upload* (host -> GPU: weights, activations coming back) and
+  *download* (GPU -> host: gradients, activations leaving). Events order them against
+  the compute stream (nothing is read before it is written, nothing reused while a copy
+  is in flight) without synchronising the device; ``then`` runs host-side work (e.g.
+  submitting an optimizer step) on a helper thread once an event has completed, so the
+  training thread never blocks on a copy.
+
+Any other object with this interface can stand in (the tests use a CPU stand-in for a
+discrete accelerator whose copies run late on a worker thread, to prove the ordering).
+"""
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+from concurrent.futures import Future
+
+import torch
+
+
+class Done:
+    """An event that has already happened (host compute is synchronous)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+DONE = Done()
+
+
+def call_into(fut: Future, fn) -> None:
+    try:
+        fut.set_result(fn())
+    except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+        fut.set_exception(exc)
+
+
+class Device:
+    """What the engine needs of a compute device. Subclasses: HostDevice, CudaDevice."""
+
+    torch_device: torch.device
+    shares_host_memory: bool  # tensors on the device may be views of shared memory
+
+    def register(self, address: int, nbytes: int) -> None:
+        """Host memory (a shared segment) that copies will use; before its first use."""
+
+    def unregister(self, address: int) -> None:
+        """Before the segment at ``address`` is unmapped."""
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of uninitialised device memory, as a uint8 tensor."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
+
+    def record(self):
+        """An event marking the compute stream's work enqueued so far."""
+        return DONE
+
+    def wait(self, event) -> None:
+        """Make the compute stream's later work wait for ``event`` (not the host)."""
+        event.synchronize()
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor, after=None):
+        """Copy host ``src`` into device ``dst`` once ``after`` (an event) has happened;
+        returns the copy's event."""
+        if after is not None:
+            after.synchronize()
+        dst.copy_(src)
+        return DONE
+
+    def download(self, dst: torch.Tensor, src: torch.Tensor, after=None):
+        """Copy device ``src`` into host ``dst`` after the compute stream's work so far
+        (and ``after``); returns the copy's event. ``src`` must not be freed before it."""
+        if after is not None:
+            after.synchronize()
+        dst.copy_(src)
+        return DONE
+
+    def then(self, event, fn) -> Future:
+        """``fn()`` once ``event`` has happened, off the training thread where that
+        matters; a future of its result. Calls run in the order they were asked for."""
+        fut: Future = Future()
+        event.synchronize()
+        call_into(fut, fn)
+        return fut
+
+    def synchronize(self) -> None:
+        """Wait (host) for everything enqueued on the device."""
+
+    def timer(self):
+        """A function returning seconds, for profiling: on an asynchronous device it
+        synchronises first, so that the time includes the work enqueued before."""
+        import time
+
+        return time.perf_counter
+
+    def memory_allocated(self) -> int | None:
+        """Bytes the framework has allocated on the device (None where it cannot tell)."""
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class HostDevice(Device):
+    """The CPU: compute on host memory, shared memory used in place."""
+
+    torch_device = torch.device("cpu")
+    shares_host_memory = True
+
+
+class _Thread:
+    """One helper thread running queued calls in order (CudaDevice.then)."""
+
+    def __init__(self, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            item()
+
+    def submit(self, fn) -> None:
+        self._queue.put(fn)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+
+class CudaDevice(Device):
+    """An NVIDIA GPU: shared segments registered with cudaHostRegister, copies on an
+    upload and a download side stream, ordered by events."""
+
+    shares_host_memory = False
+
+    def __init__(self, index: int | None = None):
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDA is not available: attach on the CPU (the model's parameters on the CPU)")
+        index = torch.cuda.current_device() if index is None else index
+        self.torch_device = torch.device("cuda", index)
+        self._cudart = torch.cuda.cudart()
+        self.upload_stream = torch.cuda.Stream(self.torch_device)
+        self.download_stream = torch.cuda.Stream(self.torch_device)
+        self._registered: set[int] = set()
+        self._helper = _Thread(f"fuyou-cuda{index}")
+
+    def _compute(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.torch_device)
+
+    def register(self, address: int, nbytes: int) -> None:
+        if address in self._registered:
+            return
+        with torch.cuda.device(self.torch_device):
+            rc = self._cudart.cudaHostRegister(address, nbytes, 0)  # cudaHostRegisterDefault
+        if int(rc) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of shared memory failed (CUDA error {int(rc)}); "
+                               "check the memlock limit (LimitMEMLOCK=infinity, ulimit -l)")
+        self._registered.add(address)
+
+    def unregister(self, address: int) -> None:
+        if address in self._registered:
+            self._registered.discard(address)
+            with torch.cuda.device(self.torch_device):
+                self._cudart.cudaHostUnregister(address)
+
+    def record(self):
+        return self._compute().record_event()
+
+    def wait(self, event) -> None:
+        if not isinstance(event, Done):
+            self._compute().wait_event(event)
+
+    def _copy(self, stream, dst, src, after, compute_first: bool):
+        if compute_first:
+            stream.wait_stream(self._compute())
+        if after is not None and not isinstance(after, Done):
+            stream.wait_event(after)
+        with torch.cuda.stream(stream), torch.no_grad():
+            dst.copy_(src, non_blocking=True)
+            if src.is_cuda:  # the caching allocator must not hand src's memory out before the copy ran
+                src.record_stream(stream)
+            if dst.is_cuda:
+                dst.record_stream(stream)
+            return stream.record_event()
+
+    def upload(self, dst, src, after=None):
+        return self._copy(self.upload_stream, dst, src, after, compute_first=False)
+
+    def download(self, dst, src, after=None):
+        return self._copy(self.download_stream, dst, src, after, compute_first=True)
+
+    def then(self, event, fn) -> Future:
+        fut: Future = Future()
+
+        def run():
+            try:
+                event.synchronize()
+            except BaseException as exc:  # noqa: BLE001 - a device error goes to the waiter
+                fut.set_exception(exc)
+                return
+            with torch.cuda.device(self.torch_device):
+                call_into(fut, fn)
+
+        self._helper.submit(run)
+        return fut
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+    def timer(self):
+        import time
+
+        def now() -> float:
+            torch.cuda.synchronize(self.torch_device)
+            return time.perf_counter()
+
+        return now
+
+    def memory_allocated(self) -> int | None:
+        return torch.cuda.memory_allocated(self.torch_device)
+
+    def close(self) -> None:
+        self._helper.close()
+        for address in list(self._registered):
+            self.unregister(address)
+
+
+def buffer_address(buffer) -> int:
+    """The address of a writable buffer (an mmap), without keeping an export of it."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+def resolve(device, model: torch.nn.Module) -> Device:
+    """``attach(device=...)``: a Device, a torch device or its name, or None (where the
+    model's parameters are)."""
+    if isinstance(device, Device):
+        return device
+    if device is None:
+        kinds = {p.device for p in model.parameters()}
+        if len(kinds) > 1:
+            raise ValueError(f"the model's parameters are on several devices ({sorted(map(str, kinds))}); "
+                             "move the model to one device before attach")
+        device = kinds.pop() if kinds else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cpu":
+        return HostDevice()
+    if device.type == "cuda":
+        return CudaDevice(device.index)
+    raise ValueError(f"fuyou computes on the CPU or on CUDA devices, not {device}")

@@ -1,0 +1,189 @@
+"""A layer group's memory in the training process: where its weights and gradients are,
+on the host (shared memory the daemon reads and writes) and on the compute device, and
+the copies between the two.
+
+On the CPU (``device.shares_host_memory``) the parameters and gradients of a resident
+group *are* views of shared memory: the daemon writes the new weights straight into the
+parameters and reads the gradients where autograd accumulated them. On a GPU they are
+device tensors (one flat allocation per group, the parameters views of it): gradients
+are downloaded into shared memory on the download stream before the step is submitted
+(on the device's helper thread, once the copy's event has fired: the training thread
+goes on with backward), and the step's new weights are uploaded at the barrier, on the
+upload stream, after the compute stream has finished with the old ones.
+
+Offloaded groups (offload.py) have no resident weights; pooled gradients
+(gradients.py) have no resident gradient buffers.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from fuyou_client import checkpoints
+from fuyou_client.device import DONE, Device
+from fuyou_client.grouping import ParamGroup
+from fuyou_client.offload import OffloadedGroup
+
+
+@dataclass(eq=False)
+class LayerGroup:
+    spec: ParamGroup
+    weights: object  # SharedBuffer of compute-dtype weights the step writes (resident groups)
+    grads: object  # SharedBuffer of gradients the daemon reads (None while pooled and idle)
+    dtype: torch.dtype
+    device_weights: torch.Tensor | None = None  # flat, on a device with its own memory (resident)
+    device_grads: torch.Tensor | None = None  # flat, on a device with its own memory
+    offloaded: OffloadedGroup | None = None
+    pending: int = 0  # gradients still to come in the current backward
+    backwards: int = 0  # backward passes completed since the last step (gradient accumulation)
+    future: Future | None = None
+    submitted: bool = False  # this iteration's step was sent
+    pooled: bool = False  # gradients live in the shared GradientPool (only during backward and step)
+    uploaded: object = DONE  # event: the last upload of new weights into device_weights
+    downloaded: object = DONE  # event: the last download of device_grads
+
+    @property
+    def numel(self) -> int:
+        return self.spec.numel
+
+    def point_grads(self, flat: torch.Tensor | None) -> None:
+        """Make the parameters' .grad views of ``flat`` (None: no gradients)."""
+        offset = 0
+        with torch.no_grad():
+            for (_, p), shape in zip(self.spec.params, self.shapes):
+                k = shape.numel()
+                p.grad = flat[offset:offset + k].view(shape) if flat is not None else None
+                offset += k
+
+    @property
+    def shapes(self) -> list[torch.Size]:
+        return self.offloaded.shapes if self.offloaded is not None else [p.shape for _, p in self.spec.params]
+
+    def zero_grads(self, device: Device) -> None:
+        if self.device_grads is not None:
+            device.wait(self.downloaded)  # the last download of these gradients has run
+            self.device_grads.zero_()
+        elif self.grads is not None:
+            self.grads.tensor(torch.uint8).zero_()
+
+
+def flat_copy(params, out: torch.Tensor) -> None:
+    """The parameters, flattened in order, into ``out`` (any device, any dtype)."""
+    if out.device == params[0].device:
+        torch.cat([p.detach().reshape(-1).to(out.dtype) for p in params], out=out)
+    else:
+        out.copy_(torch.cat([p.detach().reshape(-1).to(out.dtype) for p in params]))
+
+
+def upload(engine, spec: ParamGroup, optimizer, offload: bool, index: int) -> LayerGroup:
+    """Create the group's optimizer state in the daemon from the parameters (or take a
+    restored one's weights); then the parameters become views of shared memory or of one
+    device allocation (resident) or empty (offloaded), and their gradients views of a
+    gradient buffer (unless pooled)."""
+    session, device = engine.session, engine.device
+    dtypes = {p.dtype for _, p in spec.params}
+    if len(dtypes) != 1:
+        raise TypeError(f"group {spec.name} mixes parameter dtypes {sorted(map(str, dtypes))}; "
+                        "cast the model to one dtype first")
+    dtype = dtypes.pop()
+    n = spec.numel
+    params = [p for _, p in spec.params]
+    shapes = [p.shape for p in params]
+    if engine._resume:  # the parameters take the checkpoint's masters, cast as each step casts them
+        master, info = checkpoints.read_masters(engine, spec.name, n)
+        if info.optimizer.to_pb() != optimizer.to_pb():
+            master.free()
+            raise ValueError(f"group {spec.name} was checkpointed with {info.optimizer}, not {optimizer}; "
+                             "resume with the same optimizer settings (lr may differ)")
+        with torch.no_grad():
+            flat, offset = master.tensor(torch.float32)[:n], 0
+            for p in params:
+                p.copy_(flat[offset:offset + p.numel()].view(p.shape))
+                offset += p.numel()
+    else:
+        master = session.allocate(n * 4)
+        flat_copy(params, master.tensor(torch.float32)[:n])
+        info = session.create_group(spec.name, master, optimizer, numel=n)
+    pooled = offload and engine._pool_grads
+    grads = None if pooled else session.allocate(n * dtype.itemsize)
+    if offload and dtype == torch.float32:  # the compute weights are the masters: read them in place
+        weights, source = None, (f"optim/{spec.name}", info.weights_offset)
+    else:
+        weights = session.allocate(n * dtype.itemsize)
+        flat_copy(params, weights.tensor(dtype)[:n])
+        source = (f"weights/{spec.name}", 0)
+        if offload:
+            session.swap_out(source[0], weights, length=n * dtype.itemsize)
+            weights.free()
+            weights = None
+    master.free()
+    group = LayerGroup(spec, weights, grads, dtype, pooled=pooled)
+    if device.shares_host_memory:
+        flat_w = weights.tensor(dtype)[:n] if weights is not None else None
+        flat_g = grads.tensor(dtype)[:n] if grads is not None else None
+    else:
+        flat_w = None
+        if weights is not None:
+            flat_w = group.device_weights = device.empty(n * dtype.itemsize).view(dtype)
+            flat_copy(params, flat_w)
+        flat_g = group.device_grads = device.empty(n * dtype.itemsize).view(dtype) if grads is not None else None
+    offset = 0
+    with torch.no_grad():
+        for p, shape in zip(params, shapes):
+            k = shape.numel()
+            # From here on the parameter *is* shared memory (the daemon writes updates into
+            # it), a slice of the group's device allocation, or empty until the offloader
+            # fetches it.
+            p.grad = flat_g[offset:offset + k].view(shape) if flat_g is not None else None  # (p has its shape)
+            p.data = flat_w[offset:offset + k].view(shape) if flat_w is not None else \
+                torch.empty(0, dtype=dtype, device=device.torch_device)
+            offset += k
+    if offload:
+        group.offloaded = OffloadedGroup(index, spec.name, spec.module, params, dtype, source, n, shapes=shapes)
+    return group
+
+
+def after(device: Device, event, start) -> Future:
+    """A future of the future that ``start()`` returns, called once ``event`` happened
+    (on the device's helper thread): how a step is submitted after its gradients'
+    download without blocking the training thread."""
+    outer: Future = Future()
+
+    def relay(inner: Future) -> None:
+        exc = inner.exception()
+        outer.set_exception(exc) if exc is not None else outer.set_result(inner.result())
+
+    def go():
+        start().add_done_callback(relay)
+
+    device.then(event, go).add_done_callback(lambda f: f.exception() is not None and outer.set_exception(f.exception()))
+    return outer
+
+
+def submit(engine, g: LayerGroup, start) -> Future:
+    """Send a resident-gradient group's step: ``start(grads_buffer)`` issues it. On a
+    device with its own memory the gradients are downloaded first and the step goes when
+    the copy (and the last upload out of ``g.weights``, which the step overwrites) is done."""
+    if g.device_grads is None:
+        return start(g.grads)
+    device = engine.device
+    g.downloaded = device.download(g.grads.tensor(g.dtype)[:g.numel], g.device_grads)
+    uploaded = g.uploaded
+
+    def go():
+        uploaded.synchronize()
+        return start(g.grads)
+
+    return after(device, g.downloaded, go)
+
+
+def upload_weights(device: Device, g: LayerGroup) -> None:
+    """After a resident group's step (device with its own memory): its new weights from
+    shared memory into the parameters, once the compute stream is done with the old ones;
+    later compute waits for the copy."""
+    if g.device_weights is None:
+        return
+    g.uploaded = device.upload(g.device_weights, g.weights.tensor(g.dtype)[:g.numel], after=device.record())
+    device.wait(g.uploaded)

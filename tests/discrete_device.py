@@ -1,0 +1,153 @@
+"""A CPU stand-in for a discrete accelerator, at the engine's device seam
+(fuyou_client.device.Device): what the CUDA path does, provable without a GPU.
+
+Its memory is its own (the engine allocates device tensors for parameters, gradients,
+weight slots and activations; none may be a view of shared memory), and its copies run
+*late*: each direction has a worker thread (like CUDA's upload and download streams,
+which run independently of each other) that sleeps a random while before every copy
+and then fires the copy's event. So code that reads a copy's destination before its
+event, reuses a source or destination while a copy is in flight, or submits a step
+before its gradients have left, trains on wrong bytes, and the bitwise comparisons with
+torch fail. Compute itself is the CPU's: synchronous, so events recorded on the
+"compute stream" are complete at once and waiting for an event blocks.
+"""
+from __future__ import annotations
+
+import queue
+import random
+import threading
+from concurrent.futures import Future
+
+import torch
+
+from fuyou_client.device import DONE, Device, call_into
+
+
+class Event:
+    def __init__(self):
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def set(self) -> None:
+        self._done.set()
+
+    def synchronize(self) -> None:
+        if not self._done.wait(60):
+            raise TimeoutError("a copy of the stand-in device never ran")
+        if self.error is not None:
+            raise RuntimeError("a copy of the stand-in device failed") from self.error
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+
+class _Worker:
+    def __init__(self, name: str, rng: random.Random, max_delay: float):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._rng, self._max_delay = rng, max_delay
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                threading.Event().wait(self._rng.uniform(0, self._max_delay))
+                job()
+            except BaseException as exc:  # noqa: BLE001 - surfaced by the test
+                self.error = exc
+
+    def put(self, job) -> None:
+        self._queue.put(job)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(10)
+
+
+class LateCopyDevice(Device):
+    torch_device = torch.device("cpu")
+    shares_host_memory = False
+
+    def __init__(self, seed: int = 0, max_delay: float = 0.003):
+        rng = random.Random(seed)
+        self._up = _Worker("upload", rng, max_delay)
+        self._down = _Worker("download", rng, max_delay)
+        self._helper = _Worker("helper", rng, max_delay)
+        self.registered: dict[int, int] = {}  # address -> bytes, like cudaHostRegister
+        self.ever_registered = 0
+        self.uploads = self.downloads = 0
+        self.allocated: list[torch.Tensor] = []
+
+    def register(self, address: int, nbytes: int) -> None:
+        assert address not in self.registered, "a segment registered twice"
+        self.registered[address] = nbytes
+        self.ever_registered += 1
+
+    def unregister(self, address: int) -> None:
+        del self.registered[address]
+
+    def is_registered(self, t: torch.Tensor) -> bool:
+        ptr = t.data_ptr()
+        return any(a <= ptr < a + n for a, n in self.registered.items())
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        t = torch.full((nbytes,), 0xA5, dtype=torch.uint8)  # garbage, as device memory would be
+        self.allocated.append(t)
+        return t
+
+    def _copy(self, worker: _Worker, dst, src, after, host: torch.Tensor) -> Event:
+        assert self.is_registered(host), "a copy to or from host memory that is not registered"
+        event = Event()
+
+        def job():
+            try:
+                if after is not None:
+                    after.synchronize()
+                with torch.no_grad():
+                    dst.copy_(src)
+            except BaseException as exc:
+                event.error = exc
+                raise
+            finally:
+                event.set()
+
+        worker.put(job)
+        return event
+
+    def upload(self, dst, src, after=None):
+        self.uploads += 1
+        return self._copy(self._up, dst, src, after, src)
+
+    def download(self, dst, src, after=None):
+        self.downloads += 1
+        return self._copy(self._down, dst, src, after, dst)
+
+    def record(self):
+        return DONE
+
+    def wait(self, event) -> None:
+        event.synchronize()
+
+    def then(self, event, fn) -> Future:
+        fut: Future = Future()
+
+        def job():
+            event.synchronize()
+            call_into(fut, fn)
+
+        self._helper.put(job)
+        return fut
+
+    def synchronize(self) -> None:
+        for worker in (self._up, self._down, self._helper):
+            done = Event()
+            worker.put(done.set)
+            done.synchronize()
+            if worker.error is not None:
+                raise worker.error
+
+    def close(self) -> None:
+        self.synchronize()
+        for worker in (self._up, self._down, self._helper):
+            worker.close()

@@ -1,0 +1,162 @@
+"""The compute-device path: a device with its own memory, copies on side streams.
+
+Everything the CUDA path does (device copies of parameters, gradients downloaded before
+a step is submitted, new weights uploaded after it, weight slots and activations moving
+both ways, every shared segment registered) runs here on a stand-in whose copies run
+late on worker threads (tests/discrete_device.py), so a missing wait or an early reuse
+shows up as a bitwise difference from torch. The same tests run on a real GPU where
+CUDA is available (skipped otherwise): fp32 within 1e-5 relative of torch's AdamW on
+the GPU (the daemon steps on the CPU: the kernels differ in rounding), bf16 within
+bf16's resolution.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fuyou_client
+from discrete_device import LateCopyDevice
+from test_activations import gpt2 as small_gpt2
+from test_activations import llama as small_llama
+from test_activations import train
+from test_attach import MLP, assert_same, gpt2, llama, train_pair
+
+transformers = pytest.importorskip("transformers")
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+MiB = 1 << 20
+
+
+@pytest.fixture
+def daemon(short_tmp):
+    from test_attach import TIGHT
+
+    d = fuyou_client.start_daemon(short_tmp / "state", config=TIGHT)
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+CASES = {
+    "gpt2": dict(make_model=gpt2),
+    "llama": dict(make_model=llama),
+    "gpt2-resident": dict(make_model=gpt2, offload=False),
+    "bf16": dict(make_model=gpt2, dtype=torch.bfloat16, steps=4),
+    "mlp": dict(make_model=MLP),
+    "accumulate-clip-keep": dict(make_model=gpt2, steps=4, accumulation=2, clip=0.05, keep=3),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_late_copies_train_bitwise_like_torch(daemon, case):
+    """Bitwise equal to in-process torch AdamW, whatever the copies' timing."""
+    kwargs = dict(CASES[case])
+    steps = kwargs.pop("steps", 5)
+    device = LateCopyDevice(seed=len(case))
+    engine, ours, ref, _ = train_pair(device=device, daemon=daemon, steps=steps, **kwargs)
+    assert device.uploads and device.downloads
+    engine.close()
+    assert device.registered == {}  # unregistered before unmapping
+    assert_same(ours, ref)
+
+
+def test_device_memory_is_its_own_and_every_segment_is_registered(daemon):
+    device = LateCopyDevice()
+    engine, ours, _, _ = train_pair(gpt2, daemon, steps=2, device=device)
+    segments = engine.session._segments.values()
+    assert segments and all(seg.device is device for seg in segments)
+    assert set(device.registered) == {seg.address for seg in segments}
+    for p in ours.parameters():  # nothing the model computes with is shared memory
+        assert not device.is_registered(p) or p.numel() == 0
+        assert p.grad is None or not device.is_registered(p.grad)
+    engine.close()
+    assert device.registered == {} and device.ever_registered >= len(segments)
+
+
+@pytest.mark.parametrize("make_model", [small_gpt2, small_llama], ids=["gpt2", "llama"])
+def test_activations_cross_on_side_streams_bitwise_alike(short_tmp, make_model):
+    """Kept, swapped to the host arena, spilled to SSD, recomputed, planned: the same
+    bits, with every activation leaving and returning through late copies."""
+    from conftest import SMALL
+
+    d = fuyou_client.start_daemon(short_tmp / "state", config=SMALL)
+    try:
+        runs = {}
+        for name, kwargs in {"keep": {}, "host": dict(activations="swap", host_budget=64 * MiB),
+                             "ssd": dict(activations="swap", host_budget=256 << 10),
+                             "recompute": dict(activations="recompute"),
+                             "auto": dict(activations="auto", host_budget=4 * MiB, device_budget=6 * MiB)}.items():
+            device = LateCopyDevice(seed=len(name))
+            model, engine, losses = train(make_model, d, steps=4, device=device, **kwargs)
+            runs[name] = (losses, engine.activations.stats, engine.session.objects("act/"))
+            if name in ("host", "ssd"):
+                assert device.downloads > 0 and engine.activations.stats.copied > 0
+            engine.close()
+            runs[name] += ({k: v.clone() for k, v in model.state_dict().items()},)
+        base_losses, keep_stats, _, base = runs["keep"]
+        for name, (losses, stats, leftovers, state) in runs.items():
+            assert losses == base_losses, name
+            for key, value in state.items():
+                assert torch.equal(value, base[key]), (name, key)
+            assert leftovers == [], name
+        assert runs["ssd"][1].spilled > 0
+        assert runs["host"][1].device_peak < keep_stats.device_peak / 20
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+# -- a real GPU ---------------------------------------------------------------------------
+
+def assert_close(ours, ref, rtol, atol):
+    for (name, a), b in zip(ours.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol, msg=name)
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", ["gpt2", "llama", "gpt2-resident", "mlp", "accumulate-clip-keep"])
+def test_cuda_fp32_matches_torch_adamw(daemon, case):
+    """fp32 compute on the GPU, AdamW in the daemon on the CPU: within 1e-5 relative of
+    torch's fused AdamW on the GPU (same arithmetic, different kernels)."""
+    kwargs = dict(CASES[case])
+    steps = kwargs.pop("steps", 10)
+    engine, ours, ref, losses = train_pair(device="cuda", daemon=daemon, steps=steps, **kwargs)
+    assert engine.device.torch_device.type == "cuda"
+    assert all(seg.device is engine.device for seg in engine.session._segments.values())
+    engine.close()
+    assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_cuda
+def test_cuda_bf16_with_fp32_masters(daemon):
+    """bf16 compute, fp32 masters: GPU and CPU kernels may round a bf16 gradient
+    differently, so a weight may differ by one bf16 step (2**-8 relative)."""
+    engine, ours, ref, _ = train_pair(gpt2, daemon, steps=4, dtype=torch.bfloat16, device="cuda")
+    engine.close()
+    assert_close(ours, ref, rtol=2 ** -7, atol=1e-3)
+
+
+@needs_cuda
+def test_cuda_activation_peak_falls_with_swapping(short_tmp):
+    from conftest import SMALL
+
+    d = fuyou_client.start_daemon(short_tmp / "state", config=SMALL)
+    try:
+        peaks = {}
+        for name, kwargs in {"keep": {}, "swap": dict(activations="swap", host_budget=64 * MiB)}.items():
+            torch.manual_seed(0)
+            model = small_gpt2().cuda()
+            engine = fuyou_client.attach(model, socket=d.socket, **kwargs)
+            x = torch.randint(0, 256, (8, 64), device="cuda")
+            model(x, labels=x).loss.backward()  # warm-up: allocations, fetches
+            engine.step()
+            engine.zero_grad()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            model(x, labels=x).loss.backward()
+            engine.step()
+            torch.cuda.synchronize()
+            peaks[name] = torch.cuda.max_memory_allocated() - base
+            engine.close()
+        assert peaks["swap"] < 0.7 * peaks["keep"], peaks
+    finally:
+        assert d.stop() == 0, d.log()
