@@ -16,8 +16,11 @@ nothing behind.
 
 On a GPU the copy into the arena runs on the device's download stream (the source is
 kept from reuse by the caching allocator until it ran; a spill to SSD waits for it) and
-the copy back on the upload stream, the compute stream waiting for its event; the arena
-range is reused only once that upload has run. On the CPU both are plain copies.
+the copy back on the upload stream, the compute stream waiting for its event; when
+backward takes an activation, the next ``UPLOAD_AHEAD`` parked in the arena start
+their uploads too, so they are on the device before backward reaches them. An arena
+range is reused only once its upload has run. Only tensors on the compute device are
+swapped (anything else autograd saves is kept). On the CPU both copies are plain ones.
 
 Accounting (``ActivationStats``): bytes kept on the compute device for backward (now
 and peak), bytes parked in the host arena (now and peak), and bytes moved to host and
@@ -37,6 +40,7 @@ from fuyou_client.session import In, Session
 
 ALIGN = 4096
 MIN_BYTES = 16 << 10  # smaller saved tensors are not worth a round trip: kept
+UPLOAD_AHEAD = 2  # activations uploaded back to a GPU ahead of backward's use
 TREATMENTS = ("keep", "swap", "recompute")
 WORDS = (*TREATMENTS, "auto")
 
@@ -110,6 +114,7 @@ class _Parked:
     name: str | None = None  # the SSD object, once spilled
     fetch: Future | None = None  # a read-ahead from SSD into ``offset``
     copied: object = DONE  # event: the copy into the arena
+    on_device: tuple | None = None  # (tensor, event): uploaded ahead of its use in backward
 
 
 @dataclass(eq=False)
@@ -168,7 +173,7 @@ class ActivationSwapper:
         nbytes = t.numel() * t.element_size()
         if self._protected(t):
             return t
-        if not swap or nbytes < MIN_BYTES:
+        if not swap or nbytes < MIN_BYTES or t.device != self.device.torch_device:
             self.stats.kept(nbytes)
             return _Kept(t, nbytes)
         if nbytes > self.arena.size:
@@ -202,7 +207,7 @@ class ActivationSwapper:
             if self._uploading:  # ranges still being copied back to the device
                 self._reap(wait=True)
                 continue
-            victim = next((p for p in self._host.values() if p.fetch is None), None)
+            victim = next((p for p in self._host.values() if p.fetch is None and p.on_device is None), None)
             if victim is None:
                 raise RuntimeError("the host arena is full of activations being read back; raise host_budget")
             self._spill(victim)
@@ -238,11 +243,20 @@ class ActivationSwapper:
             t = src.clone()
             self._release(p)
         else:
-            t = torch.empty(p.shape, dtype=p.dtype, device=self.device.torch_device)
-            uploaded = self.device.upload(t, src, after=p.copied)
+            t, uploaded = p.on_device or self._upload(p)
+            p.on_device = None
             self.device.wait(uploaded)
             self._release(p, uploaded)
+            for q in sorted((q for q in self._host.values() if q.key < p.key),
+                            key=lambda q: -q.key)[:UPLOAD_AHEAD]:  # the next ones backward needs
+                if q.on_device is None:
+                    q.on_device = self._upload(q)
         return t
+
+    def _upload(self, p: _Parked) -> tuple:
+        src = self.arena.view(p.offset, p.nbytes).view(p.dtype).view(p.shape)
+        t = torch.empty(p.shape, dtype=p.dtype, device=self.device.torch_device)
+        return t, self.device.upload(t, src, after=p.copied)
 
     def _reap(self, wait: bool = False) -> None:
         """Arena ranges whose copy back to the device has run become free (``wait``: the
@@ -328,6 +342,8 @@ class ActivationSwapper:
         self._reap()
         for p in list(self._host.values()):
             p.copied.synchronize()
+            if p.on_device is not None:
+                p.on_device[1].synchronize()
         for p in list(self._ssd.values()):
             if p.fetch is not None:
                 p.fetch.exception()

@@ -72,7 +72,7 @@ def export(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | 
     for name, p in model.named_parameters():
         names.setdefault(id(p), name)
     keys = set(model.state_dict().keys())
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers() if n in keys}
+    buffers = {n: b.detach().cpu().clone() for n, b in model.named_buffers() if n in keys}
     count = len(engine.groups)
     weight_map, total = {}, 0
     for i, g in enumerate(engine.groups):

@@ -61,15 +61,19 @@ def main() -> int:
     ap.add_argument("--model", help="a local Hugging Face model directory (default: random GPT-2 architecture)")
     ap.add_argument("--corpus", default=str(ROOT / "examples" / "data" / "corpus.txt"))
     ap.add_argument("--out", default=str(ROOT / ".fuyou" / "finetuned"))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the model computes (default: cuda if available, else cpu)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 compute (fp32 master weights and moments on SSD)")
     ap.add_argument("--socket", help="use the fuyoud at this control socket instead of a private one")
     ap.add_argument("--state-dir", default=str(ROOT / ".fuyou" / "finetune"))
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
 
     model, encode = load_model(args)
+    model = model.to(torch.bfloat16 if args.bf16 else torch.float32).to(args.device)
     params = sum(p.numel() for p in model.parameters())
     tokens = torch.tensor(encode(Path(args.corpus).read_text()), dtype=torch.long)
-    print(f"model: {type(model).__name__}, {params / 1e6:.1f}M parameters; corpus: {len(tokens)} tokens; "
+    print(f"model: {type(model).__name__}, {params / 1e6:.1f}M parameters on {args.device}; corpus: {len(tokens)} tokens; "
           f"optimizer state on SSD: {params * 12 / 2**30:.2f} GiB", flush=True)
 
     daemon = None
@@ -91,7 +95,7 @@ def main() -> int:
         bar = tqdm(range(args.steps), desc="fine-tuning", unit="step", dynamic_ncols=True)
         for step in bar:
             idx = torch.randint(0, len(tokens) - args.seq - 1, (args.batch,), generator=gen)
-            batch = torch.stack([tokens[i:i + args.seq] for i in idx])
+            batch = torch.stack([tokens[i:i + args.seq] for i in idx]).to(args.device)
             loss = model(batch, labels=batch).loss
             loss.backward()
             engine.step()

@@ -160,3 +160,21 @@ def test_cuda_activation_peak_falls_with_swapping(short_tmp):
         assert peaks["swap"] < 0.7 * peaks["keep"], peaks
     finally:
         assert d.stop() == 0, d.log()
+
+
+@pytest.mark.skipif(CUDA, reason="checks the error where CUDA is absent")
+def test_cuda_without_cuda_is_refused_before_any_work(daemon):
+    model = MLP()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        fuyou_client.attach(model, socket=daemon.socket, device="cuda")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_unsupported_devices_are_refused_by_name(daemon):
+    with pytest.raises(ValueError, match="not meta"):
+        fuyou_client.attach(MLP(), socket=daemon.socket, device="meta")
+    model = MLP()
+    model.out.to("meta")
+    with pytest.raises(ValueError, match="several devices"):
+        fuyou_client.attach(model, socket=daemon.socket)
