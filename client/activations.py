@@ -254,9 +254,7 @@ class ActivationSwapper:
         return t
 
     def _upload(self, p: _Parked) -> tuple:
-        src = self.arena.view(p.offset, p.nbytes).view(p.dtype).view(p.shape)
-        t = torch.empty(p.shape, dtype=p.dtype, device=self.device.torch_device)
-        return t, self.device.upload(t, src, after=p.copied)
+        return self.device.upload_new(self.arena.view(p.offset, p.nbytes).view(p.dtype).view(p.shape), p.copied)
 
     def _reap(self, wait: bool = False) -> None:
         """Arena ranges whose copy back to the device has run become free (``wait``: the

@@ -82,6 +82,13 @@ class Device:
         dst.copy_(src)
         return DONE
 
+    def upload_new(self, src: torch.Tensor, after=None):
+        """A new device tensor holding host ``src`` (uploaded once ``after`` happened);
+        returns (tensor, event). Its memory is safe from work the compute stream still
+        has queued on what was freed before."""
+        t = torch.empty(src.shape, dtype=src.dtype, device=self.torch_device)
+        return t, self.upload(t, src, after)
+
     def download(self, dst: torch.Tensor, src: torch.Tensor, after=None):
         """Copy device ``src`` into host ``dst`` after the compute stream's work so far
         (and ``after``); returns the copy's event. ``src`` must not be freed before it."""
@@ -200,10 +207,21 @@ class CudaDevice(Device):
                 src.record_stream(stream)
             if dst.is_cuda:
                 dst.record_stream(stream)
-            return stream.record_event()
+            event = torch.cuda.Event(blocking=True)  # a host waiting on it sleeps rather than spins
+            event.record(stream)
+            return event
 
     def upload(self, dst, src, after=None):
         return self._copy(self.upload_stream, dst, src, after, compute_first=False)
+
+    def upload_new(self, src, after=None):
+        # Allocated on the upload stream: memory the compute stream freed may still be in
+        # use by its queued kernels, and a copy on another stream would not wait for them.
+        with torch.cuda.stream(self.upload_stream):
+            t = torch.empty(src.shape, dtype=src.dtype, device=self.torch_device)
+        event = self._copy(self.upload_stream, t, src, after, compute_first=False)
+        t.record_stream(self._compute())  # freed later on the compute stream: reused only after its use there
+        return t, event
 
     def download(self, dst, src, after=None):
         return self._copy(self.download_stream, dst, src, after, compute_first=True)

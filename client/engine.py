@@ -361,8 +361,8 @@ class Engine:
         self.apply_treatments({name: "keep" for name in self._by_name})  # unpatch recomputed forwards
         try:
             for g in self.groups:  # steps in flight still write into shared buffers: let them land
-                if g.future is not None:
-                    g.future.exception()
+                if g.future is not None and g.future.exception() is None:
+                    layergroup.upload_weights(self.device, g)  # (GPU: into the parameters)
             if self.gradients is not None:
                 self.gradients.reclaim_all()
             if self.offloader is not None:
@@ -438,4 +438,7 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
     except BaseException:
         if owns:
             session.close()
+        elif not device.shares_host_memory:
+            session.use_device(None)
+        device.close()
         raise

@@ -63,7 +63,7 @@ class GradientPool:
                 return
             if not self._device_free:
                 self._device_free.append((self._device.empty(self._nbytes), None))
-            buf, downloaded = self._device_free.pop()
+            buf, downloaded = self._device_free.pop(0)  # the longest free: its download has most likely run
             if downloaded is not None:
                 self._device.wait(downloaded)  # its last group's gradients have left
             group.device_grads = buf

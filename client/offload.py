@@ -75,7 +75,7 @@ class Slot:
         self.host = session.allocate(nbytes)
         self.device = self.host.tensor(torch.uint8) if device.shares_host_memory else device.empty(nbytes)
         self.uploaded = DONE  # the last upload out of ``host`` (a new fetch may land only after it)
-        self.released = DONE  # compute's last use of ``device`` (a new upload waits for it)
+        self.released = device.record()  # compute's last use of ``device`` (a new upload waits for it)
 
     def weights(self, dtype: torch.dtype) -> torch.Tensor:
         return self.device.view(dtype)
@@ -121,7 +121,7 @@ class Offloader:
         group's step, due right after, then uses: one SSD read instead of two."""
         if g.slot is not None or g.fetch is not None or not self._free:
             return
-        self._fetch_into(g, self._free.pop(), via_state)
+        self._fetch_into(g, self._free.pop(0), via_state)  # (the longest free: its last use is furthest back)
 
     def _fetch_into(self, g: OffloadedGroup, slot: Slot, via_state: bool) -> None:
         slot.uploaded.synchronize()  # the host buffer's last upload has run (normally long ago)
@@ -137,7 +137,7 @@ class Offloader:
         next work waits for their upload."""
         if g.slot is None:
             if g.fetch is None:
-                self._fetch_into(g, self._free.pop() if self._free else self._evict(g), via_state)
+                self._fetch_into(g, self._free.pop(0) if self._free else self._evict(g), via_state)
             self._land(g)
         self.device.wait(g.ready)
 

@@ -119,6 +119,10 @@ class LateCopyDevice(Device):
         self.uploads += 1
         return self._copy(self._up, dst, src, after, src)
 
+    def upload_new(self, src, after=None):
+        t = self.empty(src.numel() * src.element_size()).view(src.dtype).view(src.shape)
+        return t, self.upload(t, src, after)
+
     def download(self, dst, src, after=None):
         self.downloads += 1
         return self._copy(self._down, dst, src, after, dst)
