@@ -40,9 +40,9 @@ CASES = {
     "gpt2": dict(make_model=gpt2),
     "llama": dict(make_model=llama),
     "gpt2-resident": dict(make_model=gpt2, offload=False),
-    "bf16": dict(make_model=gpt2, dtype=torch.bfloat16, steps=4),
+    "bf16": dict(make_model=gpt2, dtype=torch.bfloat16, steps=3),
     "mlp": dict(make_model=MLP),
-    "accumulate-clip-keep": dict(make_model=gpt2, steps=4, accumulation=2, clip=0.05, keep=3),
+    "accumulate-clip-keep": dict(make_model=gpt2, steps=3, accumulation=2, clip=0.05, keep=3),
 }
 
 
@@ -50,7 +50,7 @@ CASES = {
 def test_late_copies_train_bitwise_like_torch(daemon, case):
     """Bitwise equal to in-process torch AdamW, whatever the copies' timing."""
     kwargs = dict(CASES[case])
-    steps = kwargs.pop("steps", 5)
+    steps = kwargs.pop("steps", 3)
     device = LateCopyDevice(seed=len(case))
     engine, ours, ref, _ = train_pair(device=device, daemon=daemon, steps=steps, **kwargs)
     assert device.uploads and device.downloads
@@ -86,7 +86,7 @@ def test_activations_cross_on_side_streams_bitwise_alike(short_tmp, make_model):
                              "recompute": dict(activations="recompute"),
                              "auto": dict(activations="auto", host_budget=4 * MiB, device_budget=6 * MiB)}.items():
             device = LateCopyDevice(seed=len(name))
-            model, engine, losses = train(make_model, d, steps=4, device=device, **kwargs)
+            model, engine, losses = train(make_model, d, steps=3, device=device, **kwargs)
             runs[name] = (losses, engine.activations.stats, engine.session.objects("act/"))
             if name in ("host", "ssd"):
                 assert device.downloads > 0 and engine.activations.stats.copied > 0
