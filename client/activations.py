@@ -182,7 +182,7 @@ class ActivationSwapper:
         off = self._make_room(nbytes)
         parked = _Parked(next(self._keys), t.shape, t.dtype, nbytes, off)
         t0 = time.perf_counter()
-        dst = self.arena.view(off, nbytes).view(t.dtype).view(t.shape)
+        dst = self._parked_tensor(parked)
         if self.device.shares_host_memory:
             dst.copy_(t)
         else:
@@ -238,9 +238,8 @@ class ActivationSwapper:
         if p.key in self._ssd:
             self._read_back(p)
         self._read_ahead(p.key)
-        src = self.arena.view(p.offset, p.nbytes).view(p.dtype).view(p.shape)
         if self.device.shares_host_memory:
-            t = src.clone()
+            t = self._parked_tensor(p).clone()
             self._release(p)
         else:
             t, uploaded = p.on_device or self._upload(p)
@@ -253,8 +252,12 @@ class ActivationSwapper:
                     q.on_device = self._upload(q)
         return t
 
+    def _parked_tensor(self, p: _Parked) -> torch.Tensor:
+        """A parked activation's bytes in the arena, as its tensor."""
+        return self.arena.view(p.offset, p.nbytes).view(p.dtype).view(p.shape)
+
     def _upload(self, p: _Parked) -> tuple:
-        return self.device.upload_new(self.arena.view(p.offset, p.nbytes).view(p.dtype).view(p.shape), p.copied)
+        return self.device.upload_new(self._parked_tensor(p), p.copied)
 
     def _reap(self, wait: bool = False) -> None:
         """Arena ranges whose copy back to the device has run become free (``wait``: the

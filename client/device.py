@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import queue
 import threading
+import time
 from concurrent.futures import Future
 
 import torch
@@ -111,8 +112,6 @@ class Device:
     def timer(self):
         """A function returning seconds, for profiling: on an asynchronous device it
         synchronises first, so that the time includes the work enqueued before."""
-        import time
-
         return time.perf_counter
 
     def memory_allocated(self) -> int | None:
@@ -245,8 +244,6 @@ class CudaDevice(Device):
         torch.cuda.synchronize(self.torch_device)
 
     def timer(self):
-        import time
-
         def now() -> float:
             torch.cuda.synchronize(self.torch_device)
             return time.perf_counter()

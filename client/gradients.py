@@ -31,9 +31,9 @@ class GradientPool:
     def __init__(self, session: Session, device: Device, count: int, nbytes: int):
         self._session, self._device, self._nbytes = session, device, nbytes
         self._free = [session.allocate(nbytes) for _ in range(count)]  # host (shared) buffers
-        self._device_free: list[tuple[torch.Tensor, object]] = []  # (device buffer, its last download)
-        if not device.shares_host_memory:
-            self._device_free = [(device.empty(nbytes), None) for _ in range(count)]
+        # (device buffer, its last download), on a device with its own memory
+        self._device_free: list[tuple[torch.Tensor, object]] = \
+            [] if device.shares_host_memory else [(device.empty(nbytes), None) for _ in range(count)]
         self._inflight: deque[tuple[Future, object, object]] = deque()  # (future, host buffer, group)
         self.results: dict[str, object] = {}  # group name -> StepInfo, since the last barrier
         self.errors: list[Exception] = []  # of steps that failed, raised at the barrier

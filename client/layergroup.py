@@ -112,7 +112,8 @@ def upload(engine, spec: ParamGroup, optimizer, offload: bool, index: int) -> La
         weights, source = None, (f"optim/{spec.name}", info.weights_offset)
     else:
         weights = session.allocate(n * dtype.itemsize)
-        flat_copy(params, weights.tensor(dtype)[:n])
+        if offload or device.shares_host_memory:  # (a GPU's resident group: the step fills it, nothing reads it now)
+            flat_copy(params, weights.tensor(dtype)[:n])
         source = (f"weights/{spec.name}", 0)
         if offload:
             session.swap_out(source[0], weights, length=n * dtype.itemsize)

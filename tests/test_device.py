@@ -19,7 +19,7 @@ from discrete_device import LateCopyDevice
 from test_activations import gpt2 as small_gpt2
 from test_activations import llama as small_llama
 from test_activations import train
-from test_attach import MLP, assert_same, gpt2, llama, train_pair
+from test_attach import MLP, assert_same, daemon, gpt2, llama, train_pair  # noqa: F401 (daemon: a fixture)
 
 transformers = pytest.importorskip("transformers")
 CUDA = torch.cuda.is_available()
@@ -28,10 +28,11 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def daemon(short_tmp):
-    from test_attach import TIGHT
+def small_daemon(short_tmp):
+    """The activation tests' daemon (no tight optimizer buffers)."""
+    from conftest import SMALL
 
-    d = fuyou_client.start_daemon(short_tmp / "state", config=TIGHT)
+    d = fuyou_client.start_daemon(short_tmp / "state", config=SMALL)
     yield d
     assert d.stop() == 0, d.log()
 
@@ -73,35 +74,29 @@ def test_device_memory_is_its_own_and_every_segment_is_registered(daemon):
 
 
 @pytest.mark.parametrize("make_model", [small_gpt2, small_llama], ids=["gpt2", "llama"])
-def test_activations_cross_on_side_streams_bitwise_alike(short_tmp, make_model):
+def test_activations_cross_on_side_streams_bitwise_alike(small_daemon, make_model):
     """Kept, swapped to the host arena, spilled to SSD, recomputed, planned: the same
     bits, with every activation leaving and returning through late copies."""
-    from conftest import SMALL
-
-    d = fuyou_client.start_daemon(short_tmp / "state", config=SMALL)
-    try:
-        runs = {}
-        for name, kwargs in {"keep": {}, "host": dict(activations="swap", host_budget=64 * MiB),
-                             "ssd": dict(activations="swap", host_budget=256 << 10),
-                             "recompute": dict(activations="recompute"),
-                             "auto": dict(activations="auto", host_budget=4 * MiB, device_budget=6 * MiB)}.items():
-            device = LateCopyDevice(seed=len(name))
-            model, engine, losses = train(make_model, d, steps=3, device=device, **kwargs)
-            runs[name] = (losses, engine.activations.stats, engine.session.objects("act/"))
-            if name in ("host", "ssd"):
-                assert device.downloads > 0 and engine.activations.stats.copied > 0
-            engine.close()
-            runs[name] += ({k: v.clone() for k, v in model.state_dict().items()},)
-        base_losses, keep_stats, _, base = runs["keep"]
-        for name, (losses, stats, leftovers, state) in runs.items():
-            assert losses == base_losses, name
-            for key, value in state.items():
-                assert torch.equal(value, base[key]), (name, key)
-            assert leftovers == [], name
-        assert runs["ssd"][1].spilled > 0
-        assert runs["host"][1].device_peak < keep_stats.device_peak / 20
-    finally:
-        assert d.stop() == 0, d.log()
+    runs = {}
+    for name, kwargs in {"keep": {}, "host": dict(activations="swap", host_budget=64 * MiB),
+                         "ssd": dict(activations="swap", host_budget=256 << 10),
+                         "recompute": dict(activations="recompute"),
+                         "auto": dict(activations="auto", host_budget=4 * MiB, device_budget=6 * MiB)}.items():
+        device = LateCopyDevice(seed=len(name))
+        model, engine, losses = train(make_model, small_daemon, steps=3, device=device, **kwargs)
+        runs[name] = (losses, engine.activations.stats, engine.session.objects("act/"))
+        if name in ("host", "ssd"):
+            assert device.downloads > 0 and engine.activations.stats.copied > 0
+        engine.close()
+        runs[name] += ({k: v.clone() for k, v in model.state_dict().items()},)
+    base_losses, keep_stats, _, base = runs["keep"]
+    for name, (losses, stats, leftovers, state) in runs.items():
+        assert losses == base_losses, name
+        for key, value in state.items():
+            assert torch.equal(value, base[key]), (name, key)
+        assert leftovers == [], name
+    assert runs["ssd"][1].spilled > 0
+    assert runs["host"][1].device_peak < keep_stats.device_peak / 20
 
 
 # -- a real GPU ---------------------------------------------------------------------------
@@ -135,31 +130,25 @@ def test_cuda_bf16_with_fp32_masters(daemon):
 
 
 @needs_cuda
-def test_cuda_activation_peak_falls_with_swapping(short_tmp):
-    from conftest import SMALL
-
-    d = fuyou_client.start_daemon(short_tmp / "state", config=SMALL)
-    try:
-        peaks = {}
-        for name, kwargs in {"keep": {}, "swap": dict(activations="swap", host_budget=64 * MiB)}.items():
-            torch.manual_seed(0)
-            model = small_gpt2().cuda()
-            engine = fuyou_client.attach(model, socket=d.socket, **kwargs)
-            x = torch.randint(0, 256, (8, 64), device="cuda")
-            model(x, labels=x).loss.backward()  # warm-up: allocations, fetches
-            engine.step()
-            engine.zero_grad()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            model(x, labels=x).loss.backward()
-            engine.step()
-            torch.cuda.synchronize()
-            peaks[name] = torch.cuda.max_memory_allocated() - base
-            engine.close()
-        assert peaks["swap"] < 0.7 * peaks["keep"], peaks
-    finally:
-        assert d.stop() == 0, d.log()
+def test_cuda_activation_peak_falls_with_swapping(small_daemon):
+    peaks = {}
+    for name, kwargs in {"keep": {}, "swap": dict(activations="swap", host_budget=64 * MiB)}.items():
+        torch.manual_seed(0)
+        model = small_gpt2().cuda()
+        engine = fuyou_client.attach(model, socket=small_daemon.socket, **kwargs)
+        x = torch.randint(0, 256, (8, 64), device="cuda")
+        model(x, labels=x).loss.backward()  # warm-up: allocations, fetches
+        engine.step()
+        engine.zero_grad()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model(x, labels=x).loss.backward()
+        engine.step()
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+        engine.close()
+    assert peaks["swap"] < 0.7 * peaks["keep"], peaks
 
 
 @pytest.mark.skipif(CUDA, reason="checks the error where CUDA is absent")
