@@ -37,6 +37,7 @@ from fuyou_client.autoplan import AutoPlanner
 from fuyou_client.device import Device, resolve
 from fuyou_client.gradients import GradientPool
 from fuyou_client.grouping import ParamGroup, split
+from fuyou_client.hostgrads import HostAccumulation
 from fuyou_client.layergroup import LayerGroup
 from fuyou_client.offload import Offloader, Saved
 from fuyou_client.optim import AdamW, SGD, StepInfo
@@ -65,7 +66,7 @@ class Engine:
                  max_grad_norm: float | None, accumulation_steps: int, owns_session: bool,
                  offload: bool = True, prefetch: int = 2, keep: int = 0, resume: bool = False,
                  activations="keep", host_budget: int = 256 << 20, device_budget: int | None = None,
-                 device: Device | None = None):
+                 device: Device | None = None, grad_accumulation: str = "device"):
         self.model = model
         self.device = device or resolve(None, model)
         self._resume = resume  # the groups exist in the daemon (restored): take their weights
@@ -86,6 +87,8 @@ class Engine:
         # Offloaded groups borrow gradient buffers from a pool, unless every gradient must
         # be kept until the step (accumulation over micro-batches, exact clipping).
         self._pool_grads = offload and accumulation_steps == 1 and max_grad_norm is None
+        # Those kept gradients accumulate in host memory instead of on the device.
+        self._host_accumulation = grad_accumulation == "host" and not self.device.shares_host_memory
         originals = [(p, p.data, p.grad) for spec in groups for _, p in spec.params]
         try:
             for spec in groups:
@@ -103,6 +106,8 @@ class Engine:
         offloaded = [g.offloaded for g in self.groups if g.offloaded is not None]
         self.offloader = Offloader(session, self.device, offloaded, prefetch, keep) if offloaded else None
         self.gradients = None
+        host = [g for g in self.groups if g.host_acc]
+        self.host_grads = HostAccumulation(session, self.device, max(g.numel for g in host) * 4) if host else None
         if offloaded and self._pool_grads:
             by_name = {g.spec.name: g for g in self.groups}
             nbytes = max(g.nbytes for g in offloaded)
@@ -169,6 +174,8 @@ class Engine:
                 "reading them; call engine.step() after each backward or attach with accumulation_steps=N")
         if g.pooled:
             self.gradients.collect(g)  # (before the weights go: views need the parameters' shapes)
+        elif g.host_acc:
+            self.host_grads.add(g, first=g.backwards == 1)  # off the device, into the host accumulator
         if g.offloaded is not None:
             g.offloaded.busy = False
             self.offloader.release(g.offloaded)  # backward is done with these weights
@@ -181,12 +188,14 @@ class Engine:
 
         def start(grads):
             return session.step_group_async(
-                name, grads, lr, grad_dtype=g.dtype, out=g.weights, out_dtype=g.dtype, grad_scale=scale,
+                name, grads, lr, grad_dtype=g.grad_dtype, out=g.weights, out_dtype=g.dtype, grad_scale=scale,
                 weights_object=f"weights/{name}" if offloaded_bf else "")
 
         g.submitted = True
         if g.pooled:
             self.gradients.submit(g, start)  # the pool owns the step's future
+        elif g.host_acc:
+            g.future = self.host_grads.submit(g, start)
         else:
             g.future = layergroup.submit(self, g, start)
 
@@ -256,6 +265,10 @@ class Engine:
         t_start = time.perf_counter()
         self.optimizer._opt_called = True  # tells torch's LR schedulers that a step happened
         scale = None
+        if self.host_grads is not None:  # gradients of a backward that left some parameters without one
+            for g in self.groups:
+                if g.host_acc and g.pending != len(g.spec.params):
+                    self.host_grads.add(g, first=g.backwards == 0)
         if self.max_grad_norm is not None:
             scale = self._clip_coefficient()
         if self.offloader is not None:
@@ -304,6 +317,12 @@ class Engine:
         """torch.nn.utils.clip_grad_norm_'s coefficient (norm over every gradient)."""
         # In model.parameters() order, as torch.nn.utils.clip_grad_norm_(model.parameters()) sums.
         grads = [p.grad for p in self.model.parameters() if p.requires_grad]
+        if self.host_grads is not None:  # the accumulated gradients, where they are
+            self.host_grads.wait()
+            accumulated = {id(p): v for g in self.groups if g.host_acc
+                           for (_, p), v in zip(g.spec.params, self.host_grads.views(g))}
+            grads = [accumulated.get(id(p), p.grad) for p in self.model.parameters() if p.requires_grad]
+            grads = [t for t in grads if t is not None]
         norms = torch._foreach_norm(grads, 2.0)
         total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
         if not math.isfinite(total.item()):
@@ -399,7 +418,7 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
            max_grad_norm: float | None = None, accumulation_steps: int = 1, offload: bool = True,
            prefetch: int = 2, keep: int = 0, resume: str | os.PathLike | None = None,
            activations: str | dict[str, str] = "keep", host_budget: int = 256 << 20,
-           device_budget: int | None = None, device=None) -> Engine:
+           device_budget: int | None = None, device=None, grad_accumulation: str = "device") -> Engine:
     """Hook ``model`` up to fuyoud: its optimizer state moves to the SSD array, each layer
     group is stepped by the daemon as soon as backward has finished it, and (``offload``)
     the blocks' weights are fetched ahead of use, ``prefetch`` blocks deep; the last
@@ -414,9 +433,16 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
     ``device_budget`` bytes of activations on the compute device (None: no limit).
     ``device``: where the model computes (default: where its parameters are; the CPU or
     a CUDA device; on CUDA the shared buffers are registered with cudaHostRegister and
-    every copy runs on a side stream)."""
+    every copy runs on a side stream).
+    ``grad_accumulation``: where gradients kept until the step (``accumulation_steps > 1``,
+    ``max_grad_norm``, resident groups) live on a device with its own memory: "device"
+    (in ``.grad``, as torch keeps them) or "host" (each backward's gradients leave the
+    device at once and are summed in fp32 in shared host memory: no device memory for
+    them between backward passes). On the CPU the two are the same."""
     if accumulation_steps < 1:
         raise ValueError("accumulation_steps must be at least 1")
+    if grad_accumulation not in ("device", "host"):
+        raise ValueError(f"grad_accumulation must be 'device' or 'host', not {grad_accumulation!r}")
     groups = split(model, blocks)
     if not groups:
         raise ValueError("the model has no trainable parameters")
@@ -429,7 +455,8 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
             state = checkpoints.load_client_state(session.restore(resume).client_state)
         engine = Engine(model, session, optimizer or AdamW(), groups, max_grad_norm, accumulation_steps, owns,
                         offload, prefetch, keep, resume=state is not None, activations=activations,
-                        host_budget=host_budget, device_budget=device_budget, device=device)
+                        host_budget=host_budget, device_budget=device_budget, device=device,
+                        grad_accumulation=grad_accumulation)
         if state is not None:
             engine._checkpoint_lr = state["lr"] or {}
             engine.resume_lr()

@@ -41,6 +41,7 @@ class LayerGroup:
     future: Future | None = None
     submitted: bool = False  # this iteration's step was sent
     pooled: bool = False  # gradients live in the shared GradientPool (only during backward and step)
+    host_acc: bool = False  # gradients accumulate in fp32 in ``grads`` on the host (hostgrads.py)
     uploaded: object = DONE  # event: the last upload of new weights into device_weights
     downloaded: object = DONE  # event: the last download of device_grads
 
@@ -58,11 +59,18 @@ class LayerGroup:
                 offset += k
 
     @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype of the gradients the step reads."""
+        return torch.float32 if self.host_acc else self.dtype
+
+    @property
     def shapes(self) -> list[torch.Size]:
         return self.offloaded.shapes if self.offloaded is not None else [p.shape for _, p in self.spec.params]
 
     def zero_grads(self, device: Device) -> None:
-        if self.device_grads is not None:
+        if self.host_acc:  # the first backward overwrites the accumulator
+            self.point_grads(None)
+        elif self.device_grads is not None:
             device.wait(self.downloaded)  # the last download of these gradients has run
             self.device_grads.zero_()
         elif self.grads is not None:
@@ -107,7 +115,8 @@ def upload(engine, spec: ParamGroup, optimizer, offload: bool, index: int) -> La
         flat_copy(params, master.tensor(torch.float32)[:n])
         info = session.create_group(spec.name, master, optimizer, numel=n)
     pooled = offload and engine._pool_grads
-    grads = None if pooled else session.allocate(n * dtype.itemsize)
+    host_acc = engine._host_accumulation and not pooled
+    grads = None if pooled else session.allocate(n * (4 if host_acc else dtype.itemsize))
     if offload and dtype == torch.float32:  # the compute weights are the masters: read them in place
         weights, source = None, (f"optim/{spec.name}", info.weights_offset)
     else:
@@ -120,7 +129,7 @@ def upload(engine, spec: ParamGroup, optimizer, offload: bool, index: int) -> La
             weights.free()
             weights = None
     master.free()
-    group = LayerGroup(spec, weights, grads, dtype, pooled=pooled)
+    group = LayerGroup(spec, weights, grads, dtype, pooled=pooled, host_acc=host_acc)
     if device.shares_host_memory:
         flat_w = weights.tensor(dtype)[:n] if weights is not None else None
         flat_g = grads.tensor(dtype)[:n] if grads is not None else None
@@ -129,7 +138,8 @@ def upload(engine, spec: ParamGroup, optimizer, offload: bool, index: int) -> La
         if weights is not None:
             flat_w = group.device_weights = device.empty(n * dtype.itemsize).view(dtype)
             flat_copy(params, flat_w)
-        flat_g = group.device_grads = device.empty(n * dtype.itemsize).view(dtype) if grads is not None else None
+        flat_g = group.device_grads = device.empty(n * dtype.itemsize).view(dtype) \
+            if grads is not None and not host_acc else None
     offset = 0
     with torch.no_grad():
         for p, shape in zip(params, shapes):

@@ -39,16 +39,18 @@ def llama():
 
 
 def train_pair(make_model, daemon, steps=10, accumulation=1, clip=None, dtype=torch.float32, offload=True, keep=0,
-               device=None):
+               device=None, grad_accumulation="device", master_device=None):
     """``device``: attach's (a Device at the seam, or "cuda": both models and the batches
-    move there)."""
+    move there). ``master_device``: where the reference keeps and steps its fp32 masters
+    (default: with the model)."""
     torch.manual_seed(0)
     where = "cuda" if device == "cuda" else "cpu"
     ours = make_model().to(dtype).to(where)
     ref = copy.deepcopy(ours)
     engine = fuyou_client.attach(ours, fuyou_client.AdamW(**HYPER), socket=daemon.socket, device=device,
-                                 max_grad_norm=clip, accumulation_steps=accumulation, offload=offload, keep=keep)
-    masters = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
+                                 max_grad_norm=clip, accumulation_steps=accumulation, offload=offload, keep=keep,
+                                 grad_accumulation=grad_accumulation)
+    masters = [p.detach().float().to(master_device or p.device, copy=True).requires_grad_() for p in ref.parameters()]
     opt = torch.optim.AdamW(masters, **HYPER, fused=True)
     sched_ours = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1.0 / (1 + s))
     sched_ref = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
@@ -68,7 +70,7 @@ def train_pair(make_model, daemon, steps=10, accumulation=1, clip=None, dtype=to
         sched_ours.step()
         # The reference: fp32 masters stepped by torch, copied into the (maybe bf16) model.
         for m, p in zip(masters, ref.parameters()):
-            m.grad = p.grad.float()
+            m.grad = p.grad.float().to(m.device)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(masters, clip)
         opt.step()

@@ -44,6 +44,9 @@ CASES = {
     "bf16": dict(make_model=gpt2, dtype=torch.bfloat16, steps=3),
     "mlp": dict(make_model=MLP),
     "accumulate-clip-keep": dict(make_model=gpt2, steps=3, accumulation=2, clip=0.05, keep=3),
+    "host-accumulate": dict(make_model=gpt2, steps=3, accumulation=3, grad_accumulation="host"),
+    "host-resident-clip": dict(make_model=llama, offload=False, steps=3, accumulation=2, clip=0.05,
+                               grad_accumulation="host"),
 }
 
 
@@ -71,6 +74,25 @@ def test_device_memory_is_its_own_and_every_segment_is_registered(daemon):
         assert p.grad is None or not device.is_registered(p.grad)
     engine.close()
     assert device.registered == {} and device.ever_registered >= len(segments)
+
+
+def test_host_accumulation_keeps_no_gradients_on_the_device(daemon):
+    """grad_accumulation="host": between backward passes no gradient stays on the device,
+    whether weights are resident or offloaded."""
+    for offload in (False, True):
+        device = LateCopyDevice()
+        model = gpt2()
+        engine = fuyou_client.attach(model, socket=daemon.socket, device=device, accumulation_steps=2,
+                                     offload=offload, grad_accumulation="host")
+        assert all(g.device_grads is None and g.host_acc for g in engine.groups)
+        x = torch.randint(0, 512, (2, 32))
+        for _ in range(2):
+            before = device.downloads
+            model(x, labels=x).loss.backward()
+            assert all(p.grad is None for p in model.parameters())
+            assert device.downloads - before >= len(engine.groups)
+        engine.step()
+        engine.close()
 
 
 @pytest.mark.parametrize("make_model", [small_gpt2, small_llama], ids=["gpt2", "llama"])
@@ -107,7 +129,8 @@ def assert_close(ours, ref, rtol, atol):
 
 
 @needs_cuda
-@pytest.mark.parametrize("case", ["gpt2", "llama", "gpt2-resident", "mlp", "accumulate-clip-keep"])
+@pytest.mark.parametrize("case", ["gpt2", "llama", "gpt2-resident", "mlp", "accumulate-clip-keep", "host-accumulate",
+                                  "host-resident-clip"])
 def test_cuda_fp32_matches_torch_adamw(daemon, case):
     """fp32 compute on the GPU, AdamW in the daemon on the CPU: within 1e-5 relative of
     torch's fused AdamW on the GPU (same arithmetic, different kernels)."""
@@ -163,6 +186,8 @@ def test_cuda_without_cuda_is_refused_before_any_work(daemon):
 def test_unsupported_devices_are_refused_by_name(daemon):
     with pytest.raises(ValueError, match="not meta"):
         fuyou_client.attach(MLP(), socket=daemon.socket, device="meta")
+    with pytest.raises(ValueError, match="'device' or 'host', not 'gpu'"):
+        fuyou_client.attach(MLP(), socket=daemon.socket, grad_accumulation="gpu")
     model = MLP()
     model.out.to("meta")
     with pytest.raises(ValueError, match="several devices"):

@@ -1,0 +1,98 @@
+"""Gradient accumulation in shared host memory: ``attach(grad_accumulation="host")``.
+
+Accumulating over micro-batches (or clipping, which needs every gradient at once) in
+``.grad`` keeps every group's gradients on the compute device until the step: as much
+device memory as the weights themselves. With ``"host"``, on a device with its own
+memory, each group's gradients leave the device as soon as a backward pass has finished
+them:
+
+* on the compute stream they are flattened into one fp32 tensor and the parameters'
+  ``.grad`` is dropped (the caching allocator gets the memory back once the copy ran);
+* on the download stream they go into the group's fp32 accumulator in shared memory
+  (the first backward since the last step: straight into it), or into a staging buffer
+  that the device's helper thread then adds into the accumulator (``then`` runs calls
+  in order, so a group's additions happen in backward order);
+* the step reads the accumulator as an fp32 gradient, once the group's last addition
+  has run.
+
+Device memory then holds only the gradients of the groups in backward and in the
+download queue; the host holds 4 bytes per parameter. Summation is in fp32 whatever the
+compute dtype (torch accumulates bf16 gradients in bf16): for fp32 models it is the
+same sequence of additions as torch's, so training is bitwise alike.
+"""
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future
+
+import torch
+
+from fuyou_client.device import DONE, Device
+from fuyou_client.layergroup import after
+from fuyou_client.session import Session
+
+
+class HostAccumulation:
+    def __init__(self, session: Session, device: Device, nbytes: int, staging: int = 3):
+        self._device = device
+        self._free = [session.allocate(nbytes) for _ in range(staging)]
+        self._busy: deque[tuple[Future, object]] = deque()  # (addition, its staging buffer)
+        self._last: dict[str, object] = {}  # group -> event of its last download (its addition follows it)
+
+    def add(self, group, first: bool) -> None:
+        """``group``'s gradients (its parameters' ``.grad``) into its accumulator; ``first``:
+        the first backward since the step (the accumulator is overwritten)."""
+        n, dev = group.numel, self._device.torch_device
+        with torch.no_grad():
+            parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(shape.numel(), device=dev)
+                     for (_, p), shape in zip(group.spec.params, group.shapes)]
+            flat = torch.cat([t.to(torch.float32) for t in parts])
+        for _, p in group.spec.params:
+            p.grad = None
+        acc = group.grads.tensor(torch.float32)[:n]
+        if first:
+            self._last[group.spec.name] = self._device.download(acc, flat)
+            return
+        buf = self._staging()
+        staged = buf.tensor(torch.float32)[:n]
+        event = self._device.download(staged, flat)
+        self._busy.append((self._device.then(event, lambda: acc.add_(staged)), buf))
+        self._last[group.spec.name] = event
+
+    def _staging(self):
+        if not self._free:
+            self._reclaim_oldest()  # backpressure: the host's additions set the pace
+        return self._free.pop()
+
+    def _reclaim_oldest(self) -> None:
+        fut, buf = self._busy.popleft()
+        try:
+            fut.result()
+        finally:
+            self._free.append(buf)
+
+    def wait(self) -> None:
+        """Until every addition asked for has run (the accumulators are complete)."""
+        for event in self._last.values():
+            event.synchronize()
+        while self._busy:
+            self._reclaim_oldest()
+
+    def submit(self, group, start) -> Future:
+        """The group's step, ``start(accumulator)``, once its last addition has run (and the
+        last upload out of its weights buffer, which the step overwrites)."""
+        event = self._last.pop(group.spec.name, DONE)
+
+        def go():
+            group.uploaded.synchronize()
+            return start(group.grads)
+
+        return after(self._device, event, go)  # (queued behind the group's additions)
+
+    def views(self, group) -> list[torch.Tensor]:
+        """The accumulated gradient of each of ``group``'s parameters (after ``wait()``)."""
+        flat, out, offset = group.grads.tensor(torch.float32)[:group.numel], [], 0
+        for shape in group.shapes:
+            out.append(flat[offset:offset + shape.numel()].view(shape))
+            offset += shape.numel()
+        return out
