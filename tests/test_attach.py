@@ -42,7 +42,8 @@ def train_pair(make_model, daemon, steps=10, accumulation=1, clip=None, dtype=to
                device=None, grad_accumulation="device", master_device=None):
     """``device``: attach's (a Device at the seam, or "cuda": both models and the batches
     move there). ``master_device``: where the reference keeps and steps its fp32 masters
-    (default: with the model)."""
+    (default: with the model). With ``grad_accumulation="host"`` the reference too sums
+    each micro-batch's gradients in fp32."""
     torch.manual_seed(0)
     where = "cuda" if device == "cuda" else "cpu"
     ours = make_model().to(dtype).to(where)
@@ -56,6 +57,7 @@ def train_pair(make_model, daemon, steps=10, accumulation=1, clip=None, dtype=to
     sched_ref = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     gen = torch.Generator().manual_seed(1)
     losses = []
+    fp32_sums = [torch.zeros_like(m) for m in masters] if grad_accumulation == "host" else None
     for _ in range(steps):
         for _ in range(accumulation):
             x = torch.randint(0, 512, (2, 32), generator=gen).to(where)
@@ -64,13 +66,19 @@ def train_pair(make_model, daemon, steps=10, accumulation=1, clip=None, dtype=to
             ref_loss = ref(x, labels=x).loss if hasattr(ref, "config") else ref(x).square().mean()
             ref_loss.backward()
             losses.append(loss.item())
+            if fp32_sums is not None:
+                for acc, p in zip(fp32_sums, ref.parameters()):
+                    acc += p.grad.float().to(acc.device)
+                    p.grad = None
         engine.step()
         engine.all_infos = getattr(engine, "all_infos", []) + engine.last_step_infos
         engine.zero_grad()
         sched_ours.step()
         # The reference: fp32 masters stepped by torch, copied into the (maybe bf16) model.
-        for m, p in zip(masters, ref.parameters()):
-            m.grad = p.grad.float().to(m.device)
+        for i, (m, p) in enumerate(zip(masters, ref.parameters())):
+            m.grad = fp32_sums[i].clone() if fp32_sums is not None else p.grad.float().to(m.device)
+            if fp32_sums is not None:
+                fp32_sums[i].zero_()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(masters, clip)
         opt.step()
