@@ -16,7 +16,10 @@ them:
   has run.
 
 Device memory then holds only the gradients of the groups in backward and in the
-download queue; the host holds 4 bytes per parameter. Summation is in fp32 whatever the
+download queue, which is at most ``depth`` deep: backward can produce gradients faster
+than they cross to the host, and then waits (on an H100 with its memory capped at 4 GiB
+an unbounded queue ran out of memory in the first backward). The host holds 4 bytes per
+parameter, plus ``staging`` buffers of the largest group. Summation is in fp32 whatever the
 compute dtype (torch accumulates bf16 gradients in bf16): for fp32 models it is the
 same sequence of additions as torch's, so training is bitwise alike.
 """
@@ -33,8 +36,9 @@ from fuyou_client.session import Session
 
 
 class HostAccumulation:
-    def __init__(self, session: Session, device: Device, nbytes: int, staging: int = 3):
-        self._device = device
+    def __init__(self, session: Session, device: Device, nbytes: int, staging: int = 3, depth: int = 2):
+        self._device, self._depth = device, depth
+        self._downloads: deque = deque()  # events of downloads queued, oldest first
         self._free = [session.allocate(nbytes) for _ in range(staging)]
         self._busy: deque[tuple[Future, object]] = deque()  # (addition, its staging buffer)
         self._last: dict[str, object] = {}  # group -> event of its last download (its addition follows it)
@@ -51,13 +55,18 @@ class HostAccumulation:
             p.grad = None
         acc = group.grads.tensor(torch.float32)[:n]
         if first:
-            self._last[group.spec.name] = self._device.download(acc, flat)
-            return
-        buf = self._staging()
-        staged = buf.tensor(torch.float32)[:n]
-        event = self._device.download(staged, flat)
-        self._busy.append((self._device.then(event, lambda: acc.add_(staged)), buf))
+            event = self._device.download(acc, flat)
+        else:
+            buf = self._staging()
+            staged = buf.tensor(torch.float32)[:n]
+            event = self._device.download(staged, flat)
+            self._busy.append((self._device.then(event, lambda: acc.add_(staged)), buf))
         self._last[group.spec.name] = event
+        # Backward can produce gradients faster than they cross to the host; each one
+        # queued holds its fp32 copy in device memory, so at most ``depth`` wait.
+        self._downloads.append(event)
+        while len(self._downloads) > self._depth:
+            self._downloads.popleft().synchronize()
 
     def _staging(self):
         if not self._free:

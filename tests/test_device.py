@@ -95,6 +95,32 @@ def test_host_accumulation_keeps_no_gradients_on_the_device(daemon):
         engine.close()
 
 
+def test_host_accumulation_bounds_the_gradients_waiting_to_leave(daemon):
+    """Backward can outrun the download stream; each gradient waiting for it holds its
+    fp32 copy in device memory, so no more than two may wait (the H100 ran out of memory
+    before this bound: every group of a backward queued at once)."""
+    device = LateCopyDevice(max_delay=0.01)  # copies much slower than this backward
+    waiting, download = [], device.download
+
+    def counted(dst, src, after=None):
+        event = download(dst, src, after)
+        waiting.append(event)
+        device.peak_waiting = max(getattr(device, "peak_waiting", 0), sum(not e.query() for e in waiting))
+        return event
+
+    device.download = counted
+    model = gpt2()
+    engine = fuyou_client.attach(model, socket=daemon.socket, device=device, accumulation_steps=2,
+                                 offload=False, grad_accumulation="host")
+    x = torch.randint(0, 512, (2, 32))
+    for _ in range(2):
+        model(x, labels=x).loss.backward()
+    engine.step()
+    engine.close()
+    assert len(waiting) >= 2 * len(engine.groups)
+    assert device.peak_waiting <= 3  # two waiting and the one just queued
+
+
 @pytest.mark.parametrize("make_model", [small_gpt2, small_llama], ids=["gpt2", "llama"])
 def test_activations_cross_on_side_streams_bitwise_alike(small_daemon, make_model):
     """Kept, swapped to the host arena, spilled to SSD, recomputed, planned: the same
