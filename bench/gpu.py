@@ -9,7 +9,8 @@ is its own process with ``torch.cuda.set_per_process_memory_fraction`` set to ``
 
 * **fuyou**: the smallest depth whose weights + gradients + AdamW state (2 + 2 + 12 bytes per
   parameter) are at least 4x the cap. ``attach(offload=False, accumulation_steps=--accum,
-  activations="recompute", grad_accumulation="host")`` on a private fuyoud whose shared memory
+  activations="recompute", grad_accumulation="host")`` (``--weights host``: ``offload="host"``;
+  ``--grads device``: ``grad_accumulation="device"``) on a private fuyoud whose shared memory
   (``--host-budget``) and optimizer buffers (``--buffer-budget``) are well below the state: the fp32 masters and
   moments live on SSD; bf16 weights stay on the GPU; each micro-batch's gradients go to fp32
   accumulators in shared memory; each layer group's step runs in the daemon as soon as the last
@@ -222,11 +223,13 @@ class Fuyou(Case):
             "optimizer": {"buffer_budget": spec["buffer_budget"], "buffers": 3}})
         self.net = self.model(spec["layers"], torch.bfloat16)
         self.engine = fuyou_client.attach(
-            self.net, fuyou_client.AdamW(lr=LR, weight_decay=WD), socket=self.daemon.socket, offload=False,
-            accumulation_steps=spec["accum"], activations="recompute", grad_accumulation="host")
+            self.net, fuyou_client.AdamW(lr=LR, weight_decay=WD), socket=self.daemon.socket,
+            offload=False if spec["weights"] == "resident" else "host", accumulation_steps=spec["accum"],
+            activations="recompute", grad_accumulation=spec["grads"])
         self.cap()  # (attach briefly holds the weights twice on the device while it moves them)
         self.info = {"layers": spec["layers"], "params": sum(p.numel() for p in self.net.parameters()),
-                     "daemon_host_bytes": spec["host_budget"] + spec["buffer_budget"], "io_engine": self.engine.session.daemon_status.io_engine}
+                     "daemon_host_bytes": spec["host_budget"] + spec["buffer_budget"],
+                     "io_engine": self.engine.session.daemon_status.io_engine}
 
     def micro_batch(self, x) -> None:
         loss = self.net(x, labels=x).loss
@@ -371,6 +374,11 @@ def main(argv=None) -> int:
     ap.add_argument("--host-budget", default="9GiB", type=parse_size, help="fuyoud's pinned_budget (default 9GiB)")
     ap.add_argument("--buffer-budget", default="2560MiB", type=parse_size,
                     help="fuyoud's optimizer buffer_budget, three buffers (default 2560MiB)")
+    ap.add_argument("--weights", default="resident", choices=["resident", "host"],
+                    help="Fuyou's blocks' weights: on the GPU (offload=False, the default) or in host memory, "
+                         "uploaded per use (offload=\"host\")")
+    ap.add_argument("--grads", default="host", choices=["host", "device"],
+                    help="Fuyou's grad_accumulation (default host)")
     ap.add_argument("--dir", type=Path, help="parent of the work directory (default <repo>/.fuyou/bench)")
     ap.add_argument("--no-zero", action="store_true", help="skip ZeRO-Infinity")
     ap.add_argument("--deadline", default=0, type=float, help="stop starting rounds after this many seconds")
@@ -393,7 +401,7 @@ def main(argv=None) -> int:
                              default=1))
     spec = dict(cap=args.cap, width=args.width, seq=args.seq, micro=args.micro, accum=args.accum,
                 zero_accum=args.zero_accum, layers=layers, params=params, host_budget=args.host_budget,
-                buffer_budget=args.buffer_budget,
+                buffer_budget=args.buffer_budget, weights=args.weights, grads=args.grads,
                 dir=str(work), max_layers=ceiling_max)
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
@@ -401,8 +409,8 @@ def main(argv=None) -> int:
         host = host_info(work)
     except OSError as exc:  # (findmnt missing)
         host = {"error": str(exc), "cpus": os.cpu_count()}
-    out = {"host": host, "gpu": gpu, "args": {k: (str(v) if isinstance(v, Path) else v)
-                                                          for k, v in vars(args).items() if k not in ("worker", "spec")},
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("worker", "spec")}
+    out = {"host": host, "gpu": gpu, "args": settings,
            "gpu_cap_bytes": args.cap, "model_params": params, "model_layers": layers,
            "state_bytes": params * STATE_BYTES_PER_PARAM, "state_over_cap": params * STATE_BYTES_PER_PARAM / args.cap,
            "rounds": [], "errors": {}}
@@ -468,7 +476,8 @@ def summarize(out: dict, args) -> None:
     if "zero" in res:  # at --accum micro-batches per step, from its measured micro-batch and step times
         z, k = res["zero"], args.accum
         tokens = k * args.micro * args.seq
-        z["modelled_at_accum"] = {"micro_batches_per_step": k, "seconds": k * z["micro_batch_seconds"] + z["step_seconds"]}
+        z["modelled_at_accum"] = {"micro_batches_per_step": k,
+                                  "seconds": k * z["micro_batch_seconds"] + z["step_seconds"]}
         z["modelled_at_accum"]["tflops"] = tflops(out["model_params"], tokens, z["modelled_at_accum"]["seconds"])
     out["results"] = res
     f = res.get("fuyou", {})
@@ -492,7 +501,8 @@ def print_table(out: dict) -> None:
           f"write {out['ssd_write_GBps']:.2f} GB/s")
     for name, r in out.get("results", {}).items():
         print(f"{name:8s} params {r['params'] / 1e6:8.1f}M  {r['tokens_per_s']:9.0f} tok/s  {r['tflops']:6.1f} TFLOPS  "
-              f"busy {r['busy'] or 0:.2f}  micro {r['micro_batch_seconds'] * 1e3:7.1f} ms  step {r['step_seconds']:6.2f} s  "
+              f"busy {r['busy'] or 0:.2f}  micro {r['micro_batch_seconds'] * 1e3:7.1f} ms  "
+              f"step {r['step_seconds']:6.2f} s  "
               f"peak {r['peak_bytes'] / GiB:.2f} GiB")
     for key in ("fuyou_over_ceiling", "fuyou_over_zero_infinity", "zero_infinity_tflops"):
         print(f"{key}: {out.get(key)}")

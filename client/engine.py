@@ -64,7 +64,7 @@ class _Optimizer(torch.optim.Optimizer):
 class Engine:
     def __init__(self, model: nn.Module, session: Session, optimizer: AdamW | SGD, groups: list[ParamGroup],
                  max_grad_norm: float | None, accumulation_steps: int, owns_session: bool,
-                 offload: bool = True, prefetch: int = 2, keep: int = 0, resume: bool = False,
+                 offload: bool | str = True, prefetch: int = 2, keep: int = 0, resume: bool = False,
                  activations="keep", host_budget: int = 256 << 20, device_budget: int | None = None,
                  device: Device | None = None, grad_accumulation: str = "device"):
         self.model = model
@@ -86,15 +86,17 @@ class Engine:
             session.use_device(self.device)  # cudaHostRegister of every shared segment
         # Offloaded groups borrow gradient buffers from a pool, unless every gradient must
         # be kept until the step (accumulation over micro-batches, exact clipping).
-        self._pool_grads = offload and accumulation_steps == 1 and max_grad_norm is None
+        if offload == "host" and self.device.shares_host_memory:
+            offload = False  # on the CPU weights in shared memory are simply resident
+        self._pool_grads = bool(offload) and accumulation_steps == 1 and max_grad_norm is None
         # Those kept gradients accumulate in host memory instead of on the device.
         self._host_accumulation = grad_accumulation == "host" and not self.device.shares_host_memory
         originals = [(p, p.data, p.grad) for spec in groups for _, p in spec.params]
         try:
             for spec in groups:
                 index = sum(1 for g in self.groups if g.offloaded is not None)  # position in forward order
-                self.groups.append(layergroup.upload(self, spec, optimizer, offload and spec.module is not None,
-                                                     index))
+                mode = offload if spec.module is not None else False  # (the rest group stays resident)
+                self.groups.append(layergroup.upload(self, spec, optimizer, mode, index))
         except BaseException:  # leave the user's model as it was
             with torch.no_grad():
                 for p, data, grad in originals:
@@ -183,10 +185,12 @@ class Engine:
             self._submit(g)  # final gradients: step now, while backward goes on
 
     def _submit(self, g: LayerGroup, scale: float | None = None) -> None:
-        offloaded_bf = g.offloaded is not None and g.dtype != torch.float32
+        offloaded_bf = g.offloaded is not None and g.dtype != torch.float32 and g.offloaded.host is None
         name, lr, session = g.spec.name, self.lr, self.session  # as of now (the step may go from another thread)
 
         def start(grads):
+            if g.offloaded is not None:  # (offload="host": the step overwrites what the last upload read)
+                g.offloaded.host_uploaded.synchronize()
             return session.step_group_async(
                 name, grads, lr, grad_dtype=g.grad_dtype, out=g.weights, out_dtype=g.dtype, grad_scale=scale,
                 weights_object=f"weights/{name}" if offloaded_bf else "")
@@ -415,7 +419,7 @@ class Engine:
 
 def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: Session | None = None,
            socket: str | None = None, namespace: str | None = None, blocks: list[nn.Module] | None = None,
-           max_grad_norm: float | None = None, accumulation_steps: int = 1, offload: bool = True,
+           max_grad_norm: float | None = None, accumulation_steps: int = 1, offload: bool | str = True,
            prefetch: int = 2, keep: int = 0, resume: str | os.PathLike | None = None,
            activations: str | dict[str, str] = "keep", host_budget: int = 256 << 20,
            device_budget: int | None = None, device=None, grad_accumulation: str = "device") -> Engine:
@@ -423,6 +427,9 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
     group is stepped by the daemon as soon as backward has finished it, and (``offload``)
     the blocks' weights are fetched ahead of use, ``prefetch`` blocks deep; the last
     ``keep`` blocks stay in memory from forward to backward instead of being fetched twice.
+    ``offload="host"``: the blocks' weights stay in shared host memory (each step writes
+    them there) and are uploaded to the device ahead of each use, as prefetched as from
+    the SSD array but with no SSD reads (on the CPU the same as ``offload=False``).
     ``resume``: a directory written by ``engine.save_checkpoint``; the model's weights,
     the optimizer state, step counts and learning rate continue from it.
     ``activations``: what happens to the blocks' activations saved for backward: "keep"
@@ -441,6 +448,8 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
     them between backward passes). On the CPU the two are the same."""
     if accumulation_steps < 1:
         raise ValueError("accumulation_steps must be at least 1")
+    if offload not in (True, False, "host"):
+        raise ValueError(f"offload must be True, False or 'host', not {offload!r}")
     if grad_accumulation not in ("device", "host"):
         raise ValueError(f"grad_accumulation must be 'device' or 'host', not {grad_accumulation!r}")
     groups = split(model, blocks)

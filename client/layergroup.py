@@ -85,11 +85,12 @@ def flat_copy(params, out: torch.Tensor) -> None:
         out.copy_(torch.cat([p.detach().reshape(-1).to(out.dtype) for p in params]))
 
 
-def upload(engine, spec: ParamGroup, optimizer, offload: bool, index: int) -> LayerGroup:
+def upload(engine, spec: ParamGroup, optimizer, offload: bool | str, index: int) -> LayerGroup:
     """Create the group's optimizer state in the daemon from the parameters (or take a
     restored one's weights); then the parameters become views of shared memory or of one
-    device allocation (resident) or empty (offloaded), and their gradients views of a
-    gradient buffer (unless pooled)."""
+    device allocation (resident) or empty (offloaded: to the SSD array, or with
+    ``offload="host"`` in a shared host buffer the step writes, uploaded per use), and
+    their gradients views of a gradient buffer (unless pooled)."""
     session, device = engine.session, engine.device
     dtypes = {p.dtype for _, p in spec.params}
     if len(dtypes) != 1:
@@ -114,28 +115,29 @@ def upload(engine, spec: ParamGroup, optimizer, offload: bool, index: int) -> La
         master = session.allocate(n * 4)
         flat_copy(params, master.tensor(torch.float32)[:n])
         info = session.create_group(spec.name, master, optimizer, numel=n)
-    pooled = offload and engine._pool_grads
+    pooled = bool(offload) and engine._pool_grads
     host_acc = engine._host_accumulation and not pooled
     grads = None if pooled else session.allocate(n * (4 if host_acc else dtype.itemsize))
-    if offload and dtype == torch.float32:  # the compute weights are the masters: read them in place
+    on_host = offload == "host"
+    if offload and not on_host and dtype == torch.float32:  # the compute weights are the masters: read them in place
         weights, source = None, (f"optim/{spec.name}", info.weights_offset)
     else:
         weights = session.allocate(n * dtype.itemsize)
         if offload or device.shares_host_memory:  # (a GPU's resident group: the step fills it, nothing reads it now)
             flat_copy(params, weights.tensor(dtype)[:n])
-        source = (f"weights/{spec.name}", 0)
-        if offload:
+        source = None if on_host else (f"weights/{spec.name}", 0)
+        if offload and not on_host:
             session.swap_out(source[0], weights, length=n * dtype.itemsize)
             weights.free()
             weights = None
     master.free()
     group = LayerGroup(spec, weights, grads, dtype, pooled=pooled, host_acc=host_acc)
-    if device.shares_host_memory:
+    if device.shares_host_memory:  # (offload="host" does not come here: on the CPU it is resident)
         flat_w = weights.tensor(dtype)[:n] if weights is not None else None
         flat_g = grads.tensor(dtype)[:n] if grads is not None else None
     else:
         flat_w = None
-        if weights is not None:
+        if weights is not None and not offload:
             flat_w = group.device_weights = device.empty(n * dtype.itemsize).view(dtype)
             flat_copy(params, flat_w)
         flat_g = group.device_grads = device.empty(n * dtype.itemsize).view(dtype) \
@@ -152,7 +154,8 @@ def upload(engine, spec: ParamGroup, optimizer, offload: bool, index: int) -> La
                 torch.empty(0, dtype=dtype, device=device.torch_device)
             offset += k
     if offload:
-        group.offloaded = OffloadedGroup(index, spec.name, spec.module, params, dtype, source, n, shapes=shapes)
+        group.offloaded = OffloadedGroup(index, spec.name, spec.module, params, dtype, source, n, shapes=shapes,
+                                         host=weights if on_host else None)
     return group
 
 

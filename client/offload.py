@@ -3,7 +3,9 @@
 Between uses a group's compute-dtype weights live on the SSD array: for fp32 training
 they are the master weights themselves (the first slot of the optimizer state object,
 read in place), otherwise the transient object ``weights/<group>`` that every step
-rewrites. A handful of shared buffers ("slots") hold the groups in use:
+rewrites. With ``offload="host"`` (a device with its own memory) they live in a shared
+host buffer per group that every step rewrites instead, and a "fetch" is only the
+upload. A handful of slots hold the groups in use:
 
 * forward: a block's pre-hook makes its weights resident (waiting for the fetch if
   needed) and starts fetching the next ``prefetch`` blocks; its post-hook lets them go
@@ -50,7 +52,7 @@ class OffloadedGroup:
     module: nn.Module
     params: list[nn.Parameter]
     dtype: torch.dtype
-    source: tuple[str, int]  # (object, byte offset) holding the compute weights
+    source: tuple[str, int] | None  # (object, byte offset) holding the compute weights (None: ``host``)
     numel: int
     slot: "Slot | None" = None  # while resident
     ready: object = DONE  # event: the slot's upload (compute waits for it before using the weights)
@@ -62,6 +64,8 @@ class OffloadedGroup:
     last_used: int = 0
     shapes: list[torch.Size] = field(default_factory=list)
     placeholders: list[torch.Tensor] = field(default_factory=list)
+    host: object = None  # offload="host": the shared buffer holding the weights (the step writes it)
+    host_uploaded: object = DONE  # event: the last upload out of ``host`` (the step waits for it)
 
     @property
     def nbytes(self) -> int:
@@ -71,8 +75,8 @@ class OffloadedGroup:
 class Slot:
     """Room for one group's weights: a shared host buffer and its device counterpart."""
 
-    def __init__(self, session: Session, device: Device, nbytes: int):
-        self.host = session.allocate(nbytes)
+    def __init__(self, session: Session, device: Device, nbytes: int, host: bool = True):
+        self.host = session.allocate(nbytes) if host else None  # (none when every group's weights are on the host)
         self.device = self.host.tensor(torch.uint8) if device.shares_host_memory else device.empty(nbytes)
         self.uploaded = DONE  # the last upload out of ``host`` (a new fetch may land only after it)
         self.released = device.record()  # compute's last use of ``device`` (a new upload waits for it)
@@ -98,7 +102,8 @@ class Offloader:
         self.prefetch = prefetch
         self.keep = keep  # blocks (the last ones) kept from forward to backward: fewer fetches, more memory
         nbytes = max(g.nbytes for g in groups)
-        self._free = [Slot(session, device, nbytes) for _ in range(prefetch + 2 + keep)]
+        from_ssd = any(g.host is None for g in groups)
+        self._free = [Slot(session, device, nbytes, host=from_ssd) for _ in range(prefetch + 2 + keep)]
         self._all = list(self._free)
         self._clock = 0
         self._by_ptr: dict[int, OffloadedGroup] = {}
@@ -126,7 +131,10 @@ class Offloader:
     def _fetch_into(self, g: OffloadedGroup, slot: Slot, via_state: bool) -> None:
         slot.uploaded.synchronize()  # the host buffer's last upload has run (normally long ago)
         g.fetch_slot, g.fetch_via_state = slot, via_state
-        if via_state:
+        if g.host is not None:  # nothing to read: the upload starts when the fetch lands
+            g.fetch = Future()
+            g.fetch.set_result(False)
+        elif via_state:
             g.fetch = self.session.fetch_weights_async(g.name, slot.host, g.dtype)
         else:
             obj, offset = g.source
@@ -145,7 +153,9 @@ class Offloader:
         """A fetch is done (or waited for): upload it and point the parameters at it."""
         served = g.fetch.result()
         slot = g.fetch_slot
-        if g.fetch_via_state and served:
+        if g.host is not None:
+            pass
+        elif g.fetch_via_state and served:
             self.served_bytes += g.nbytes
         else:
             if g.fetch_via_state:  # no optimizer buffer was spare: read the weights ourselves
@@ -154,8 +164,11 @@ class Offloader:
             self.fetched_bytes += g.nbytes
         g.slot, g.fetch, g.fetch_slot = slot, None, None
         if not self.device.shares_host_memory:
-            slot.uploaded = self.device.upload(slot.device[:g.nbytes], slot.host.tensor(torch.uint8)[:g.nbytes],
+            source = g.host if g.host is not None else slot.host
+            slot.uploaded = self.device.upload(slot.device[:g.nbytes], source.tensor(torch.uint8)[:g.nbytes],
                                                after=slot.released)
+            if g.host is not None:
+                g.host_uploaded = slot.uploaded
         g.ready = slot.uploaded
         flat = slot.weights(g.dtype)
         self._by_ptr[flat.untyped_storage().data_ptr()] = g

@@ -47,6 +47,8 @@ CASES = {
     "host-accumulate": dict(make_model=gpt2, steps=3, accumulation=3, grad_accumulation="host"),
     "host-resident-clip": dict(make_model=llama, offload=False, steps=3, accumulation=2, clip=0.05,
                                grad_accumulation="host"),
+    "weights-on-host": dict(make_model=gpt2, offload="host"),
+    "weights-on-host-bf16-accumulate": dict(make_model=llama, offload="host", dtype=torch.bfloat16, accumulation=2),
 }
 
 
@@ -93,6 +95,20 @@ def test_host_accumulation_keeps_no_gradients_on_the_device(daemon):
             assert device.downloads - before >= len(engine.groups)
         engine.step()
         engine.close()
+
+
+def test_weights_on_the_host_are_uploaded_per_use_and_never_read_from_ssd(daemon):
+    device = LateCopyDevice()
+    engine, _, _, _ = train_pair(gpt2, daemon, steps=2, device=device, offload="host")
+    blocks = [g for g in engine.groups if g.offloaded is not None]
+    assert blocks and all(g.offloaded.host is not None and g.device_weights is None for g in blocks)
+    assert device.uploads >= 2 * 2 * len(blocks)  # each block, forward and backward, each step
+    assert engine.offloader.fetched_bytes == 0 and engine.offloader.served_bytes == 0
+    assert engine.session.objects("weights/") == []
+    engine.close()
+    cpu = fuyou_client.attach(gpt2(), socket=daemon.socket, offload="host")  # the CPU: simply resident
+    assert all(g.offloaded is None for g in cpu.groups)
+    cpu.close()
 
 
 def test_host_accumulation_bounds_the_gradients_waiting_to_leave(daemon):
@@ -156,7 +172,7 @@ def assert_close(ours, ref, rtol, atol):
 
 @needs_cuda
 @pytest.mark.parametrize("case", ["gpt2", "llama", "gpt2-resident", "mlp", "accumulate-clip-keep", "host-accumulate",
-                                  "host-resident-clip"])
+                                  "host-resident-clip", "weights-on-host"])
 def test_cuda_fp32_matches_torch_adamw(daemon, case):
     """fp32 compute on the GPU, AdamW in the daemon on the CPU: within 1e-5 relative of
     torch's fused AdamW on the GPU (same arithmetic, different kernels)."""
@@ -219,6 +235,8 @@ def test_cuda_without_cuda_is_refused_before_any_work(daemon):
 def test_unsupported_devices_are_refused_by_name(daemon):
     with pytest.raises(ValueError, match="not meta"):
         fuyou_client.attach(MLP(), socket=daemon.socket, device="meta")
+    with pytest.raises(ValueError, match="True, False or 'host', not 'ssd'"):
+        fuyou_client.attach(MLP(), socket=daemon.socket, offload="ssd")
     with pytest.raises(ValueError, match="'device' or 'host', not 'gpu'"):
         fuyou_client.attach(MLP(), socket=daemon.socket, grad_accumulation="gpu")
     model = MLP()
