@@ -44,11 +44,12 @@ CASES = {
     "bf16": dict(make_model=gpt2, dtype=torch.bfloat16, steps=3),
     "mlp": dict(make_model=MLP),
     "accumulate-clip-keep": dict(make_model=gpt2, steps=3, accumulation=2, clip=0.05, keep=3),
-    "host-accumulate": dict(make_model=gpt2, steps=3, accumulation=3, grad_accumulation="host"),
+    "host-accumulate": dict(make_model=gpt2, steps=2, accumulation=3, grad_accumulation="host"),
     "host-resident-clip": dict(make_model=llama, offload=False, steps=3, accumulation=2, clip=0.05,
                                grad_accumulation="host"),
     "weights-on-host": dict(make_model=gpt2, offload="host"),
-    "weights-on-host-bf16-accumulate": dict(make_model=llama, offload="host", dtype=torch.bfloat16, accumulation=2),
+    "weights-on-host-bf16-accumulate": dict(make_model=llama, offload="host", dtype=torch.bfloat16, accumulation=2,
+                                            steps=2),
 }
 
 
