@@ -189,8 +189,7 @@ class Engine:
         name, lr, session = g.spec.name, self.lr, self.session  # as of now (the step may go from another thread)
 
         def start(grads):
-            if g.offloaded is not None:  # (offload="host": the step overwrites what the last upload read)
-                g.offloaded.host_uploaded.synchronize()
+            g.host_weights_read().synchronize()  # the step overwrites what the last upload read
             return session.step_group_async(
                 name, grads, lr, grad_dtype=g.grad_dtype, out=g.weights, out_dtype=g.dtype, grad_scale=scale,
                 weights_object=f"weights/{name}" if offloaded_bf else "")

@@ -46,13 +46,17 @@ class HostAccumulation:
     def add(self, group, first: bool) -> None:
         """``group``'s gradients (its parameters' ``.grad``) into its accumulator; ``first``:
         the first backward since the step (the accumulator is overwritten)."""
-        n, dev = group.numel, self._device.torch_device
+        n, offset = group.numel, 0
+        flat = torch.empty(n, dtype=torch.float32, device=self._device.torch_device)
         with torch.no_grad():
-            parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(shape.numel(), device=dev)
-                     for (_, p), shape in zip(group.spec.params, group.shapes)]
-            flat = torch.cat([t.to(torch.float32) for t in parts])
-        for _, p in group.spec.params:
-            p.grad = None
+            for (_, p), shape in zip(group.spec.params, group.shapes):
+                part = flat[offset:offset + shape.numel()]
+                if p.grad is not None:
+                    part.copy_(p.grad.reshape(-1))  # (cast to fp32)
+                else:
+                    part.zero_()
+                offset += shape.numel()
+                p.grad = None
         acc = group.grads.tensor(torch.float32)[:n]
         if first:
             event = self._device.download(acc, flat)
@@ -88,15 +92,9 @@ class HostAccumulation:
             self._reclaim_oldest()
 
     def submit(self, group, start) -> Future:
-        """The group's step, ``start(accumulator)``, once its last addition has run (and the
-        last upload out of its weights buffer, which the step overwrites)."""
+        """The group's step, ``start(accumulator)``, once its last addition has run."""
         event = self._last.pop(group.spec.name, DONE)
-
-        def go():
-            group.uploaded.synchronize()
-            return start(group.grads)
-
-        return after(self._device, event, go)  # (queued behind the group's additions)
+        return after(self._device, event, lambda: start(group.grads))  # (queued behind the group's additions)
 
     def views(self, group) -> list[torch.Tensor]:
         """The accumulated gradient of each of ``group``'s parameters (after ``wait()``)."""

@@ -58,6 +58,11 @@ class LayerGroup:
                 p.grad = flat[offset:offset + k].view(shape) if flat is not None else None
                 offset += k
 
+    def host_weights_read(self):
+        """The event of the last upload out of the host weights buffer the step writes
+        (resident groups: into ``device_weights``; ``offload="host"``: into a slot)."""
+        return self.offloaded.host_uploaded if self.offloaded is not None else self.uploaded
+
     @property
     def grad_dtype(self) -> torch.dtype:
         """The dtype of the gradients the step reads."""
@@ -179,18 +184,12 @@ def after(device: Device, event, start) -> Future:
 def submit(engine, g: LayerGroup, start) -> Future:
     """Send a resident-gradient group's step: ``start(grads_buffer)`` issues it. On a
     device with its own memory the gradients are downloaded first and the step goes when
-    the copy (and the last upload out of ``g.weights``, which the step overwrites) is done."""
+    the copy is done."""
     if g.device_grads is None:
         return start(g.grads)
     device = engine.device
     g.downloaded = device.download(g.grads.tensor(g.dtype)[:g.numel], g.device_grads)
-    uploaded = g.uploaded
-
-    def go():
-        uploaded.synchronize()
-        return start(g.grads)
-
-    return after(device, g.downloaded, go)
+    return after(device, g.downloaded, lambda: start(g.grads))
 
 
 def upload_weights(device: Device, g: LayerGroup) -> None:

@@ -153,15 +153,14 @@ class Offloader:
         """A fetch is done (or waited for): upload it and point the parameters at it."""
         served = g.fetch.result()
         slot = g.fetch_slot
-        if g.host is not None:
-            pass
-        elif g.fetch_via_state and served:
-            self.served_bytes += g.nbytes
-        else:
-            if g.fetch_via_state:  # no optimizer buffer was spare: read the weights ourselves
-                obj, offset = g.source
-                self.session.swap_in(obj, slot.host, length=g.nbytes, object_offset=offset)
-            self.fetched_bytes += g.nbytes
+        if g.host is None:  # (offload="host": nothing was read)
+            if g.fetch_via_state and served:
+                self.served_bytes += g.nbytes
+            else:
+                if g.fetch_via_state:  # no optimizer buffer was spare: read the weights ourselves
+                    obj, offset = g.source
+                    self.session.swap_in(obj, slot.host, length=g.nbytes, object_offset=offset)
+                self.fetched_bytes += g.nbytes
         g.slot, g.fetch, g.fetch_slot = slot, None, None
         if not self.device.shares_host_memory:
             source = g.host if g.host is not None else slot.host

@@ -56,6 +56,14 @@ def daemon(short_tmp):
 
 
 @pytest.fixture
+def small_daemon(short_tmp):
+    """fuyoud as a child process with small limits, one data directory."""
+    d = fuyou_client.start_daemon(short_tmp / "state", config=SMALL)
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+@pytest.fixture
 def session(daemon):
     with fuyou_client.connect(daemon.socket) as s:
         yield s

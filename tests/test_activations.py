@@ -7,17 +7,15 @@ import pytest
 import torch
 
 import fuyou_client
-from conftest import SMALL, scrape
+from conftest import scrape
 
 transformers = pytest.importorskip("transformers")
 MiB = 1 << 20
 
 
 @pytest.fixture
-def daemon(short_tmp):
-    d = fuyou_client.start_daemon(short_tmp / "state", config=SMALL)
-    yield d
-    assert d.stop() == 0, d.log()
+def daemon(small_daemon):
+    return small_daemon
 
 
 def gpt2():

@@ -27,16 +27,6 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 MiB = 1 << 20
 
 
-@pytest.fixture
-def small_daemon(short_tmp):
-    """The activation tests' daemon (no tight optimizer buffers)."""
-    from conftest import SMALL
-
-    d = fuyou_client.start_daemon(short_tmp / "state", config=SMALL)
-    yield d
-    assert d.stop() == 0, d.log()
-
-
 CASES = {
     "gpt2": dict(make_model=gpt2),
     "llama": dict(make_model=llama),
