@@ -334,9 +334,12 @@ class Engine:
 
     def zero_grad(self) -> None:
         """Zero every gradient (in shared memory: they stay views of it; pooled ones are
-        zeroed when a group's backward takes a buffer)."""
+        zeroed when a group's backward takes a buffer). Between the micro-batches of an
+        accumulation it discards what they accumulated so far."""
         if getattr(self, "activations", None) is not None:
             self.activations.reset()  # what a forward without backward parked
+        if getattr(self, "host_grads", None) is not None:  # gradients discarded mid-accumulation: their additions land first
+            self.host_grads.wait()
         for g in self.groups:
             if not g.pooled:
                 g.zero_grads(self.device)

@@ -69,11 +69,11 @@ class LateCopyDevice(Device):
     torch_device = torch.device("cpu")
     shares_host_memory = False
 
-    def __init__(self, seed: int = 0, max_delay: float = 0.003):
+    def __init__(self, seed: int = 0, max_delay: float = 0.003, helper_delay: float | None = None):
         rng = random.Random(seed)
         self._up = _Worker("upload", rng, max_delay)
         self._down = _Worker("download", rng, max_delay)
-        self._helper = _Worker("helper", rng, max_delay)
+        self._helper = _Worker("helper", rng, max_delay if helper_delay is None else helper_delay)
         self.registered: dict[int, int] = {}  # address -> bytes, like cudaHostRegister
         self.ever_registered = 0
         self.uploads = self.downloads = 0

@@ -11,6 +11,8 @@ bf16's resolution.
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from discrete_device import LateCopyDevice
 from test_activations import gpt2 as small_gpt2
 from test_activations import llama as small_llama
 from test_activations import train
-from test_attach import MLP, assert_same, daemon, gpt2, llama, train_pair  # noqa: F401 (daemon: a fixture)
+from test_attach import HYPER, MLP, assert_same, daemon, gpt2, llama, train_pair  # noqa: F401 (daemon: a fixture)
 
 transformers = pytest.importorskip("transformers")
 CUDA = torch.cuda.is_available()
@@ -126,6 +128,29 @@ def test_host_accumulation_bounds_the_gradients_waiting_to_leave(daemon):
     engine.close()
     assert len(waiting) >= 2 * len(engine.groups)
     assert device.peak_waiting <= 3  # two waiting and the one just queued
+
+
+def test_gradients_discarded_mid_accumulation_are_gone(daemon):
+    """zero_grad() between two micro-batches throws their gradients away, also while the
+    host's additions of them are still queued (they must not land in the next sum)."""
+    torch.manual_seed(0)
+    ours = gpt2()
+    ref = copy.deepcopy(ours)
+    device = LateCopyDevice(seed=3, helper_delay=0.05)  # the host's additions run late
+    engine = fuyou_client.attach(ours, fuyou_client.AdamW(**HYPER), socket=daemon.socket, device=device,
+                                 accumulation_steps=3, offload=False, grad_accumulation="host")
+    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    gen = torch.Generator().manual_seed(1)
+    for x in [torch.randint(0, 512, (2, 32), generator=gen) for _ in range(2)]:
+        ours(x, labels=x).loss.backward()  # a bad batch, say: discarded
+    engine.zero_grad()
+    for x in [torch.randint(0, 512, (2, 32), generator=gen) for _ in range(3)]:
+        ours(x, labels=x).loss.backward()
+        ref(x, labels=x).loss.backward()
+    engine.step()
+    opt.step()
+    engine.close()
+    assert_same(ours, ref)
 
 
 @pytest.mark.parametrize("make_model", [small_gpt2, small_llama], ids=["gpt2", "llama"])
