@@ -1,7 +1,9 @@
 """Training on a GPU whose memory is capped: Fuyou, the in-GPU ceiling and ZeRO-Infinity, one run.
 
     python bench/gpu.py --json PATH [--cap 4GiB] [--width 2048] [--seq 1024] [--micro 2] [--accum 256]
-                        [--iters 2] [--zero-accum 4] [--host-budget 8GiB] [--dir DIR] [--no-zero]
+                        [--weights resident|host] [--grads host|device] [--iters 2] [--zero-accum 4]
+                        [--zero-micro N] [--host-budget 9GiB] [--dir DIR] [--no-zero] [--deadline S]
+                        [--profile DIR] [--ssd-probe 4GiB] [--cpu]
 
 One model family: Hugging Face ``GPT2LMHeadModel`` (width ``--width``, 128-wide heads, vocabulary
 8192, untied head, sequence ``--seq``, dropout off, random tokens), bf16 compute, fp32 AdamW state. Every case
@@ -14,7 +16,9 @@ is its own process with ``torch.cuda.set_per_process_memory_fraction`` set to ``
   (``--host-budget``) and optimizer buffers (``--buffer-budget``) are well below the state: the fp32 masters and
   moments live on SSD; bf16 weights stay on the GPU; each micro-batch's gradients go to fp32
   accumulators in shared memory; each layer group's step runs in the daemon as soon as the last
-  micro-batch's backward has finished it.
+  micro-batch's backward has finished it. Before the rounds it fits its micro-batch: one forward
+  and backward of ``--micro`` sequences within 90% of the cap, halving the micro-batch (and
+  doubling the micro-batches per step) on running out of memory.
 * **ceiling**: the largest depth of the same family that trains entirely in the capped GPU memory
   with ``torch.optim.AdamW(fused=True)`` (fp32 parameters, ``torch.autocast`` bf16), first without
   and then with activation checkpointing; same micro-batch and accumulation.
@@ -31,11 +35,18 @@ after one warm-up iteration, with the SSD's bare read and write bandwidth (fuyou
 4 GiB file, 1 MiB requests, depth 32) measured in the same rounds. Model TFLOPS = 6 x parameters
 x tokens / seconds (recompute not counted); GPU busy fraction = the mean of NVML's utilisation
 (share of time a kernel ran) sampled every 50 ms during the timed iterations. Medians over rounds.
+
+``--profile DIR``: after the rounds, one more step of Fuyou and of the ceiling with the last
+micro-batches and the step under torch.profiler (traces, operator tables, kernel-busy share and
+longest gaps from the trace). ``--cpu``: the same run on the CPU, Fuyou through the tests'
+stand-in for a device with its own memory, no cap and no DeepSpeed: a smoke test of the run
+itself (tests/test_gpu_bench.py), whose numbers mean nothing.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import os
 import shutil
@@ -52,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 VOCAB, LR, WD, GiB = 8192, 1e-4, 0.1, 1 << 30
 STATE_BYTES_PER_PARAM = 16  # bf16 weights + bf16 gradients + fp32 masters, exp_avg, exp_avg_sq
 TARGET_CEILING, TARGET_ZERO = 0.8, 3.0
+PROFILED = 3  # micro-batches before the step that --profile traces
 
 
 def parse_size(text: str) -> int:
@@ -88,12 +100,12 @@ def fuyou_depth(width: int, seq: int, cap: int) -> int:
 # -- workers: one process per case, driven over stdin/stdout ---------------------------------
 
 class Busy:
-    """NVML utilisation sampled every 50 ms while running."""
+    """NVML utilisation sampled every 50 ms while running (nothing on the CPU)."""
 
-    def __init__(self):
+    def __init__(self, enabled: bool = True):
         self.samples: list[float] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run, daemon=True) if enabled else None
 
     def _run(self) -> None:
         import torch
@@ -101,28 +113,70 @@ class Busy:
             self.samples.append(torch.cuda.utilization() / 100)
 
     def __enter__(self):
-        self._thread.start()
+        if self._thread is not None:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def gpu_activity(prof) -> dict:
+    """From a profile's device intervals: the share of its window in which a kernel ran,
+    in which anything (kernel or copy) ran, and the longest gaps with no kernel."""
+    from torch.autograd import DeviceType
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {}
+    start, end = spans[0][0], max(e for _, e, _ in spans)
+
+    def union(intervals):
+        if not intervals:
+            return 0, []
+        total, cur_s, cur_e, gaps = 0, None, None, []
+        for s, e in intervals:
+            if cur_e is None or s > cur_e:
+                if cur_e is not None:
+                    total += cur_e - cur_s
+                    gaps.append((s - cur_e, cur_e))
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        return total + (cur_e - cur_s), gaps
+
+    copies = ("Memcpy", "Memset", "memcpy", "memset")
+    kernels, gaps = union([(s, e) for s, e, n in spans if not n.startswith(copies)])
+    anything, _ = union([(s, e) for s, e, _ in spans])
+    window = end - start
+    return {"window_ms": window / 1e3, "kernel_busy": kernels / window, "any_busy": anything / window,
+            "longest_kernel_gaps_ms": [round(g / 1e3, 3) for g, _ in sorted(gaps, reverse=True)[:10]]}
 
 
 class Case:
     def __init__(self, spec: dict):
         import torch
         self.spec, self.torch = spec, torch
-        self.gen = torch.Generator(device="cuda").manual_seed(1)
+        self.cuda = not spec.get("cpu")  # --cpu: the run's plumbing on the CPU (a smoke test, no figures)
+        self.where = "cuda" if self.cuda else "cpu"
+        self.gen = torch.Generator(device=self.where).manual_seed(1)
+        self.micro, self.accum = spec["micro"], spec["accum"]  # (Fuyou may halve micro and double accum)
         self.info: dict = {}
 
     def batch(self):
-        s = self.spec
-        return self.torch.randint(0, VOCAB, (s["micro"], s["seq"]), device="cuda", generator=self.gen)
+        return self.torch.randint(0, VOCAB, (self.micro, self.spec["seq"]), device=self.where, generator=self.gen)
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
 
     def cap(self, share: float = 1.0) -> None:
         torch = self.torch
         gc.collect()
+        if not self.cuda:
+            return
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(self.spec["cap"] * share / total)
@@ -132,25 +186,52 @@ class Case:
         import transformers
         torch = self.torch
         torch.manual_seed(0)
-        with torch.device("cuda"):
+        with torch.device(self.where):
             m = transformers.GPT2LMHeadModel(config(self.spec["width"], layers, self.spec["seq"]))
         return m.to(dtype)
 
-    def iteration(self, accum: int) -> dict:
-        torch = self.torch
-        torch.cuda.synchronize()
+    def iteration(self, accum: int | None = None, profiler=None) -> dict:
+        """One step of ``accum`` micro-batches (default: the case's). ``profiler``: started
+        before the last PROFILED micro-batches, stopped after the step."""
+        accum = accum or self.accum
+        self.sync()
         marks, t0 = [], time.perf_counter()
-        with Busy() as busy:
-            for _ in range(accum):
+        with Busy(self.cuda) as busy:
+            for i in range(accum):
+                if profiler is not None and i == max(0, accum - PROFILED):
+                    profiler.start()
                 self.micro_batch(self.batch())
                 marks.append(time.perf_counter())
             self.step()
-            torch.cuda.synchronize()
+            self.sync()
         t1 = time.perf_counter()
+        if profiler is not None:
+            profiler.stop()
         return {"seconds": t1 - t0, "micro_seconds": marks[-1] - t0, "step_seconds": t1 - marks[-1],
-                "micro_batches": accum, "tokens": accum * self.spec["micro"] * self.spec["seq"],
+                "micro_batches": accum, "micro": self.micro, "tokens": accum * self.micro * self.spec["seq"],
                 "busy": statistics.mean(busy.samples) if busy.samples else None,
-                "peak_bytes": torch.cuda.max_memory_allocated(), "last_loss": float(self.loss)}
+                "peak_bytes": self.torch.cuda.max_memory_allocated() if self.cuda else None,
+                "last_loss": float(self.loss)}
+
+    def profile(self, directory: Path) -> dict:
+        """One more step, the last PROFILED micro-batches and the step under torch.profiler:
+        a Chrome trace (gzipped) and the operators' totals in ``directory``, and the share
+        of that window in which the GPU ran anything, from the trace's own intervals."""
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        prof = profile(activities=activities)
+        result = self.iteration(profiler=prof)
+        name = type(self).__name__.lower()
+        trace = directory / f"{name}-trace.json"
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace.unlink()
+        sort = "cuda_time_total" if self.cuda else "cpu_time_total"
+        (directory / f"{name}-ops.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+        result["profile"] = dict(gpu_activity(prof) if self.cuda else {}, trace=f"{trace}.gz",
+                                 micro_batches=min(PROFILED, result["micro_batches"]))
+        return result
 
 
 class Ceiling(Case):
@@ -177,11 +258,11 @@ class Ceiling(Case):
                 torch.cuda.empty_cache()
         raise RuntimeError("not even one layer trains within the cap")
 
-    def iteration(self, accum: int) -> dict:
+    def iteration(self, accum: int | None = None, profiler=None) -> dict:
         """On running out of memory in a long run, the next smaller model (reported)."""
         for _ in range(4):
             try:
-                return dict(super().iteration(accum), **self.info)
+                return dict(super().iteration(accum, profiler), **self.info)
             except self.torch.OutOfMemoryError:
                 failed = dict(layers=self.info["layers"], checkpointing=self.info["checkpointing"], in_run=True)
             self.search(failed["layers"] - 1, self.info["did_not_fit"] + [failed])
@@ -201,7 +282,7 @@ class Ceiling(Case):
             return False
 
     def micro_batch(self, x) -> None:
-        with self.torch.autocast("cuda", dtype=self.torch.bfloat16):
+        with self.torch.autocast(self.where, dtype=self.torch.bfloat16):
             loss = self.net(x, labels=x).loss
         loss.backward()
         self.loss = loss.detach()
@@ -215,21 +296,57 @@ class Fuyou(Case):
     def __init__(self, spec):
         super().__init__(spec)
         import fuyou_client
-        torch, d = self.torch, Path(spec["dir"])
+        self.fuyou, d = fuyou_client, Path(spec["dir"])
         state = spec["params"] * 12
         self.daemon = fuyou_client.start_daemon(d / "fuyou-state", config={
-            "storage": {"data_dirs": [str(d / "fuyou-data")], "capacity_per_device": int(state * 2.3) // GiB * GiB},
+            "storage": {"data_dirs": [str(d / "fuyou-data")],
+                        "capacity_per_device": max(GiB, int(state * 2.3) // GiB * GiB)},
             "memory": {"pinned_budget": spec["host_budget"]},
             "optimizer": {"buffer_budget": spec["buffer_budget"], "buffers": 3}})
-        self.net = self.model(spec["layers"], torch.bfloat16)
-        self.engine = fuyou_client.attach(
-            self.net, fuyou_client.AdamW(lr=LR, weight_decay=WD), socket=self.daemon.socket,
-            offload=False if spec["weights"] == "resident" else "host", accumulation_steps=spec["accum"],
-            activations="recompute", grad_accumulation=spec["grads"])
-        self.cap()  # (attach briefly holds the weights twice on the device while it moves them)
+        self.fallbacks: list[dict] = []
+        self.attach()
+        self.fit()
         self.info = {"layers": spec["layers"], "params": sum(p.numel() for p in self.net.parameters()),
+                     "micro": self.micro, "accum": self.accum, "micro_fallbacks": self.fallbacks,
                      "daemon_host_bytes": spec["host_budget"] + spec["buffer_budget"],
                      "io_engine": self.engine.session.daemon_status.io_engine}
+
+    def attach(self) -> None:
+        spec, device = self.spec, None
+        if not self.cuda:  # (--cpu: the CUDA code path, on the tests' stand-in for a device with its own memory)
+            sys.path.insert(0, str(REPO / "tests"))
+            from discrete_device import LateCopyDevice
+            device = LateCopyDevice(max_delay=0.0)
+        self.net = self.model(spec["layers"], self.torch.bfloat16)
+        self.engine = self.fuyou.attach(
+            self.net, self.fuyou.AdamW(lr=LR, weight_decay=WD), socket=self.daemon.socket, device=device,
+            offload=False if spec["weights"] == "resident" else "host", accumulation_steps=self.accum,
+            activations="recompute", grad_accumulation=spec["grads"])
+        self.cap()  # (attach briefly holds the weights twice on the device while it moves them)
+
+    def fit(self) -> None:
+        """The largest micro-batch up to --micro whose forward and backward run in 90% of
+        the cap (the ceiling's search keeps the same margin); each halving doubles the
+        micro-batches per step, so that a step's tokens stay --micro x --accum."""
+        while True:
+            try:
+                self.cap(0.9)
+                self.micro_batch(self.batch())
+                self.sync()
+                self.engine.zero_grad()  # (the probe's gradients are discarded)
+                self.cap()
+                return
+            except self.torch.OutOfMemoryError as exc:
+                if self.micro == 1:
+                    raise
+                self.fallbacks.append({"micro": self.micro, "error": str(exc).splitlines()[0][:300]})
+            try:
+                self.engine.close()
+            except Exception as exc:  # noqa: BLE001 - an engine that ran out of memory mid-backward
+                self.fallbacks[-1]["close_error"] = repr(exc)[:300]
+            self.net = self.engine = None
+            self.micro, self.accum = self.micro // 2, self.accum * 2
+            self.attach()
 
     def micro_batch(self, x) -> None:
         loss = self.net(x, labels=x).loss
@@ -248,6 +365,7 @@ class Fuyou(Case):
 class Zero(Case):
     def __init__(self, spec):
         super().__init__(spec)
+        self.micro = spec["zero_micro"] or spec["micro"]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
         import deepspeed
         import transformers
@@ -255,7 +373,7 @@ class Zero(Case):
         nvme.mkdir(parents=True, exist_ok=True)
         largest = VOCAB * spec["width"]
         cfg = {
-            "train_micro_batch_size_per_gpu": spec["micro"], "gradient_accumulation_steps": spec["zero_accum"],
+            "train_micro_batch_size_per_gpu": self.micro, "gradient_accumulation_steps": spec["zero_accum"],
             "bf16": {"enabled": True}, "gradient_clipping": 0.0, "steps_per_print": 1 << 30,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
             "zero_optimization": {
@@ -282,10 +400,8 @@ class Zero(Case):
             net = transformers.GPT2LMHeadModel(config(spec["width"], spec["layers"], spec["seq"]))
         net.gradient_checkpointing_enable()
         self.engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+        self.accum = spec["zero_accum"]
         self.info = {"layers": spec["layers"], "deepspeed": deepspeed.__version__, "config": cfg}
-
-    def iteration(self, accum: int) -> dict:
-        return super().iteration(self.spec["zero_accum"])
 
     def micro_batch(self, x) -> None:
         loss = self.engine(x, labels=x).loss
@@ -313,9 +429,13 @@ def worker(name: str, spec: dict) -> None:
     case = {"ceiling": Ceiling, "fuyou": Fuyou, "zero": Zero}[name](spec)
     reply({"ready": True, **case.info})
     for line in sys.stdin:
-        if line.strip() != "iter":
+        command = line.strip()
+        if command == "iter":
+            reply(case.iteration())
+        elif command == "profile":
+            reply(case.profile(Path(spec["profile_dir"])))
+        else:
             break
-        reply(case.iteration(spec["accum"]))
     if hasattr(case, "close"):
         case.close()
 
@@ -337,8 +457,8 @@ class Worker:
         tail = self.log.read_text()[-3000:]
         raise RuntimeError(f"{self.name} worker exited ({self.proc.wait()}):\n{tail}")
 
-    def iteration(self) -> dict:
-        self.proc.stdin.write("iter\n")
+    def ask(self, command: str) -> dict:
+        self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
         return self.read()
 
@@ -370,6 +490,8 @@ def main(argv=None) -> int:
     ap.add_argument("--micro", default=2, type=int, help="sequences per micro-batch (default 2)")
     ap.add_argument("--accum", default=256, type=int, help="micro-batches per step (default 256)")
     ap.add_argument("--zero-accum", default=4, type=int, help="micro-batches per ZeRO-Infinity step (default 4)")
+    ap.add_argument("--zero-micro", default=0, type=int,
+                    help="sequences per ZeRO-Infinity micro-batch (default: --micro)")
     ap.add_argument("--iters", default=2, type=int, help="timed rounds after one warm-up round (default 2)")
     ap.add_argument("--host-budget", default="9GiB", type=parse_size, help="fuyoud's pinned_budget (default 9GiB)")
     ap.add_argument("--buffer-budget", default="2560MiB", type=parse_size,
@@ -382,6 +504,15 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", type=Path, help="parent of the work directory (default <repo>/.fuyou/bench)")
     ap.add_argument("--no-zero", action="store_true", help="skip ZeRO-Infinity")
     ap.add_argument("--deadline", default=0, type=float, help="stop starting rounds after this many seconds")
+    ap.add_argument("--profile", type=Path, metavar="DIR",
+                    help=f"after the rounds, one more step of Fuyou and of the ceiling with their last {PROFILED} "
+                         "micro-batches and the step under torch.profiler: gzipped Chrome traces, operator "
+                         "tables and the GPU's busy share from the trace, into DIR")
+    ap.add_argument("--ssd-probe", default="4GiB", type=parse_size,
+                    help="file size of the bare SSD bandwidth measurement in each round (default 4GiB)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="a smoke test of the run itself on the CPU (Fuyou through the tests' stand-in for a "
+                         "device with its own memory; no cap, no ZeRO-Infinity): its numbers mean nothing")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -399,12 +530,16 @@ def main(argv=None) -> int:
     params = params_of(args.width, layers, args.seq)
     ceiling_max = max(1, max((L for L in range(1, layers) if params_of(args.width, L, args.seq) * 16 <= args.cap),
                              default=1))
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     spec = dict(cap=args.cap, width=args.width, seq=args.seq, micro=args.micro, accum=args.accum,
-                zero_accum=args.zero_accum, layers=layers, params=params, host_budget=args.host_budget,
+                zero_accum=args.zero_accum, zero_micro=args.zero_micro, layers=layers, params=params, host_budget=args.host_budget,
                 buffer_budget=args.buffer_budget, weights=args.weights, grads=args.grads,
-                dir=str(work), max_layers=ceiling_max)
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.strip()
+                dir=str(work), max_layers=ceiling_max, cpu=args.cpu,
+                profile_dir=str(args.profile.resolve()) if args.profile else None)
+    gpu = "CPU smoke test (--cpu)" if args.cpu else subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+        capture_output=True, text=True).stdout.strip()
     try:
         host = host_info(work)
     except OSError as exc:  # (findmnt missing)
@@ -416,7 +551,7 @@ def main(argv=None) -> int:
            "rounds": [], "errors": {}}
     workers: dict[str, Worker] = {}
     starting = {name: Worker(name, spec, work / f"{name}.log")  # set-ups run at once (DeepSpeed compiles)
-                for name in ["ceiling", "fuyou"] + ([] if args.no_zero else ["zero"])}
+                for name in ["ceiling", "fuyou"] + ([] if args.no_zero or args.cpu else ["zero"])}
     for name, w in starting.items():
         try:
             info = w.read()
@@ -426,7 +561,7 @@ def main(argv=None) -> int:
         except RuntimeError as exc:
             out["errors"][name] = str(exc)
             print(exc, flush=True)
-    disk = BareLoop(work / "ssd.dat", 4 * GiB, 1 << 20, 32)
+    disk = BareLoop(work / "ssd.dat", args.ssd_probe, 1 << 20, 32)
     try:
         for r in range(args.iters + 1 if workers else 0):
             if r and args.deadline and time.perf_counter() - started > args.deadline:
@@ -438,18 +573,23 @@ def main(argv=None) -> int:
             rnd = {"warmup": r == 0}
             for name in names:
                 try:
-                    rnd[name] = workers[name].iteration()
+                    rnd[name] = workers[name].ask("iter")
                     print(f"round {r} {name}: {rnd[name]}", flush=True)
                 except (RuntimeError, OSError) as exc:
                     out["errors"][name] = str(exc)
                     print(f"round {r} {name}: {str(exc)[-2000:]}", flush=True)
                     workers.pop(name).close()
-            rnd["ssd_write_GBps"] = 4 * GiB / disk.run(disk.WRITE) / 1e9
-            rnd["ssd_read_GBps"] = 4 * GiB / disk.run(disk.READ) / 1e9
+            rnd["ssd_write_GBps"] = args.ssd_probe / disk.run(disk.WRITE) / 1e9
+            rnd["ssd_read_GBps"] = args.ssd_probe / disk.run(disk.READ) / 1e9
             out["rounds"].append(rnd)
-            summarize(out, args)
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(out, indent=1))
+            save(out, args)
+        for name in [n for n in ("fuyou", "ceiling") if n in workers and args.profile]:
+            try:
+                out.setdefault("profiles", {})[name] = workers[name].ask("profile")
+                print(f"profile {name}: {out['profiles'][name]}", flush=True)
+            except (RuntimeError, OSError) as exc:
+                out["errors"][f"{name}_profile"] = str(exc)
+            save(out, args)
     finally:
         disk.close()
         for w in workers.values():
@@ -457,6 +597,13 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     print_table(out)
     return 0
+
+
+def save(out: dict, args) -> None:
+    """The results so far, summarised, to --json (after every round: a run cut short keeps them)."""
+    summarize(out, args)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=1))
 
 
 def summarize(out: dict, args) -> None:
@@ -471,11 +618,13 @@ def summarize(out: dict, args) -> None:
                      "tflops": med([tflops(x.get("params", n), x["tokens"], x["seconds"]) for x in rows]),
                      "micro_batch_seconds": med([x["micro_seconds"] / x["micro_batches"] for x in rows]),
                      "step_seconds": med([x["step_seconds"] for x in rows]),
-                     "busy": med([x["busy"] for x in rows]), "peak_bytes": max(x["peak_bytes"] for x in rows),
+                     "busy": med([x["busy"] for x in rows]),
+                     "peak_bytes": max((x["peak_bytes"] or 0) for x in rows) or None,
                      "params": n, "micro_batches_per_step": rows[0]["micro_batches"]}
-    if "zero" in res:  # at --accum micro-batches per step, from its measured micro-batch and step times
-        z, k = res["zero"], args.accum
-        tokens = k * args.micro * args.seq
+    if "zero" in res:  # at Fuyou's tokens per step, from its measured micro-batch and step times
+        z, micro = res["zero"], args.zero_micro or args.micro
+        k = max(1, args.accum * args.micro // micro)
+        tokens = k * micro * args.seq
         z["modelled_at_accum"] = {"micro_batches_per_step": k,
                                   "seconds": k * z["micro_batch_seconds"] + z["step_seconds"]}
         z["modelled_at_accum"]["tflops"] = tflops(out["model_params"], tokens, z["modelled_at_accum"]["seconds"])
@@ -503,7 +652,7 @@ def print_table(out: dict) -> None:
         print(f"{name:8s} params {r['params'] / 1e6:8.1f}M  {r['tokens_per_s']:9.0f} tok/s  {r['tflops']:6.1f} TFLOPS  "
               f"busy {r['busy'] or 0:.2f}  micro {r['micro_batch_seconds'] * 1e3:7.1f} ms  "
               f"step {r['step_seconds']:6.2f} s  "
-              f"peak {r['peak_bytes'] / GiB:.2f} GiB")
+              f"peak {(r['peak_bytes'] or 0) / GiB:.2f} GiB")
     for key in ("fuyou_over_ceiling", "fuyou_over_zero_infinity", "zero_infinity_tflops"):
         print(f"{key}: {out.get(key)}")
     for name, err in out["errors"].items():
