@@ -147,6 +147,14 @@ class _Thread:
     def submit(self, fn) -> None:
         self._queue.put(fn)
 
+    def drain(self) -> None:
+        """Until every call queued so far has run (at once on the thread itself)."""
+        if threading.current_thread() is self._thread:
+            return
+        done = threading.Event()
+        self._queue.put(done.set)
+        done.wait()
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=60)
@@ -242,6 +250,7 @@ class CudaDevice(Device):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
+        self._helper.drain()  # host work queued behind copies (gradient additions) writes shared memory too
 
     def timer(self):
         def now() -> float:

@@ -130,27 +130,47 @@ def test_host_accumulation_bounds_the_gradients_waiting_to_leave(daemon):
     assert device.peak_waiting <= 3  # two waiting and the one just queued
 
 
-def test_gradients_discarded_mid_accumulation_are_gone(daemon):
+@pytest.mark.parametrize("where", ["stand-in", pytest.param("cuda", marks=needs_cuda)])
+def test_gradients_discarded_mid_accumulation_are_gone(daemon, where):
     """zero_grad() between two micro-batches throws their gradients away, also while the
     host's additions of them are still queued (they must not land in the next sum)."""
     torch.manual_seed(0)
-    ours = gpt2()
+    at = "cuda" if where == "cuda" else "cpu"
+    ours = gpt2().to(at)
     ref = copy.deepcopy(ours)
-    device = LateCopyDevice(seed=3, helper_delay=0.05)  # the host's additions run late
+    device = "cuda" if where == "cuda" else LateCopyDevice(seed=3, helper_delay=0.05)  # additions that run late
     engine = fuyou_client.attach(ours, fuyou_client.AdamW(**HYPER), socket=daemon.socket, device=device,
                                  accumulation_steps=3, offload=False, grad_accumulation="host")
     opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
     gen = torch.Generator().manual_seed(1)
-    for x in [torch.randint(0, 512, (2, 32), generator=gen) for _ in range(2)]:
+    for x in [torch.randint(0, 512, (2, 32), generator=gen).to(at) for _ in range(2)]:
         ours(x, labels=x).loss.backward()  # a bad batch, say: discarded
     engine.zero_grad()
-    for x in [torch.randint(0, 512, (2, 32), generator=gen) for _ in range(3)]:
+    for x in [torch.randint(0, 512, (2, 32), generator=gen).to(at) for _ in range(3)]:
         ours(x, labels=x).loss.backward()
         ref(x, labels=x).loss.backward()
     engine.step()
     opt.step()
     engine.close()
-    assert_same(ours, ref)
+    if where == "cuda":  # (the daemon steps on the CPU, the reference on the GPU: kernels round apart)
+        assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    else:
+        assert_same(ours, ref)
+
+
+@needs_cuda
+def test_cuda_close_between_micro_batches_lets_host_additions_land_first(daemon):
+    """close() in the middle of an accumulation: the host's additions still queued write
+    into shared memory, which goes with the session, so close waits for them."""
+    model = gpt2().cuda()
+    engine = fuyou_client.attach(model, socket=daemon.socket, accumulation_steps=3, offload=False,
+                                 grad_accumulation="host")
+    for _ in range(2):
+        x = torch.randint(0, 512, (2, 32), device="cuda")
+        model(x, labels=x).loss.backward()
+    engine.close()
+    assert not engine.device._registered
+    assert all(p.is_cuda and p.numel() for p in model.parameters())
 
 
 @pytest.mark.parametrize("make_model", [small_gpt2, small_llama], ids=["gpt2", "llama"])
