@@ -58,6 +58,26 @@ class LayerGroup:
                 p.grad = flat[offset:offset + k].view(shape) if flat is not None else None
                 offset += k
 
+    def adopt_grads(self) -> None:
+        """Before the step reads the group's gradient buffer: gradients autograd made
+        outside it are copied in, and ``.grad`` points at the buffer again. That happens
+        after torch's own ``zero_grad()`` (``model.zero_grad()``, as Hugging Face's Trainer
+        calls it), which sets ``.grad`` to None; a parameter still without one steps with
+        a zero gradient, as after ``engine.zero_grad()``."""
+        flat = self.device_grads if self.device_grads is not None else self.grads.tensor(self.dtype)[:self.numel]
+        offset = 0
+        with torch.no_grad():
+            for (_, p), shape in zip(self.spec.params, self.shapes):
+                view = flat[offset:offset + shape.numel()]
+                offset += shape.numel()
+                if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+                    continue
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad.reshape(-1))
+                set_grad(p, view.view(shape))
+
     def host_weights_read(self):
         """The event of the last upload out of the host weights buffer the step writes
         (resident groups: into ``device_weights``; ``offload="host"``: into a slot)."""
@@ -80,6 +100,18 @@ class LayerGroup:
             self.device_grads.zero_()
         elif self.grads is not None:
             self.grads.tensor(torch.uint8).zero_()
+
+
+def set_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """``p.grad = grad``, also while an offloaded parameter's data is empty (torch checks
+    the gradient's shape against the data's)."""
+    if p.shape == grad.shape:
+        p.grad = grad
+        return
+    data = p.data
+    p.data = grad
+    p.grad = grad
+    p.data = data
 
 
 def flat_copy(params, out: torch.Tensor) -> None:
@@ -185,6 +217,7 @@ def submit(engine, g: LayerGroup, start) -> Future:
     """Send a resident-gradient group's step: ``start(grads_buffer)`` issues it. On a
     device with its own memory the gradients are downloaded first and the step goes when
     the copy is done."""
+    g.adopt_grads()
     if g.device_grads is None:
         return start(g.grads)
     device = engine.device

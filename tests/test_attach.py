@@ -95,6 +95,38 @@ def assert_same(ours, ref):
         assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max().item()}"
 
 
+def train_with_torch_zero_grad(daemon, offload, device=None, accumulation=2, steps=3):
+    """Training that zeroes gradients with torch's own ``model.zero_grad()`` (``.grad`` set
+    to None), against torch's AdamW: (engine, ours, ref)."""
+    torch.manual_seed(0)
+    ours = gpt2()
+    ref = copy.deepcopy(ours)
+    engine = fuyou_client.attach(ours, fuyou_client.AdamW(**HYPER), socket=daemon.socket, offload=offload,
+                                 device=device, accumulation_steps=accumulation)
+    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        ours.zero_grad()
+        opt.zero_grad()
+        for _ in range(accumulation):
+            x = torch.randint(0, 512, (2, 32), generator=gen)
+            ours(x, labels=x).loss.backward()
+            ref(x, labels=x).loss.backward()
+        engine.step()
+        opt.step()
+    engine.close()
+    return engine, ours, ref
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["offloaded", "resident"])
+def test_torch_zero_grad_on_the_model_trains_like_torch(daemon, offload):
+    """``model.zero_grad()``, torch's (what Hugging Face's Trainer calls), in place of
+    ``engine.zero_grad()``: autograd then makes gradients outside the shared buffers, and
+    the steps take them all the same (they used to step the stale buffers)."""
+    _, ours, ref = train_with_torch_zero_grad(daemon, offload)
+    assert_same(ours, ref)
+
+
 @pytest.mark.parametrize("make_model, offload", [(gpt2, True), (llama, True), (gpt2, False)],
                          ids=["gpt2", "llama", "gpt2-resident-weights"])
 def test_hf_causal_lms_train_bitwise_like_torch_adamw(daemon, make_model, offload):

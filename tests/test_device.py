@@ -21,7 +21,8 @@ from discrete_device import LateCopyDevice
 from test_activations import gpt2 as small_gpt2
 from test_activations import llama as small_llama
 from test_activations import train
-from test_attach import HYPER, MLP, assert_same, daemon, gpt2, llama, train_pair  # noqa: F401 (daemon: a fixture)
+from test_attach import (HYPER, MLP, assert_same, daemon, gpt2, llama, train_pair,  # noqa: F401 (daemon: a fixture)
+                         train_with_torch_zero_grad)
 
 transformers = pytest.importorskip("transformers")
 CUDA = torch.cuda.is_available()
@@ -128,6 +129,12 @@ def test_host_accumulation_bounds_the_gradients_waiting_to_leave(daemon):
     engine.close()
     assert len(waiting) >= 2 * len(engine.groups)
     assert device.peak_waiting <= 3  # two waiting and the one just queued
+
+
+def test_torch_zero_grad_with_gradients_on_the_device(daemon):
+    """model.zero_grad() (torch's) with gradients accumulating in the device's buffers."""
+    _, ours, ref = train_with_torch_zero_grad(daemon, offload=False, device=LateCopyDevice(seed=5))
+    assert_same(ours, ref)
 
 
 @pytest.mark.parametrize("where", ["stand-in", pytest.param("cuda", marks=needs_cuda)])
