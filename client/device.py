@@ -23,12 +23,15 @@ discrete accelerator whose copies run late on a worker thread, to prove the orde
 from __future__ import annotations
 
 import ctypes
+import logging
 import queue
 import threading
 import time
 from concurrent.futures import Future
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class Done:
@@ -142,7 +145,10 @@ class _Thread:
             item = self._queue.get()
             if item is None:
                 return
-            item()
+            try:
+                item()
+            except BaseException:  # noqa: BLE001 - the calls report their own errors; the thread must live on
+                log.exception("a call on %s failed", self._thread.name)
 
     def submit(self, fn) -> None:
         self._queue.put(fn)
@@ -239,11 +245,12 @@ class CudaDevice(Device):
         def run():
             try:
                 event.synchronize()
-            except BaseException as exc:  # noqa: BLE001 - a device error goes to the waiter
+                with torch.cuda.device(self.torch_device):
+                    result = fn()
+            except BaseException as exc:  # noqa: BLE001 - a device error (or fn's) goes to the waiter
                 fut.set_exception(exc)
-                return
-            with torch.cuda.device(self.torch_device):
-                call_into(fut, fn)
+            else:
+                fut.set_result(result)
 
         self._helper.submit(run)
         return fut

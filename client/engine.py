@@ -117,6 +117,7 @@ class Engine:
             self.offloader.on_backward = lambda og: self.gradients.assign(by_name[og.name])
         for g in self.groups:
             for _, p in g.spec.params:
+                self._hooks.append(p.register_hook(lambda grad, g=g: self._before_grad(g)))
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, g=g: self._on_grad(g)))
         self._saved_ctx = None
         blocks = [g for g in self.groups if g.spec.module is not None]
@@ -162,6 +163,14 @@ class Engine:
     def lr(self, value: float) -> None:
         self.optimizer.param_groups[0]["lr"] = value
 
+    def _before_grad(self, g: LayerGroup) -> None:
+        """Before autograd accumulates a gradient into a parameter's .grad."""
+        if g.submitted:  # its step may be reading the gradient buffer right now
+            raise RuntimeError(
+                f"group {g.spec.name} got a gradient after its step was submitted (accumulation_steps="
+                f"{self.accumulation_steps}): call engine.step() after each backward or attach with "
+                "accumulation_steps=N")
+
     def _on_grad(self, g: LayerGroup) -> None:
         # Called once per parameter per backward (autograd sums a parameter's uses first).
         g.pending -= 1
@@ -169,7 +178,7 @@ class Engine:
             return
         g.pending = len(g.spec.params)
         g.backwards += 1
-        if g.submitted or g.backwards > self.accumulation_steps:
+        if g.backwards > self.accumulation_steps:
             raise RuntimeError(
                 f"group {g.spec.name} got gradients from {g.backwards} backward passes since the last "
                 f"engine.step(), but accumulation_steps={self.accumulation_steps}: its step may already be "
@@ -300,6 +309,8 @@ class Engine:
                 errors.extend(pool_errors)
         self.last_step_infos = [infos[g.spec.name] for g in self.groups if g.spec.name in infos]  # group order
         if errors:
+            if self.host_grads is not None:  # additions of groups never stepped must not land in the next sum
+                self.host_grads.discard()
             raise errors[0]
         self.activations.reset()
         if self._auto is not None:
@@ -339,7 +350,7 @@ class Engine:
         if getattr(self, "activations", None) is not None:
             self.activations.reset()  # what a forward without backward parked
         if getattr(self, "host_grads", None) is not None:  # gradients discarded mid-accumulation: their additions land first
-            self.host_grads.wait()
+            self.host_grads.discard()
         for g in self.groups:
             if not g.pooled:
                 g.zero_grads(self.device)

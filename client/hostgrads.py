@@ -42,6 +42,7 @@ class HostAccumulation:
         self._free = [session.allocate(nbytes) for _ in range(staging)]
         self._busy: deque[tuple[Future, object]] = deque()  # (addition, its staging buffer)
         self._last: dict[str, object] = {}  # group -> event of its last download (its addition follows it)
+        self._failed: BaseException | None = None  # the first addition that failed since the last discard()
 
     def add(self, group, first: bool) -> None:
         """``group``'s gradients (its parameters' ``.grad``) into its accumulator; ``first``:
@@ -64,13 +65,20 @@ class HostAccumulation:
             buf = self._staging()
             staged = buf.tensor(torch.float32)[:n]
             event = self._device.download(staged, flat)
-            self._busy.append((self._device.then(event, lambda: acc.add_(staged)), buf))
+            addition = self._device.then(event, lambda: acc.add_(staged))
+            # (noted on the helper thread as it fails, before any step queued behind it goes)
+            addition.add_done_callback(self._note)
+            self._busy.append((addition, buf))
         self._last[group.spec.name] = event
         # Backward can produce gradients faster than they cross to the host; each one
         # queued holds its fp32 copy in device memory, so at most ``depth`` wait.
         self._downloads.append(event)
         while len(self._downloads) > self._depth:
             self._downloads.popleft().synchronize()
+
+    def _note(self, addition: Future) -> None:
+        if addition.exception() is not None and self._failed is None:
+            self._failed = addition.exception()
 
     def _staging(self):
         if not self._free:
@@ -79,22 +87,45 @@ class HostAccumulation:
 
     def _reclaim_oldest(self) -> None:
         fut, buf = self._busy.popleft()
-        try:
-            fut.result()
-        finally:
-            self._free.append(buf)
+        fut.exception()  # (waits; a failure fails the steps, see submit)
+        self._free.append(buf)
 
     def wait(self) -> None:
-        """Until every addition asked for has run (the accumulators are complete)."""
+        """Until every addition asked for has run (the accumulators are complete); raises
+        if one failed since the last discard()."""
         for event in self._last.values():
             event.synchronize()
         while self._busy:
             self._reclaim_oldest()
+        if self._failed is not None:
+            raise self._failed
+
+    def discard(self) -> None:
+        """Until every addition asked for has run, whatever failed; then forget them (the
+        gradients are thrown away: zero_grad, or a step that failed)."""
+        for event in self._last.values():
+            try:
+                event.synchronize()
+            except Exception:  # noqa: BLE001 - a failed download: its sum is thrown away
+                pass
+        while self._busy:
+            self._reclaim_oldest()
+        self._last.clear()
+        self._failed = None
 
     def submit(self, group, start) -> Future:
-        """The group's step, ``start(accumulator)``, once its last addition has run."""
+        """The group's step, ``start(accumulator)``, once its last addition has run. After
+        a failed addition no step of the iteration goes (a partial sum is never stepped):
+        each fails with that error until discard()."""
         event = self._last.pop(group.spec.name, DONE)
-        return after(self._device, event, lambda: start(group.grads))  # (queued behind the group's additions)
+
+        def go():
+            if self._failed is not None:  # (additions queued before this one have run: same helper thread)
+                raise RuntimeError(f"group {group.spec.name} not stepped: adding this iteration's gradients "
+                                   f"failed: {self._failed!r}") from self._failed
+            return start(group.grads)
+
+        return after(self._device, event, go)  # (queued behind the group's additions)
 
     def views(self, group) -> list[torch.Tensor]:
         """The accumulated gradient of each of ``group``'s parameters (after ``wait()``)."""

@@ -118,6 +118,29 @@ def train_with_torch_zero_grad(daemon, offload, device=None, accumulation=2, ste
     return engine, ours, ref
 
 
+def test_a_gradient_after_the_step_went_is_refused(daemon):
+    """With accumulation_steps=1 each group's step goes as soon as backward finishes it; a
+    second backward before engine.step() would write the buffer that step reads: refused
+    before autograd writes it, and the step that went takes the first backward's."""
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), socket=daemon.socket)
+    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    x = torch.randint(0, 512, (2, 8))
+    model(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="got a gradient after its step was submitted"):
+        model.out(torch.randn(2, 8, 64)).sum().backward()  # only the head: a partial backward
+    engine.step()
+    assert torch.equal(model.out.weight, ref.out.weight)  # (the rest group: resident)
+    engine.zero_grad()
+    model(x).square().mean().backward()  # and training goes on
+    engine.step()
+    engine.close()
+
+
 @pytest.mark.parametrize("offload", [True, False], ids=["offloaded", "resident"])
 def test_torch_zero_grad_on_the_model_trains_like_torch(daemon, offload):
     """``model.zero_grad()``, torch's (what Hugging Face's Trainer calls), in place of

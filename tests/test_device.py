@@ -131,6 +131,55 @@ def test_host_accumulation_bounds_the_gradients_waiting_to_leave(daemon):
     assert device.peak_waiting <= 3  # two waiting and the one just queued
 
 
+def test_a_failed_host_addition_fails_its_groups_step(daemon):
+    """An addition into a host accumulator that fails: no step of that iteration goes with
+    a partial sum (engine.step() raises), and the next iteration steps normally."""
+    device = LateCopyDevice()
+    then, calls = device.then, []
+
+    def first_fails(event, fn):
+        calls.append(fn)
+        if len(calls) == 1:  # the first call on the helper: the first group's addition
+
+            def fail():
+                raise RuntimeError("injected addition failure")
+
+            return then(event, fail)
+        return then(event, fn)
+
+    device.then = first_fails
+    model = gpt2()
+    engine = fuyou_client.attach(model, socket=daemon.socket, device=device, accumulation_steps=2, offload=False,
+                                 grad_accumulation="host")
+    x = torch.randint(0, 512, (2, 32))
+    for _ in range(2):
+        model(x, labels=x).loss.backward()
+    with pytest.raises(RuntimeError, match="injected addition failure"):
+        engine.step()
+    # The failed one was the first group of the last backward: no step went.
+    assert [engine.session.group(g.spec.name).step for g in engine.groups] == [0] * len(engine.groups)
+    engine.zero_grad()
+    for _ in range(2):
+        model(x, labels=x).loss.backward()
+    engine.step()
+    assert [engine.session.group(g.spec.name).step for g in engine.groups] == [1] * len(engine.groups)
+    engine.close()
+
+
+def test_the_cuda_helper_thread_outlives_a_failing_call():
+    from fuyou_client.device import _Thread
+    helper, done = _Thread("test-helper"), []
+
+    def fail():
+        raise RuntimeError("a call that fails")
+
+    helper.submit(fail)
+    helper.submit(lambda: done.append(1))
+    helper.drain()
+    helper.close()
+    assert done == [1]
+
+
 def test_torch_zero_grad_with_gradients_on_the_device(daemon):
     """model.zero_grad() (torch's) with gradients accumulating in the device's buffers."""
     _, ours, ref = train_with_torch_zero_grad(daemon, offload=False, device=LateCopyDevice(seed=5))
