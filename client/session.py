@@ -15,6 +15,7 @@ import json
 import os
 import socket
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,9 +107,19 @@ def _wrap_future(call: grpc.Future, convert=lambda r: r) -> Future:
     return fut
 
 
+NO_SOCKET_WAIT_S = 1.0  # how long connecting waits for a socket that is not there yet
+
+
 class Session:
     def __init__(self, socket_path: str | None = None, namespace: str | None = None, timeout: float = 10.0):
         self.socket_path = socket_path or default_socket()
+        deadline = time.monotonic() + min(timeout, NO_SOCKET_WAIT_S)
+        while not os.path.exists(self.socket_path):  # (a daemon starting up creates it in moments)
+            if time.monotonic() >= deadline:
+                raise errors.DaemonUnavailable(
+                    f"no fuyoud answers at {self.socket_path} (no socket there): start it with "
+                    "`systemctl start fuyoud` or `fuyoud`, or use fuyou_client.start_daemon()")
+            time.sleep(0.05)
         self._channel = grpc.insecure_channel(f"unix:{self.socket_path}")
         self._stub = rpc.FuyouStub(self._channel)
         try:
