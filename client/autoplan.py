@@ -1,13 +1,17 @@
 """``activations="auto"``: profile an iteration, plan (planner.py), apply, re-plan when
 the batch shape changes.
 
-The profiling iteration (the second: the first pays one-time costs) swaps every block (safe for memory, and it measures the copy
-bandwidth); per block it records the forward time (less the time spent copying and
-spilling activations), the bytes saved for backward and the bytes of its inputs; the SSD
-bandwidth comes from the spills, or from a short probe when nothing spilled. At its
-``engine.step()`` the plan is made and applied to the following iterations; it is
-``engine.plan`` (``print(engine.plan)`` shows the table) and is logged. A first block
-called with a differently shaped input starts a new profiling iteration.
+The profiling micro-batch (the second forward and backward: the first pays one-time
+costs) swaps every block (safe for memory, and it measures the copy bandwidth); per block
+it records the forward time (less the time spent copying and spilling activations), the
+bytes saved for backward and the bytes of its inputs; the SSD bandwidth comes from the
+spills, or from a short probe when nothing spilled. When the next micro-batch's first
+block starts (or at ``engine.step()``, whichever comes first) the plan is made and
+applied to what follows; it is ``engine.plan`` (``print(engine.plan)`` shows the table)
+and is logged. With gradient accumulation the plan thus applies from the third
+micro-batch on, and is made from one micro-batch's activations (those alive at once),
+not a whole step's. A first block called with a differently shaped input starts a new
+profiling micro-batch.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class AutoPlanner:
         self.shape = None
         self.profiling = False
         self._t0: dict[str, tuple[float, float]] = {}
+        self.backward_seen = False  # set by the engine's gradient hooks: the profiled forward's backward ran
         self._now = engine.device.timer()  # on a GPU it synchronises: profiled times are the device's
         self.start_profiling()
 
@@ -51,6 +56,7 @@ class AutoPlanner:
         allocation, first fetches) are not used."""
         self._warmup = warmup
         self.profiling = True
+        self.backward_seen = False
         self._forward = defaultdict(float)
         self._saved = defaultdict(int)
         self._inputs: dict[str, int] = {}
@@ -63,6 +69,8 @@ class AutoPlanner:
     # -- hooks -------------------------------------------------------------------------------
     def before(self, name: str, args, kwargs) -> None:
         if name == self.blocks[0]:
+            if self.profiling and self._forward and self.backward_seen:  # a new micro-batch
+                self._micro_batch_done()
             shape = first_shape(args, kwargs)
             if self.plan is not None and shape != self.shape and not self.profiling:
                 log.info("activation plan: the input shape changed from %s to %s; profiling again", self.shape, shape)
@@ -102,9 +110,11 @@ class AutoPlanner:
                        self.device_budget, self.host_budget, copies_overlap=copies_overlap)
 
     def step_done(self) -> None:
-        """At engine.step(): after a profiling iteration, plan and apply."""
-        if not self.profiling or not self._forward:
-            return
+        """At engine.step(): after a profiling micro-batch, plan and apply."""
+        if self.profiling and self._forward:
+            self._micro_batch_done()
+
+    def _micro_batch_done(self) -> None:
         if self._warmup:
             self.start_profiling(self._warmup - 1)
             return

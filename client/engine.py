@@ -173,6 +173,8 @@ class Engine:
 
     def _on_grad(self, g: LayerGroup) -> None:
         # Called once per parameter per backward (autograd sums a parameter's uses first).
+        if self._auto is not None:
+            self._auto.backward_seen = True
         g.pending -= 1
         if g.pending:
             return

@@ -147,3 +147,26 @@ def test_auto_trains_bitwise_like_keep(short_tmp):
             assert torch.equal(a, b), name
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_auto_profiles_one_micro_batch_under_accumulation(short_tmp):
+    """With accumulation_steps=4 the plan comes from one micro-batch (the second), not from
+    whole steps of four: its bytes per block are one micro-batch's, as without
+    accumulation, and it applies from the third micro-batch on, inside the first step."""
+    d = fuyou_client.start_daemon(short_tmp / "state", config=SMALL)
+    try:
+        _, engine = run(d, 64, 3, activations="auto", host_budget=1 * MiB)
+        alone = [b.activation_bytes for b in engine.plan.profile.blocks]
+        engine.close()
+        model = gpt2()
+        engine = fuyou_client.attach(model, socket=d.socket, activations="auto", host_budget=1 * MiB,
+                                     accumulation_steps=4)
+        for i in range(4):
+            x = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(i))
+            model(x, labels=x).loss.backward()
+            assert (engine.plan is not None) == (i >= 2)
+        engine.step()
+        assert [b.activation_bytes for b in engine.plan.profile.blocks] == alone
+        engine.close()
+    finally:
+        assert d.stop() == 0, d.log()
