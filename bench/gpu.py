@@ -12,7 +12,8 @@ is its own process with ``torch.cuda.set_per_process_memory_fraction`` set to ``
 * **fuyou**: the smallest depth whose weights + gradients + AdamW state (2 + 2 + 12 bytes per
   parameter) are at least 4x the cap. ``attach(offload=False, accumulation_steps=--accum,
   activations="recompute", grad_accumulation="host")`` (``--weights host``: ``offload="host"``;
-  ``--grads device``: ``grad_accumulation="device"``) on a private fuyoud whose shared memory
+  ``--grads device``: ``grad_accumulation="device"``; ``--activations auto``: the planner's choice
+  per block within ``--act-device-budget`` and ``--act-host-budget``) on a private fuyoud whose shared memory
   (``--host-budget``) and optimizer buffers (``--buffer-budget``) are well below the state: the fp32 masters and
   moments live on SSD; bf16 weights stay on the GPU; each micro-batch's gradients go to fp32
   accumulators in shared memory; each layer group's step runs in the daemon as soon as the last
@@ -321,8 +322,15 @@ class Fuyou(Case):
         self.engine = self.fuyou.attach(
             self.net, self.fuyou.AdamW(lr=LR, weight_decay=WD), socket=self.daemon.socket, device=device,
             offload=False if spec["weights"] == "resident" else "host", accumulation_steps=self.accum,
-            activations="recompute", grad_accumulation=spec["grads"])
+            activations=spec["activations"], grad_accumulation=spec["grads"],
+            device_budget=spec["act_device_budget"], host_budget=spec["act_host_budget"])
         self.cap()  # (attach briefly holds the weights twice on the device while it moves them)
+
+    def iteration(self, accum: int | None = None, profiler=None) -> dict:
+        result = super().iteration(accum, profiler)
+        if self.engine.plan is not None:  # (--activations auto)
+            result["activation_plan"] = str(self.engine.plan)
+        return result
 
     def fit(self) -> None:
         """The largest micro-batch up to --micro whose forward and backward run in 90% of
@@ -501,6 +509,14 @@ def main(argv=None) -> int:
                          "uploaded per use (offload=\"host\")")
     ap.add_argument("--grads", default="host", choices=["host", "device"],
                     help="Fuyou's grad_accumulation (default host)")
+    ap.add_argument("--activations", default="recompute", choices=["recompute", "auto"],
+                    help="Fuyou's activations: every block recomputed in backward (default), or the planner's "
+                         "choice per block of keep, swap (host arena, then SSD) or recompute, within the two "
+                         "budgets below")
+    ap.add_argument("--act-device-budget", default="1GiB", type=parse_size,
+                    help="with --activations auto: activation bytes on the GPU (default 1GiB)")
+    ap.add_argument("--act-host-budget", default="1GiB", type=parse_size,
+                    help="with --activations auto: the host arena for swapped activations (default 1GiB)")
     ap.add_argument("--dir", type=Path, help="parent of the work directory (default <repo>/.fuyou/bench)")
     ap.add_argument("--no-zero", action="store_true", help="skip ZeRO-Infinity")
     ap.add_argument("--deadline", default=0, type=float, help="stop starting rounds after this many seconds")
@@ -535,6 +551,8 @@ def main(argv=None) -> int:
     spec = dict(cap=args.cap, width=args.width, seq=args.seq, micro=args.micro, accum=args.accum,
                 zero_accum=args.zero_accum, zero_micro=args.zero_micro, layers=layers, params=params, host_budget=args.host_budget,
                 buffer_budget=args.buffer_budget, weights=args.weights, grads=args.grads,
+                activations=args.activations, act_device_budget=args.act_device_budget,
+                act_host_budget=args.act_host_budget,
                 dir=str(work), max_layers=ceiling_max, cpu=args.cpu,
                 profile_dir=str(args.profile.resolve()) if args.profile else None)
     gpu = "CPU smoke test (--cpu)" if args.cpu else subprocess.run(

@@ -1,5 +1,6 @@
 """The activation planner behind ``attach(activations="auto")``: per block, keep, swap
-or recompute, so that the iteration is fastest within the memory budgets.
+or recompute, so that the iteration (one forward and backward: a micro-batch under
+gradient accumulation) is fastest within the memory budgets.
 
 Inputs (a ``Profile``, measured on a first iteration by the engine, or made up by
 tests): per block its forward time, the bytes it saves for backward and the bytes of
@@ -72,10 +73,10 @@ class Plan:
 
     def summary(self) -> str:
         """A readable table: what each block does and what the plan costs."""
-        lines = [f"activation plan: {self.iteration_s * 1e3:.1f} ms/iteration modelled "
+        lines = [f"activation plan: {self.iteration_s * 1e3:.1f} ms per forward and backward modelled "
                  f"({self.overhead_s * 1e3:.1f} ms over keeping everything), device peak "
                  f"{self.device_peak / 2**20:.1f} MiB, host {self.host_bytes / 2**20:.1f} MiB, "
-                 f"SSD {self.ssd_bytes / 2**20:.1f} MiB per iteration"]
+                 f"SSD {self.ssd_bytes / 2**20:.1f} MiB each"]
         if self.profile is not None:
             p = self.profile
             lines.append(f"  budgets: device {p.device_budget / 2**20:.1f} MiB, host {p.host_budget / 2**20:.1f} MiB; "
