@@ -44,6 +44,12 @@ from fuyou_client.optim import AdamW, SGD, StepInfo
 from fuyou_client.session import Session, connect
 
 
+GRADIENT_CHECKPOINTING = (
+    "the model has Hugging Face gradient checkpointing on (gradient_checkpointing_enable()): it reruns blocks "
+    "outside their forward hooks, which fetch offloaded weights. Use attach(activations=\"recompute\") instead "
+    "(the same recomputation, weights fetched again), or offload=False")
+
+
 class _Optimizer(torch.optim.Optimizer):
     """The engine's face for torch LR schedulers: one param group whose "lr" is read at
     every step. ``step()`` is the engine's barrier."""
@@ -115,6 +121,9 @@ class Engine:
             nbytes = max(g.nbytes for g in offloaded)
             self.gradients = GradientPool(session, self.device, prefetch + 3, nbytes)
             self.offloader.on_backward = lambda og: self.gradients.assign(by_name[og.name])
+        grouped = {id(p) for g in self.groups for _, p in g.spec.params}
+        self._frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in grouped]  # (at attach)
+        self._hooks.append(model.register_load_state_dict_pre_hook(self._refuse_load))
         for g in self.groups:
             for _, p in g.spec.params:
                 self._hooks.append(p.register_hook(lambda grad, g=g: self._before_grad(g)))
@@ -130,6 +139,7 @@ class Engine:
         self._current: str | None = None
         self._originals: dict[str, object] = {}  # block -> its own forward, while recomputing
         self._by_name = {g.spec.name: g for g in blocks}
+        self._first_block = blocks[0].spec.name if blocks else None
         self.apply_treatments(self._treatment)
         self._auto = AutoPlanner(self, [g.spec.name for g in blocks], device_budget, host_budget) \
             if activations == "auto" and blocks else None
@@ -162,6 +172,30 @@ class Engine:
     @lr.setter
     def lr(self, value: float) -> None:
         self.optimizer.param_groups[0]["lr"] = value
+
+    @staticmethod
+    def _refuse_load(*_) -> None:
+        raise RuntimeError(
+            "load_state_dict() on an attached model would not reach the fp32 master weights in fuyoud (the next "
+            "step would start from the old ones): load the weights before attach, resume with attach(model, "
+            "resume=DIR), or engine.close() first")
+
+    def _check_trainable(self) -> None:
+        """requires_grad changed since attach: the groups (and the daemon's state) are the
+        parameters that trained then."""
+        for g in self.groups:
+            if g.backwards > 0 or g.pending != len(g.spec.params):  # (this group steps now)
+                frozen = [n for n, p in g.spec.params if not p.requires_grad]
+                if frozen:
+                    raise RuntimeError(
+                        f"{frozen[0]} was frozen (requires_grad=False) after attach, but its group {g.spec.name} "
+                        "still trains: its step would apply weight decay and moments to it. Freeze before attach "
+                        "(engine.close(), then attach again)")
+        thawed = [n for n, p in self._frozen if p.requires_grad and p.grad is not None]
+        if thawed:
+            raise RuntimeError(f"{thawed[0]} was unfrozen (requires_grad=True) after attach, which left it out: "
+                               "no step would train it. Attach again after changing requires_grad "
+                               "(engine.close(), then attach)")
 
     def _before_grad(self, g: LayerGroup) -> None:
         """Before autograd accumulates a gradient into a parameter's .grad."""
@@ -240,6 +274,9 @@ class Engine:
             og.busy = True
 
     def _enter_forward(self, name: str, args, kwargs) -> None:
+        if name == self._first_block and self.offloader is not None \
+                and getattr(self.model, "is_gradient_checkpointing", False):
+            raise RuntimeError(GRADIENT_CHECKPOINTING)
         if self._auto is not None:
             self._auto.before(name, args, kwargs)
         self._current = name
@@ -289,6 +326,7 @@ class Engine:
             self.offloader.release_all()  # weights of groups that got no gradient (or eval forwards)
         infos, errors = {}, []
         try:
+            self._check_trainable()
             for g in self.groups:
                 # With clipping every step goes now; a group none of whose parameters got a
                 # gradient since the last step is not stepped (torch skips parameters without
@@ -470,6 +508,8 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
     groups = split(model, blocks)
     if not groups:
         raise ValueError("the model has no trainable parameters")
+    if offload and getattr(model, "is_gradient_checkpointing", False):
+        raise ValueError(GRADIENT_CHECKPOINTING)
     device = resolve(device, model)
     owns = session is None
     session = session or connect(socket, namespace=namespace)

@@ -169,13 +169,14 @@ class Offloader:
             if g.host is not None:
                 g.host_uploaded = slot.uploaded
         g.ready = slot.uploaded
-        flat = slot.weights(g.dtype)
-        self._by_ptr[flat.untyped_storage().data_ptr()] = g
-        offset = 0
-        for p, shape in zip(g.params, g.shapes):
-            n = shape.numel()
-            p.data = flat[offset:offset + n].view(shape)
-            offset += n
+        with torch.inference_mode(False):  # (an eval forward under inference_mode: still plain tensors)
+            flat = slot.weights(g.dtype)
+            self._by_ptr[flat.untyped_storage().data_ptr()] = g
+            offset = 0
+            for p, shape in zip(g.params, g.shapes):
+                n = shape.numel()
+                p.data = flat[offset:offset + n].view(shape)
+                offset += n
 
     def _poll(self) -> None:
         """Land the fetches that are done, so that their uploads overlap compute."""

@@ -141,6 +141,66 @@ def test_a_gradient_after_the_step_went_is_refused(daemon):
     engine.close()
 
 
+def test_an_eval_under_inference_mode_between_steps(daemon):
+    """Evaluation under torch.inference_mode() between steps (offloaded weights fetched in
+    it must stay ordinary tensors, or the next training forward cannot save them)."""
+    torch.manual_seed(0)
+    ours = gpt2()
+    ref = copy.deepcopy(ours)
+    engine = fuyou_client.attach(ours, fuyou_client.AdamW(**HYPER), socket=daemon.socket)
+    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randint(0, 512, (2, 32), generator=gen)
+        ours(x, labels=x).loss.backward()
+        engine.step()
+        engine.zero_grad()
+        ref(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.inference_mode():
+            assert torch.equal(ours(x).logits, ref(x).logits)
+    engine.close()
+    assert not any(p.is_inference() for p in ours.parameters())
+    assert_same(ours, ref)
+
+
+def test_what_would_silently_diverge_from_torch_is_refused(daemon):
+    """Changes after attach that the daemon's state cannot follow get a clear error
+    instead of training differently from torch."""
+    x = torch.randint(0, 512, (2, 32))
+    model = gpt2()
+    engine = fuyou_client.attach(model, socket=daemon.socket)
+    with pytest.raises(RuntimeError, match="load_state_dict.. on an attached model"):
+        model.load_state_dict(gpt2().state_dict())
+    model.transformer.wpe.weight.requires_grad_(False)  # frozen after attach: its group still trains
+    model(x, labels=x).loss.backward()
+    with pytest.raises(RuntimeError, match="transformer.wpe.weight was frozen .* after attach"):
+        engine.step()
+    engine.close()
+    model.load_state_dict(gpt2().state_dict())  # (detached: an ordinary model again)
+
+    model = gpt2()
+    model.transformer.h[0].requires_grad_(False)
+    engine = fuyou_client.attach(model, socket=daemon.socket)
+    model.transformer.h[0].requires_grad_(True)  # unfrozen after attach: no group has it
+    model(x, labels=x).loss.backward()
+    with pytest.raises(RuntimeError, match="transformer.h.0.* was unfrozen .* after attach"):
+        engine.step()
+    engine.close()
+
+    model = gpt2()
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="activations=.recompute."):
+        fuyou_client.attach(model, socket=daemon.socket)
+    model.gradient_checkpointing_disable()
+    engine = fuyou_client.attach(model, socket=daemon.socket)
+    model.gradient_checkpointing_enable()
+    with pytest.raises(RuntimeError, match="gradient checkpointing"):
+        model(x, labels=x)
+    engine.close()
+
+
 @pytest.mark.parametrize("offload", [True, False], ids=["offloaded", "resident"])
 def test_torch_zero_grad_on_the_model_trains_like_torch(daemon, offload):
     """``model.zero_grad()``, torch's (what Hugging Face's Trainer calls), in place of
