@@ -50,6 +50,14 @@ GRADIENT_CHECKPOINTING = (
     "(the same recomputation, weights fetched again), or offload=False")
 
 
+def hf_checkpointing(model: nn.Module) -> bool:
+    """Whether Hugging Face activation (gradient) checkpointing is on."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # (the first: transformers >= 5)
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
 class _Optimizer(torch.optim.Optimizer):
     """The engine's face for torch LR schedulers: one param group whose "lr" is read at
     every step. ``step()`` is the engine's barrier."""
@@ -274,8 +282,7 @@ class Engine:
             og.busy = True
 
     def _enter_forward(self, name: str, args, kwargs) -> None:
-        if name == self._first_block and self.offloader is not None \
-                and getattr(self.model, "is_gradient_checkpointing", False):
+        if name == self._first_block and self.offloader is not None and hf_checkpointing(self.model):
             raise RuntimeError(GRADIENT_CHECKPOINTING)
         if self._auto is not None:
             self._auto.before(name, args, kwargs)
@@ -508,7 +515,7 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
     groups = split(model, blocks)
     if not groups:
         raise ValueError("the model has no trainable parameters")
-    if offload and getattr(model, "is_gradient_checkpointing", False):
+    if offload and hf_checkpointing(model):
         raise ValueError(GRADIENT_CHECKPOINTING)
     device = resolve(device, model)
     owns = session is None

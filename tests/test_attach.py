@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +21,16 @@ TIGHT = merge(SMALL, {"optimizer": {"buffer_budget": "12MiB", "buffers": 3}})
 HYPER = dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
 
 
-@pytest.fixture
-def daemon(short_tmp):
-    d = fuyou_client.start_daemon(short_tmp / "state", config=TIGHT)
+@pytest.fixture(scope="module")
+def daemon():
+    """One fuyoud per test module (tight optimizer buffers; every session has a namespace
+    of its own, so the tests do not meet): a daemon per test cost a minute of the suite."""
+    root = Path(tempfile.mkdtemp(prefix="fy-mod-", dir="/tmp"))
+    d = fuyou_client.start_daemon(root / "state", config=merge(TIGHT, {"storage": {"capacity_per_device": "1GiB"}}))
     yield d
-    assert d.stop() == 0, d.log()
+    code = d.stop()
+    shutil.rmtree(root, ignore_errors=True)
+    assert code == 0, d.log()
 
 
 def gpt2():
@@ -190,12 +198,15 @@ def test_what_would_silently_diverge_from_torch_is_refused(daemon):
     engine.close()
 
     model = gpt2()
-    model.gradient_checkpointing_enable()
+    enable, disable = ((model.activation_checkpointing_enable, model.activation_checkpointing_disable)
+                       if hasattr(model, "activation_checkpointing_enable")  # (transformers >= 5)
+                       else (model.gradient_checkpointing_enable, model.gradient_checkpointing_disable))
+    enable()
     with pytest.raises(ValueError, match="activations=.recompute."):
         fuyou_client.attach(model, socket=daemon.socket)
-    model.gradient_checkpointing_disable()
+    disable()
     engine = fuyou_client.attach(model, socket=daemon.socket)
-    model.gradient_checkpointing_enable()
+    enable()
     with pytest.raises(RuntimeError, match="gradient checkpointing"):
         model(x, labels=x)
     engine.close()
