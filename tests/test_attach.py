@@ -98,6 +98,16 @@ def train_pair(make_model, daemon, steps=10, accumulation=1, clip=None, dtype=to
     return engine, ours, ref, losses
 
 
+def attached_pair(make_model, daemon, **kwargs):
+    """A model attached with HYPER and its deepcopy under torch's fused AdamW, made before
+    attach: (ours, engine, ref, opt)."""
+    torch.manual_seed(0)
+    ours = make_model()
+    ref = copy.deepcopy(ours)
+    engine = fuyou_client.attach(ours, fuyou_client.AdamW(**HYPER), socket=daemon.socket, **kwargs)
+    return ours, engine, ref, torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+
+
 def assert_same(ours, ref):
     for (name, a), b in zip(ours.state_dict().items(), ref.state_dict().values()):
         assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max().item()}"
@@ -106,12 +116,8 @@ def assert_same(ours, ref):
 def train_with_torch_zero_grad(daemon, offload, device=None, accumulation=2, steps=3):
     """Training that zeroes gradients with torch's own ``model.zero_grad()`` (``.grad`` set
     to None), against torch's AdamW: (engine, ours, ref)."""
-    torch.manual_seed(0)
-    ours = gpt2()
-    ref = copy.deepcopy(ours)
-    engine = fuyou_client.attach(ours, fuyou_client.AdamW(**HYPER), socket=daemon.socket, offload=offload,
-                                 device=device, accumulation_steps=accumulation)
-    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    ours, engine, ref, opt = attached_pair(gpt2, daemon, offload=offload, device=device,
+                                           accumulation_steps=accumulation)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         ours.zero_grad()
@@ -130,11 +136,7 @@ def test_a_gradient_after_the_step_went_is_refused(daemon):
     """With accumulation_steps=1 each group's step goes as soon as backward finishes it; a
     second backward before engine.step() would write the buffer that step reads: refused
     before autograd writes it, and the step that went takes the first backward's."""
-    torch.manual_seed(0)
-    model = MLP()
-    ref = copy.deepcopy(model)
-    engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), socket=daemon.socket)
-    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    model, engine, ref, opt = attached_pair(MLP, daemon)
     x = torch.randint(0, 512, (2, 8))
     model(x).square().mean().backward()
     ref(x).square().mean().backward()
@@ -152,11 +154,7 @@ def test_a_gradient_after_the_step_went_is_refused(daemon):
 def test_an_eval_under_inference_mode_between_steps(daemon):
     """Evaluation under torch.inference_mode() between steps (offloaded weights fetched in
     it must stay ordinary tensors, or the next training forward cannot save them)."""
-    torch.manual_seed(0)
-    ours = gpt2()
-    ref = copy.deepcopy(ours)
-    engine = fuyou_client.attach(ours, fuyou_client.AdamW(**HYPER), socket=daemon.socket)
-    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    ours, engine, ref, opt = attached_pair(gpt2, daemon)
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
         x = torch.randint(0, 512, (2, 32), generator=gen)

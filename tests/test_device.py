@@ -11,8 +11,6 @@ bf16's resolution.
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -21,8 +19,8 @@ from discrete_device import LateCopyDevice
 from test_activations import gpt2 as small_gpt2
 from test_activations import llama as small_llama
 from test_activations import train
-from test_attach import (HYPER, MLP, assert_same, daemon, gpt2, llama, train_pair,  # noqa: F401 (daemon: a fixture)
-                         train_with_torch_zero_grad)
+from test_attach import (MLP, assert_same, attached_pair, daemon, gpt2, llama,  # noqa: F401 (daemon: a fixture)
+                         train_pair, train_with_torch_zero_grad)
 
 transformers = pytest.importorskip("transformers")
 CUDA = torch.cuda.is_available()
@@ -190,14 +188,10 @@ def test_torch_zero_grad_with_gradients_on_the_device(daemon):
 def test_gradients_discarded_mid_accumulation_are_gone(daemon, where):
     """zero_grad() between two micro-batches throws their gradients away, also while the
     host's additions of them are still queued (they must not land in the next sum)."""
-    torch.manual_seed(0)
     at = "cuda" if where == "cuda" else "cpu"
-    ours = gpt2().to(at)
-    ref = copy.deepcopy(ours)
     device = "cuda" if where == "cuda" else LateCopyDevice(seed=3, helper_delay=0.05)  # additions that run late
-    engine = fuyou_client.attach(ours, fuyou_client.AdamW(**HYPER), socket=daemon.socket, device=device,
-                                 accumulation_steps=3, offload=False, grad_accumulation="host")
-    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    ours, engine, ref, opt = attached_pair(lambda: gpt2().to(at), daemon, device=device, accumulation_steps=3,
+                                           offload=False, grad_accumulation="host")
     gen = torch.Generator().manual_seed(1)
     for x in [torch.randint(0, 512, (2, 32), generator=gen).to(at) for _ in range(2)]:
         ours(x, labels=x).loss.backward()  # a bad batch, say: discarded
