@@ -147,7 +147,6 @@ class Engine:
         self._current: str | None = None
         self._originals: dict[str, object] = {}  # block -> its own forward, while recomputing
         self._by_name = {g.spec.name: g for g in blocks}
-        self._first_block = blocks[0].spec.name if blocks else None
         self.apply_treatments(self._treatment)
         self._auto = AutoPlanner(self, [g.spec.name for g in blocks], device_budget, host_budget) \
             if activations == "auto" and blocks else None
@@ -282,8 +281,9 @@ class Engine:
             og.busy = True
 
     def _enter_forward(self, name: str, args, kwargs) -> None:
-        if name == self._first_block and self.offloader is not None and hf_checkpointing(self.model):
-            raise RuntimeError(GRADIENT_CHECKPOINTING)
+        g = self._by_name[name]
+        if g.offloaded is not None and getattr(g.spec.module, "gradient_checkpointing", False):
+            raise RuntimeError(GRADIENT_CHECKPOINTING)  # (enabled after attach: transformers >= 5 flags the layers)
         if self._auto is not None:
             self._auto.before(name, args, kwargs)
         self._current = name

@@ -69,24 +69,14 @@ class GradientPool:
             group.device_grads = buf
         flat = self._flat(group)
         flat.zero_()
-        offset = 0
-        for (_, p), shape in zip(group.spec.params, group.shapes):
-            n = shape.numel()
+        for (_, p), shape, part in zip(group.spec.params, group.shapes, group.parts(flat)):
             if p.grad is None and p.data.shape == shape:  # (resident: it is, in backward)
-                p.grad = flat[offset:offset + n].view(shape)
-            offset += n
+                p.grad = part.view(shape)
 
     def collect(self, group) -> None:
         """Before submitting: gradients autograd created outside the buffer are copied in."""
         self.assign(group)
-        flat = self._flat(group)
-        offset = 0
-        for (_, p), shape in zip(group.spec.params, group.shapes):
-            n = shape.numel()
-            view = flat[offset:offset + n]
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad.reshape(-1))
-            offset += n
+        group.adopt_grads(self._flat(group))
 
     def submit(self, group, start) -> None:
         """The group's gradients go to its step: ``start(host_buffer)`` issues it."""

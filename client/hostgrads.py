@@ -47,16 +47,14 @@ class HostAccumulation:
     def add(self, group, first: bool) -> None:
         """``group``'s gradients (its parameters' ``.grad``) into its accumulator; ``first``:
         the first backward since the step (the accumulator is overwritten)."""
-        n, offset = group.numel, 0
+        n = group.numel
         flat = torch.empty(n, dtype=torch.float32, device=self._device.torch_device)
         with torch.no_grad():
-            for (_, p), shape in zip(group.spec.params, group.shapes):
-                part = flat[offset:offset + shape.numel()]
+            for (_, p), part in zip(group.spec.params, group.parts(flat)):
                 if p.grad is not None:
                     part.copy_(p.grad.reshape(-1))  # (cast to fp32)
                 else:
                     part.zero_()
-                offset += shape.numel()
                 p.grad = None
         acc = group.grads.tensor(torch.float32)[:n]
         if first:
@@ -129,8 +127,4 @@ class HostAccumulation:
 
     def views(self, group) -> list[torch.Tensor]:
         """The accumulated gradient of each of ``group``'s parameters (after ``wait()``)."""
-        flat, out, offset = group.grads.tensor(torch.float32)[:group.numel], [], 0
-        for shape in group.shapes:
-            out.append(flat[offset:offset + shape.numel()].view(shape))
-            offset += shape.numel()
-        return out
+        return [part.view(shape) for part, shape in zip(group.parts(group.grads.tensor(torch.float32)), group.shapes)]

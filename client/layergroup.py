@@ -49,27 +49,31 @@ class LayerGroup:
     def numel(self) -> int:
         return self.spec.numel
 
+    def parts(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``flat`` (the group's elements in parameter order) as one flat view per parameter."""
+        return flat[:self.numel].split([shape.numel() for shape in self.shapes])
+
     def point_grads(self, flat: torch.Tensor | None) -> None:
         """Make the parameters' .grad views of ``flat`` (None: no gradients)."""
-        offset = 0
         with torch.no_grad():
-            for (_, p), shape in zip(self.spec.params, self.shapes):
-                k = shape.numel()
-                p.grad = flat[offset:offset + k].view(shape) if flat is not None else None
-                offset += k
+            if flat is None:
+                for _, p in self.spec.params:
+                    p.grad = None
+                return
+            for (_, p), shape, part in zip(self.spec.params, self.shapes, self.parts(flat)):
+                p.grad = part.view(shape)
 
-    def adopt_grads(self) -> None:
-        """Before the step reads the group's gradient buffer: gradients autograd made
-        outside it are copied in, and ``.grad`` points at the buffer again. That happens
-        after torch's own ``zero_grad()`` (``model.zero_grad()``, as Hugging Face's Trainer
-        calls it), which sets ``.grad`` to None; a parameter still without one steps with
-        a zero gradient, as after ``engine.zero_grad()``."""
-        flat = self.device_grads if self.device_grads is not None else self.grads.tensor(self.dtype)[:self.numel]
-        offset = 0
+    def adopt_grads(self, flat: torch.Tensor | None = None) -> None:
+        """Before a step reads the gradient buffer ``flat`` (default: the group's own):
+        gradients autograd made outside it are copied in, and ``.grad`` points at the buffer
+        again. That happens after torch's own ``zero_grad()`` (``model.zero_grad()``, as
+        Hugging Face's Trainer calls it), which sets ``.grad`` to None, and to parameters
+        that got a gradient before their buffer was theirs; a parameter still without one
+        steps with a zero gradient, as after ``engine.zero_grad()``."""
+        if flat is None:
+            flat = self.device_grads if self.device_grads is not None else self.grads.tensor(self.dtype)
         with torch.no_grad():
-            for (_, p), shape in zip(self.spec.params, self.shapes):
-                view = flat[offset:offset + shape.numel()]
-                offset += shape.numel()
+            for (_, p), shape, view in zip(self.spec.params, self.shapes, self.parts(flat)):
                 if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
                     continue
                 if p.grad is None:

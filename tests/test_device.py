@@ -11,6 +11,8 @@ bf16's resolution.
 """
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -166,16 +168,16 @@ def test_a_failed_host_addition_fails_its_groups_step(daemon):
 
 def test_the_cuda_helper_thread_outlives_a_failing_call():
     from fuyou_client.device import _Thread
-    helper, done = _Thread("test-helper"), []
+    helper, done = _Thread("test-helper"), threading.Event()
 
     def fail():
         raise RuntimeError("a call that fails")
 
     helper.submit(fail)
-    helper.submit(lambda: done.append(1))
+    helper.submit(done.set)
+    assert done.wait(10)  # (a thread that died would never get here)
     helper.drain()
     helper.close()
-    assert done == [1]
 
 
 def test_torch_zero_grad_with_gradients_on_the_device(daemon):
@@ -218,7 +220,9 @@ def test_cuda_close_between_micro_batches_lets_host_additions_land_first(daemon)
     for _ in range(2):
         x = torch.randint(0, 512, (2, 32), device="cuda")
         model(x, labels=x).loss.backward()
+    additions = [fut for fut, _ in engine.host_grads._busy]
     engine.close()
+    assert additions and all(fut.done() for fut in additions)  # landed before the memory went
     assert not engine.device._registered
     assert all(p.is_cuda and p.numel() for p in model.parameters())
 
