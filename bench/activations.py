@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -134,6 +135,7 @@ def main() -> None:
             e.close()
     finally:
         daemon.stop()
+        shutil.rmtree(root, ignore_errors=True)  # 8 GiB of preallocated data files per device
     print(plan)
     print(f"median s/iteration: swap {med['swap']:.3f}, recompute {med['recompute']:.3f}, auto {med['auto']:.3f} "
           f"(batch {args.batch}); keep {med['keep']:.3f} (batch {keep_batch})")

@@ -25,6 +25,7 @@ import argparse
 import json
 import multiprocessing as mp
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -162,6 +163,7 @@ def run(clients: int, seconds: float, rounds: int, directory: Path | None) -> di
         status = d.status()
     finally:
         code = d.stop()
+        shutil.rmtree(root, ignore_errors=True)  # the daemon's preallocated data files
     med = {k: {m: statistics.median(p[m] for p in v) for m in
                ("modest_verified_bytes_per_s", "modest_ops_per_s", "rtt_p50_s", "rtt_p99_s", "step_p50_s", "step_p99_s")}
            for k, v in phases.items()}

@@ -95,6 +95,7 @@ def build(cls, values: dict):
 
 @pytest.fixture(scope="module")
 def fuzz_daemon(tmp_path_factory):
+    import shutil
     import tempfile
     from pathlib import Path
 
@@ -103,6 +104,7 @@ def fuzz_daemon(tmp_path_factory):
     daemon.start()
     yield daemon, root
     daemon.stop()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def call_strategy(tmp: str):
