@@ -80,7 +80,7 @@ def main() -> int:
     if args.socket is None:
         shutil.rmtree(args.state_dir, ignore_errors=True)
         daemon = fuyou_client.start_daemon(args.state_dir, config={
-            "storage": {"capacity_per_device": max(4 << 30, params * 12 * 3) // 4096 * 4096},
+            "storage": {"capacity_per_device": max(1 << 30, params * 12 * 3) // 4096 * 4096},
             "optimizer": {"buffer_budget": "1GiB"}})
     try:
         engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=args.lr, weight_decay=0.01),

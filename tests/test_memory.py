@@ -53,7 +53,7 @@ CHILD = textwrap.dedent("""
 
 
 def test_peak_memory_stays_below_weights_plus_moments(short_tmp):
-    cfg = merge(SMALL, {"storage": {"capacity_per_device": "4GiB"},
+    cfg = merge(SMALL, {"storage": {"capacity_per_device": "3GiB"},
                         "memory": {"pinned_budget": "1GiB", "segment_size": "64MiB"},
                         "optimizer": {"buffer_budget": "512MiB", "buffers": 3}})
     with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d:
