@@ -28,6 +28,12 @@ def config(width: int, layers: int, seq: int):
     return cfg
 
 
+def checkpoint_activations(net) -> None:
+    """HF activation checkpointing: transformers 5 renamed gradient_checkpointing_enable (now
+    deprecated, warning once per call); older releases have only that name."""
+    enable = getattr(net, "activation_checkpointing_enable", None) or net.gradient_checkpointing_enable
+    enable()
+
 class Busy:
     """NVML utilisation sampled every 50 ms while running (nothing on the CPU)."""
 
@@ -202,7 +208,7 @@ class Ceiling(Case):
         try:
             self.net = self.model(layers, torch.float32)
             if ckpt:
-                self.net.gradient_checkpointing_enable()
+                checkpoint_activations(self.net)
             self.opt = torch.optim.AdamW(self.net.parameters(), lr=LR, weight_decay=WD, fused=True)
             for _ in range(2):  # must fit: forward, backward, the optimizer's state and step, twice
                 Case.iteration(self, 2)
@@ -334,7 +340,7 @@ class Zero(Case):
         with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="nvme", dtype=torch.bfloat16):
             torch.manual_seed(0)
             net = transformers.GPT2LMHeadModel(config(spec["width"], spec["layers"], spec["seq"]))
-        net.gradient_checkpointing_enable()
+        checkpoint_activations(net)
         self.engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
         self.accum = spec["zero_accum"]
         self.info = {"layers": spec["layers"], "deepspeed": deepspeed.__version__, "config": cfg}
