@@ -18,6 +18,13 @@ from torch import nn
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def flat_parts(flat: torch.Tensor, shapes: list[torch.Size]) -> tuple[torch.Tensor, ...]:
+    """``flat`` (a group's elements, its parameters one after another) as one flat view per
+    parameter: the layout of every buffer of a group (weights, gradients, accumulators)."""
+    sizes = [shape.numel() for shape in shapes]
+    return flat[:sum(sizes)].split(sizes)
+
+
 @dataclass
 class ParamGroup:
     name: str

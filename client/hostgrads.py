@@ -91,25 +91,26 @@ class HostAccumulation:
     def wait(self) -> None:
         """Until every addition asked for has run (the accumulators are complete); raises
         if one failed since the last discard()."""
-        for event in self._last.values():
-            event.synchronize()
-        while self._busy:
-            self._reclaim_oldest()
+        self._drain(raise_failed_downloads=True)
         if self._failed is not None:
             raise self._failed
 
     def discard(self) -> None:
         """Until every addition asked for has run, whatever failed; then forget them (the
         gradients are thrown away: zero_grad, or a step that failed)."""
+        self._drain(raise_failed_downloads=False)  # (a failed download: its sum is thrown away)
+        self._last.clear()
+        self._failed = None
+
+    def _drain(self, raise_failed_downloads: bool) -> None:
         for event in self._last.values():
             try:
                 event.synchronize()
-            except Exception:  # noqa: BLE001 - a failed download: its sum is thrown away
-                pass
+            except Exception:  # noqa: BLE001
+                if raise_failed_downloads:
+                    raise
         while self._busy:
             self._reclaim_oldest()
-        self._last.clear()
-        self._failed = None
 
     def submit(self, group, start) -> Future:
         """The group's step, ``start(accumulator)``, once its last addition has run. After

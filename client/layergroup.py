@@ -23,7 +23,7 @@ import torch
 
 from fuyou_client import checkpoints
 from fuyou_client.device import DONE, Device
-from fuyou_client.grouping import ParamGroup
+from fuyou_client.grouping import ParamGroup, flat_parts
 from fuyou_client.offload import OffloadedGroup
 
 
@@ -51,7 +51,7 @@ class LayerGroup:
 
     def parts(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``flat`` (the group's elements in parameter order) as one flat view per parameter."""
-        return flat[:self.numel].split([shape.numel() for shape in self.shapes])
+        return flat_parts(flat, self.shapes)
 
     def point_grads(self, flat: torch.Tensor | None) -> None:
         """Make the parameters' .grad views of ``flat`` (None: no gradients)."""
@@ -183,17 +183,15 @@ def upload(engine, spec: ParamGroup, optimizer, offload: bool | str, index: int)
             flat_copy(params, flat_w)
         flat_g = group.device_grads = device.empty(n * dtype.itemsize).view(dtype) \
             if grads is not None and not host_acc else None
-    offset = 0
+    grad_parts = flat_parts(flat_g, shapes) if flat_g is not None else [None] * len(params)
+    weight_parts = flat_parts(flat_w, shapes) if flat_w is not None else [None] * len(params)
     with torch.no_grad():
-        for p, shape in zip(params, shapes):
-            k = shape.numel()
+        for p, shape, g, w in zip(params, shapes, grad_parts, weight_parts):
             # From here on the parameter *is* shared memory (the daemon writes updates into
             # it), a slice of the group's device allocation, or empty until the offloader
             # fetches it.
-            p.grad = flat_g[offset:offset + k].view(shape) if flat_g is not None else None  # (p has its shape)
-            p.data = flat_w[offset:offset + k].view(shape) if flat_w is not None else \
-                torch.empty(0, dtype=dtype, device=device.torch_device)
-            offset += k
+            p.grad = g.view(shape) if g is not None else None  # (p has its shape)
+            p.data = w.view(shape) if w is not None else torch.empty(0, dtype=dtype, device=device.torch_device)
     if offload:
         group.offloaded = OffloadedGroup(index, spec.name, spec.module, params, dtype, source, n, shapes=shapes,
                                          host=weights if on_host else None)

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from fuyou_client.device import DONE, Device
+from fuyou_client.grouping import flat_parts
 from fuyou_client.session import In, Session
 
 
@@ -172,11 +173,8 @@ class Offloader:
         with torch.inference_mode(False):  # (an eval forward under inference_mode: still plain tensors)
             flat = slot.weights(g.dtype)
             self._by_ptr[flat.untyped_storage().data_ptr()] = g
-            offset = 0
-            for p, shape in zip(g.params, g.shapes):
-                n = shape.numel()
-                p.data = flat[offset:offset + n].view(shape)
-                offset += n
+            for p, shape, part in zip(g.params, g.shapes, flat_parts(flat, g.shapes)):
+                p.data = part.view(shape)
 
     def _poll(self) -> None:
         """Land the fetches that are done, so that their uploads overlap compute."""
