@@ -58,16 +58,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_cases import PROFILED, REPO, VOCAB, GiB  # noqa: E402 (the workers' side: gpu_cases.py)
 
+from fuyoud.units import parse_size  # noqa: E402
+
 STATE_BYTES_PER_PARAM = 16  # bf16 weights + bf16 gradients + fp32 masters, exp_avg, exp_avg_sq
 TARGET_CEILING, TARGET_ZERO = 0.8, 3.0
-
-
-def parse_size(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40, "": 1}
-    for unit in sorted(units, key=len, reverse=True):
-        if text.endswith(unit):
-            return int(float(text[:len(text) - len(unit)]) * units[unit])
-    raise argparse.ArgumentTypeError(f"not a size: {text}")
 
 
 def params_of(width: int, layers: int, seq: int) -> int:
@@ -181,7 +175,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True)
     layers = fuyou_depth(args.width, args.seq, args.cap)
     params = params_of(args.width, layers, args.seq)
-    ceiling_max = max(1, max((L for L in range(1, layers) if params_of(args.width, L, args.seq) * 16 <= args.cap),
+    ceiling_max = max(1, max((L for L in range(1, layers) if params_of(args.width, L, args.seq) * STATE_BYTES_PER_PARAM <= args.cap),
                              default=1))
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)

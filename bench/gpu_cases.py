@@ -34,6 +34,7 @@ def checkpoint_activations(net) -> None:
     enable = getattr(net, "activation_checkpointing_enable", None) or net.gradient_checkpointing_enable
     enable()
 
+
 class Busy:
     """NVML utilisation sampled every 50 ms while running (nothing on the CPU)."""
 
