@@ -2,8 +2,10 @@
 own Report. Mixed into the servicer (fuyoud/service.py).
 
 Status and ListSessions need only access to the control socket (its mode and group
-decide who has it). Drain, and Checkpoint of a session other than the caller's own,
-need the admin token that the daemon writes to ``<runtime_dir>/admin.token``, readable
+decide who has it), but the sessions they list are the caller's: every session for the
+operator (admin token), the caller's own for a session (its token), none otherwise -
+a tenant learns no other user's uid, pid or namespace. Drain, and Checkpoint of a
+session other than the caller's own, need the admin token that the daemon writes to ``<runtime_dir>/admin.token``, readable
 by its own user only: root and the daemon's user can act as operators, group members
 who may train cannot.
 """
@@ -15,7 +17,7 @@ import time
 
 import grpc
 
-from fuyou_proto import ADMIN_METADATA_KEY, pb
+from fuyou_proto import ADMIN_METADATA_KEY, SESSION_METADATA_KEY, pb
 from fuyoud import __version__
 from fuyoud import checkpoint as ckpt
 from fuyoud.errors import InvalidArgument, PermissionDenied
@@ -23,6 +25,7 @@ from fuyoud.handler import ServicerBase, handler
 from fuyoud.sessions import Session
 
 DEFAULT_CHECKPOINT_TIMEOUT = 60.0
+MAX_CHECKPOINT_TIMEOUT = 7 * 86400.0
 
 
 class AdminMethods(ServicerBase):
@@ -44,9 +47,16 @@ class AdminMethods(ServicerBase):
                               model_params=sum(g.numel for g in groups), groups=len(groups),
                               step=max((g.step for g in groups), default=0), persistent_bytes=persistent)
 
-    def _sessions(self) -> list[pb.SessionInfo]:
+    def _visible_sessions(self, context: grpc.ServicerContext) -> list[pb.SessionInfo]:
+        """Every session for the operator, the caller's own for a session, else none."""
+        if self._is_admin(context):
+            visible = self.daemon.sessions.all()
+        else:
+            token = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)
+            visible = [s for s in self.daemon.sessions.all() if token is not None and
+                       hmac.compare_digest(s.token.encode(), token.encode())]
         pinned = self.daemon.pool.usage().by_session
-        return [self.session_info(s, pinned) for s in sorted(self.daemon.sessions.all(), key=lambda s: s.id)]
+        return [self.session_info(s, pinned) for s in sorted(visible, key=lambda s: s.id)]
 
     @handler
     def Status(self, request, context):
@@ -63,11 +73,11 @@ class AdminMethods(ServicerBase):
             metrics_url=d.metrics_url, session_socket=str(d.config.daemon.session_path),
             bytes_read=usage.bytes_read, bytes_written=usage.bytes_written, draining=d.sessions.draining,
             read_bytes_per_second=read_rate, write_bytes_per_second=write_rate,
-            uptime_seconds=int(time.time() - d.started), session_list=self._sessions())
+            uptime_seconds=int(time.time() - d.started), session_list=self._visible_sessions(context))
 
     @handler
     def ListSessions(self, request, context):
-        return pb.ListSessionsReply(sessions=self._sessions())
+        return pb.ListSessionsReply(sessions=self._visible_sessions(context))
 
     @handler
     def Drain(self, request, context):
@@ -89,10 +99,13 @@ class AdminMethods(ServicerBase):
                     "(operators: fuyouctl checkpoint, with the admin token)")
         if request.timeout_seconds < 0:
             raise InvalidArgument(f"timeout_seconds must not be negative, got {request.timeout_seconds}")
-        target = ckpt.checkpoint_path(self.daemon, request.directory, caller)
-        result = ckpt.checkpoint(self.daemon, session.namespace, target,
-                                 request.timeout_seconds or DEFAULT_CHECKPOINT_TIMEOUT, request.mode or "auto",
-                                 request.client_state)
+        if not request.timeout_seconds <= MAX_CHECKPOINT_TIMEOUT:  # (also refuses NaN)
+            raise InvalidArgument(f"timeout_seconds must be at most {MAX_CHECKPOINT_TIMEOUT:g}, "
+                                  f"got {request.timeout_seconds}")
+        with ckpt.location(self.daemon, request.directory, caller and caller.uid) as where:
+            result = ckpt.checkpoint(self.daemon, session.namespace, session.uid, where,
+                                     request.timeout_seconds or DEFAULT_CHECKPOINT_TIMEOUT, request.mode or "auto",
+                                     request.client_state)
         self.daemon.metrics.observe_checkpoint(result.mode, result.seconds, result.bytes)
         return pb.CheckpointReply(directory=result.directory, namespace=result.namespace, objects=result.objects,
                                   bytes=result.bytes, step=result.step, seconds=result.seconds, mode=result.mode)
@@ -100,15 +113,17 @@ class AdminMethods(ServicerBase):
     @handler
     def Restore(self, request, context):
         session = self._session(context)
-        result = ckpt.restore(self.daemon, session, ckpt.checkpoint_path(self.daemon, request.directory, session))
+        with ckpt.location(self.daemon, request.directory, session.uid) as where:
+            result = ckpt.restore(self.daemon, session, where)
         return pb.RestoreReply(namespace=result.namespace, step=result.step, objects=result.objects,
                                bytes=result.bytes, mode=result.mode, client_state=result.client_state,
                                seconds=result.seconds)
 
     @handler
     def DeleteCheckpoint(self, request, context):
-        caller = None if self._is_admin(context) else self._session(context)
-        ckpt.delete(self.daemon, caller, ckpt.checkpoint_path(self.daemon, request.directory, caller))
+        uid = None if self._is_admin(context) else self._session(context).uid
+        with ckpt.location(self.daemon, request.directory, uid) as where:
+            ckpt.delete(self.daemon, uid, where)
         return pb.Empty()
 
     @handler

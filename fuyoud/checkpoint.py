@@ -10,33 +10,41 @@ mode: the locks go at once and the copy runs while the client trains on). A name
 whose groups stay mid-iteration past the timeout gets FAILED_PRECONDITION, and nothing
 is written.
 
-On disk, written as ``DIR.partial-<pid>`` (each file fsynced) and renamed to ``DIR``,
-so ``DIR`` is complete or absent:
+On disk (fuyoud/checkpoint_files.py: the layout, the manifest's schema, and access
+confined to the directory), written as ``DIR.partial-<pid>`` (each file fsynced, 0600 in
+0700 directories) and renamed to ``DIR``, so ``DIR`` is complete or absent.
 
-    DIR/manifest.json      format, mode, namespace, step, groups, objects (name, size,
-                           version; copy: file and crc32; snapshot: the linked name)
-    DIR/client_state.bin   what the client asked to keep (lr, schedules, data position)
-    DIR/objects/<n>.bin    copy mode: each object's bytes
+Trust: a manifest is a file in a directory a tenant may be able to write, so it decides
+nothing. Every checkpoint the daemon writes is recorded in its index (real path,
+namespace, owner uid, mode, snapshot prefix, the manifest's SHA-256); restore and delete
+take the namespace, the owner and the snapshot's objects from that record and refuse a
+manifest that no longer matches it. A checkpoint the daemon has no record of (copied
+from another host, or written by an older fuyoud) is a copy whose files a tenant must
+own, one link each: reading it gives back nothing the tenant could not read already.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import secrets
-import shutil
 import time
 import zlib
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fuyoud import __version__, failpoints
-from fuyoud.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from fuyoud.checkpoint_files import (CLIENT_STATE, FORMAT, MANIFEST, MAX_CLIENT_STATE, MAX_MANIFEST,
+                                     CheckpointDir, Location, Manifest, NewCheckpoint, object_file,
+                                     parse_manifest)
+from fuyoud.errors import DataLoss, FailedPrecondition, FuyouError, InvalidArgument, NotFound, PermissionDenied
 from fuyoud.memory.hugepages import huge_page_buffer
 from fuyoud.optimizer.groups import HEADER, Group
 from fuyoud.optimizer.kernels import OptimizerSpec
+from fuyoud.names import shown
+from fuyoud.storage.index import CheckpointRecord
 from fuyoud.units import format_size
 
 if TYPE_CHECKING:
@@ -44,10 +52,8 @@ if TYPE_CHECKING:
     from fuyoud.sessions import Session
 
 log = logging.getLogger(__name__)
-FORMAT = "fuyou-checkpoint/1"
 COPY_CHUNK = 8 << 20
 SNAPSHOTS = "snapshots/"
-MAX_CLIENT_STATE = 16 << 20
 
 
 @dataclass
@@ -63,34 +69,23 @@ class CheckpointResult:
 
 
 # -- where a session may read and write checkpoints -------------------------------------------
-def checkpoint_path(daemon: "Daemon", directory: str, session: "Session | None") -> Path:
-    """The directory, if the caller may use it. Operators (``session`` None) and sessions
-    of the daemon's own uid or root may name any absolute path; other users only paths
-    inside ``[daemon] checkpoint_dirs`` (they act through the daemon's permissions)."""
-    path = Path(directory)
-    if not path.is_absolute():
-        raise InvalidArgument(f"checkpoint directory must be an absolute path on the daemon's host, got {directory!r}")
-    if session is None or session.uid in (0, os.getuid()):
-        return path
-    real = path.parent.resolve() / path.name
-    roots = [r.resolve() for r in daemon.config.checkpoint_dirs]
-    if not any(real.is_relative_to(r) for r in roots):
-        raise PermissionDenied(f"uid {session.uid} may keep checkpoints only under "
-                               f"{', '.join(map(str, roots))} ([daemon] checkpoint_dirs), not {path}")
-    return real
+def privileged(uid: int | None) -> bool:
+    """Operators (``uid`` None), root and the daemon's own user act with the daemon's
+    permissions anyway: they may name any absolute path and restore any checkpoint."""
+    return uid is None or uid in (0, os.getuid())
 
 
-def _new_target(path: Path) -> Path:
-    if path.exists():
-        raise FailedPrecondition(f"checkpoint directory {path} already exists; name a new one")
-    if not path.parent.is_dir():
-        raise FailedPrecondition(f"the parent of checkpoint directory {path} does not exist")
-    return path
+def location(daemon: "Daemon", directory: str, uid: int | None) -> Location:
+    """The checkpoint directory's location, if the caller may use it: other users only
+    paths inside ``[daemon] checkpoint_dirs`` (the daemon acts there with its own
+    permissions), checked on the real path of the opened parent directory."""
+    roots = None if privileged(uid) else [r.resolve() for r in daemon.config.checkpoint_dirs]
+    return Location(directory, roots)
 
 
-def _on_array(daemon: "Daemon", path: Path) -> bool:
+def _on_array(daemon: "Daemon", where: Location) -> bool:
     devices = {os.stat(d.directory).st_dev for d in daemon.store.devices}
-    return os.stat(path.parent).st_dev in devices
+    return where.device in devices
 
 
 # -- taking one ----------------------------------------------------------------------------------
@@ -122,17 +117,18 @@ def _group_entry(name: str, head: bytes) -> dict:
     return {"name": name[len("optim/"):], "numel": numel, "step": step, "optimizer": spec.to_dict()}
 
 
-def checkpoint(daemon: "Daemon", namespace: str, target: Path, timeout: float = 60.0, mode: str = "auto",
-               client_state: bytes = b"") -> CheckpointResult:
-    _new_target(target)
+def checkpoint(daemon: "Daemon", namespace: str, uid: int, where: Location, timeout: float = 60.0,
+               mode: str = "auto", client_state: bytes = b"") -> CheckpointResult:
+    """Checkpoint ``namespace`` (whose state belongs to ``uid``) into a new directory."""
     if mode not in ("auto", "snapshot", "copy"):
-        raise InvalidArgument(f"checkpoint mode must be auto, snapshot or copy, not {mode!r}")
+        raise InvalidArgument(f"checkpoint mode must be auto, snapshot or copy, not {shown(mode)}")
     if len(client_state) > MAX_CLIENT_STATE:
         raise InvalidArgument(f"client_state of {len(client_state)} bytes exceeds {MAX_CLIENT_STATE}")
     if mode == "auto":
-        mode = "snapshot" if _on_array(daemon, target) else "copy"
+        mode = "snapshot" if _on_array(daemon, where) else "copy"
     t0 = time.perf_counter()
-    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    target = where.path
+    new = NewCheckpoint(where)
     store = daemon.store
     entries, links = [], []
     # Until DIR exists the checkpoint is marked pending in the index: a crash in between
@@ -142,7 +138,6 @@ def checkpoint(daemon: "Daemon", namespace: str, target: Path, timeout: float = 
     pending = _pending_key(namespace, snap)
     store.index_db.set_meta(pending, str(target))
     try:
-        (partial / "objects").mkdir(parents=True)
         if mode == "snapshot":
             def link():
                 names = [m.name for m in store.list(namespace) if m.persistent and not m.name.startswith(SNAPSHOTS)]
@@ -157,21 +152,23 @@ def checkpoint(daemon: "Daemon", namespace: str, target: Path, timeout: float = 
             entries, step = _at_common_step(daemon, namespace, timeout,
                                             lambda: [e for e in store.pin(namespace)
                                                      if not e.meta.name.startswith(SNAPSHOTS)])
-            objects, groups = _copy_all(daemon, entries, partial)
+            objects, groups = _copy_all(daemon, entries, new)
             failpoints.hit("checkpoint.copied")
         manifest = {"format": FORMAT, "mode": mode, "fuyoud_version": __version__, "namespace": namespace,
                     "step": step, "created": time.time(), "groups": groups, "objects": objects}
-        _write_file(partial / "client_state.bin", client_state)
-        _write_file(partial / "manifest.json", json.dumps(manifest, indent=1).encode())
-        _fsync_dir(partial / "objects")
-        _fsync_dir(partial)
-        os.rename(partial, target)
-        _fsync_dir(target.parent)
+        data = json.dumps(manifest, indent=1).encode()
+        new.write(CLIENT_STATE, client_state)
+        new.write(MANIFEST, data)
+        # Recorded before DIR appears: a checkpoint in place is always one the index knows.
+        store.index_db.record_checkpoint(CheckpointRecord(str(target), namespace, uid, mode, snap,
+                                                          hashlib.sha256(data).hexdigest()))
+        new.publish()
     except BaseException as exc:
-        shutil.rmtree(partial, ignore_errors=True)
+        new.discard()
+        store.index_db.forget_checkpoint(str(target))
         store.delete(namespace, [m.name for m in links], missing_ok=True)
         if isinstance(exc, OSError):
-            raise FailedPrecondition(f"cannot write checkpoint {target}: {exc}") from None
+            raise FailedPrecondition(f"cannot write checkpoint {target}: {exc.strerror or exc}") from None
         raise
     finally:
         store.index_db.delete_meta(pending)
@@ -196,14 +193,14 @@ def _groups_from_headers(daemon: "Daemon", namespace: str, names: list[str]) -> 
     return groups
 
 
-def _copy_all(daemon: "Daemon", entries, partial: Path) -> tuple[list[dict], list[dict]]:
+def _copy_all(daemon: "Daemon", entries, new: NewCheckpoint) -> tuple[list[dict], list[dict]]:
     mapping, buf = huge_page_buffer(COPY_CHUNK)
     try:
         objects, groups = [], []
         for i, entry in enumerate(sorted(entries, key=lambda e: e.meta.name)):
             meta = entry.meta
-            rel = f"objects/{i:06d}.bin"
-            crc, head = _copy_out(daemon, entry, buf, partial / rel)
+            rel = object_file(i)
+            crc, head = _copy_out(daemon, entry, buf, new.create(rel))
             if meta.name.startswith("optim/"):
                 groups.append(_group_entry(meta.name, head))
             objects.append({"name": meta.name, "file": rel, "size": meta.size, "version": meta.version, "crc32": crc})
@@ -213,10 +210,10 @@ def _copy_all(daemon: "Daemon", entries, partial: Path) -> tuple[list[dict], lis
         mapping.close()
 
 
-def _copy_out(daemon: "Daemon", entry, buf: memoryview, path: Path) -> tuple[int, bytes]:
-    """One pinned object into a new file; returns its crc32 and its first 4 KiB."""
+def _copy_out(daemon: "Daemon", entry, buf: memoryview, fd: int) -> tuple[int, bytes]:
+    """One pinned object into a new file (``fd``, closed here); returns its crc32 and its
+    first 4 KiB."""
     size, crc, head = entry.meta.size, 0, b""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         for off in range(0, size, COPY_CHUNK):
             view = buf[:min(COPY_CHUNK, size - off)]
@@ -238,92 +235,124 @@ def _pending_key(namespace: str, snap: str) -> str:
     return f"pending_checkpoint|{namespace}|{snap}|{secrets.token_hex(4)}"
 
 
-def recover(daemon: "Daemon") -> None:
+def recover(store) -> None:
     """At start-up, for each checkpoint the daemon died taking: remove its partial
     directory and, for a snapshot, the objects it had linked (unless the directory was
     renamed into place just before the crash: then it is complete)."""
-    index = daemon.store.index_db
+    index = store.index_db
     for key, target in index.meta_items("pending_checkpoint|"):
         _, namespace, snap, _ = key.split("|")
-        path = Path(target)
-        complete = (path / "manifest.json").exists()
+        try:
+            with Location(target, None) as where:
+                complete = where.exists()
+                if not complete:
+                    for partial in where.partials():
+                        where.remove(partial)
+        except FuyouError:  # its parent is gone: nothing of it is left there
+            complete = False
         if not complete:
-            for partial in path.parent.glob(f"{path.name}.partial-*"):
-                shutil.rmtree(partial, ignore_errors=True)
             if snap:
-                names = [m.name for m in daemon.store.list(namespace, snap)]
-                daemon.store.delete(namespace, names, missing_ok=True)
+                names = [m.name for m in store.list(namespace, snap)]
+                store.delete(namespace, names, missing_ok=True)
+            index.forget_checkpoint(target)
             log.warning("checkpoint %s of %s never completed (the daemon stopped while taking it): removed what "
                         "it had written", target, namespace)
         index.delete_meta(key)
 
 
 # -- restoring and deleting ----------------------------------------------------------------------
-def read_manifest(path: Path) -> dict:
+@dataclass
+class _Known:
+    """What restore and delete go by: the daemon's record, or for a checkpoint it has no
+    record of, the directory's owner and (for privileged callers only) the manifest."""
+    manifest: Manifest
+    namespace: str
+    owner: int
+    snapshot: str | None  # the prefix of a recorded snapshot's objects
+
+
+def _open(daemon: "Daemon", uid: int | None, where: Location) -> tuple[CheckpointDir, _Known]:
+    """The checkpoint directory, opened as the caller may, and what is known of it."""
+    record = daemon.store.index_db.checkpoint_record(str(where.path))
+    trusted = privileged(uid)
+    if record is not None:
+        if not trusted and record.uid != uid:
+            raise PermissionDenied(f"checkpoint {where.path} belongs to uid {record.uid}")
+        # The daemon wrote every file of it: a file of anyone else's was put there since.
+        d = where.open(owner=None if trusted else os.getuid(), single_links=not trusted)
+        try:
+            data = d.read(MANIFEST, MAX_MANIFEST)
+            if hashlib.sha256(data).hexdigest() != record.manifest_sha256:
+                raise DataLoss(f"the manifest of checkpoint {where.path} changed since fuyoud wrote it; refusing "
+                               "the checkpoint")
+            manifest = parse_manifest(data)
+        except BaseException:
+            d.close()
+            raise
+        return d, _Known(manifest, record.namespace, record.uid,
+                         record.snapshot if record.mode == "snapshot" else None)
+    d = where.open(owner=None if trusted else uid, single_links=not trusted)
     try:
-        manifest = json.loads((path / "manifest.json").read_text())
-    except FileNotFoundError:
-        raise NotFound(f"no checkpoint at {path} (no manifest.json)") from None
-    except (OSError, ValueError) as exc:
-        raise DataLoss(f"checkpoint manifest {path / 'manifest.json'} is unreadable: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise InvalidArgument(f"{path} is not a {FORMAT} checkpoint")
-    return manifest
+        manifest = parse_manifest(d.read(MANIFEST, MAX_MANIFEST))
+        if manifest.mode == "snapshot" and not trusted:
+            raise PermissionDenied(f"checkpoint {where.path} is a snapshot this fuyoud has no record of (taken "
+                                   "by another daemon or an older version, or moved): only root or the daemon's "
+                                   "user may restore or delete it")
+    except BaseException:
+        d.close()
+        raise
+    return d, _Known(manifest, manifest.namespace, os.fstat(d.fd).st_uid, None)
 
 
-def _may_read(daemon: "Daemon", session: "Session", namespace: str) -> None:
-    owner = daemon.store.index_db.namespace_owner(namespace)
-    if namespace != session.namespace and session.uid != 0 and owner not in (None, session.uid):
-        raise PermissionDenied(f"the checkpoint belongs to namespace {namespace!r} of uid {owner}")
-
-
-def restore(daemon: "Daemon", session: "Session", path: Path) -> CheckpointResult:
+def restore(daemon: "Daemon", session: "Session", where: Location) -> CheckpointResult:
     """The checkpoint's objects become the session's, under their own names, in one
     index commit after every byte is written (copy) and checked."""
     t0 = time.perf_counter()
-    manifest = read_manifest(path)
-    source_ns, objects = manifest["namespace"], manifest["objects"]
-    _may_read(daemon, session, source_ns)
-    daemon.sessions.claim_namespace(session)
     store = daemon.store
-    if manifest["mode"] == "snapshot":
-        try:
-            store.link(source_ns, session.namespace, [(o["snapshot"], o["name"]) for o in objects])
-        except NotFound as exc:
-            raise DataLoss(f"snapshot checkpoint {path} lost its objects ({exc})") from None
-    else:
-        _restore_copies(daemon, session, path, objects)
-    daemon.optimizer.forget(session.namespace)  # group headers (steps) come from the restored state
-    state = (path / "client_state.bin").read_bytes() if (path / "client_state.bin").exists() else b""
+    d, known = _open(daemon, session.uid, where)
+    with d:
+        manifest = known.manifest
+        daemon.sessions.claim_namespace(session)
+        if manifest.mode == "snapshot":
+            pairs = [(o.snapshot, o.name) for o in manifest.objects]
+            if known.snapshot is not None and any(s != known.snapshot + n for s, n in pairs):
+                raise DataLoss(f"snapshot checkpoint {where.path} names objects outside its snapshot")
+            try:
+                store.link(known.namespace, session.namespace, pairs)
+            except NotFound:
+                raise DataLoss(f"snapshot checkpoint {where.path} lost its objects") from None
+        else:
+            _restore_copies(daemon, session, d, manifest)
+        daemon.optimizer.forget(session.namespace)  # group headers (steps) come from the restored state
+        state = d.read(CLIENT_STATE, MAX_CLIENT_STATE, missing_ok=True)
     seconds = time.perf_counter() - t0
-    total = sum(o["size"] for o in objects)
-    log.info("session %d restored %s (%s, step %d): %d objects, %s in %.2f s", session.id, path, manifest["mode"],
-             manifest["step"], len(objects), format_size(total), seconds)
-    return CheckpointResult(str(path), source_ns, len(objects), total, manifest["step"], seconds, manifest["mode"],
-                            state)
+    total = sum(o.size for o in manifest.objects)
+    log.info("session %d restored %s (%s, step %d): %d objects, %s in %.2f s", session.id, where.path,
+             manifest.mode, manifest.step, len(manifest.objects), format_size(total), seconds)
+    return CheckpointResult(str(where.path), known.namespace, len(manifest.objects), total, manifest.step,
+                            seconds, manifest.mode, state)
 
 
-def _restore_copies(daemon: "Daemon", session: "Session", path: Path, objects: list[dict]) -> None:
+def _restore_copies(daemon: "Daemon", session: "Session", d: CheckpointDir, manifest: Manifest) -> None:
     store = daemon.store
     pending = []
     mapping, buf = huge_page_buffer(COPY_CHUNK)
     try:
-        for o in objects:
-            w = store.open_write(session.namespace, o["name"], o["size"], persistent=True, session_id=session.id)
-            pending.append(w)
-            crc = 0
-            with open(path / o["file"], "rb", buffering=0) as f:
-                for off in range(0, o["size"], COPY_CHUNK):
-                    view = buf[:min(COPY_CHUNK, o["size"] - off)]
+        for o in manifest.objects:
+            with open(d.open_file(o.file, size=o.size), "rb", buffering=0) as f:
+                w = store.open_write(session.namespace, o.name, o.size, persistent=True, session_id=session.id)
+                pending.append(w)
+                crc = 0
+                for off in range(0, o.size, COPY_CHUNK):
+                    view = buf[:min(COPY_CHUNK, o.size - off)]
                     if f.readinto(view) != len(view):
-                        raise DataLoss(f"checkpoint file {path / o['file']} ({o['name']}) is shorter than its "
-                                       f"{o['size']} bytes")
+                        raise DataLoss(f"{o.file} of checkpoint {d.path} is shorter than its {o.size} bytes")
                     crc = zlib.crc32(view, crc)
                     w.write(off, view)
                     view.release()
-            if crc != o["crc32"]:
-                raise DataLoss(f"checkpoint file {path / o['file']} ({o['name']}) is corrupt: crc32 {crc:#010x}, "
-                               f"manifest says {o['crc32']:#010x}; nothing was restored")
+            if crc != o.crc32:  # (no values in the message: they tell about bytes the caller may not read)
+                raise DataLoss(f"{o.file} of checkpoint {d.path} ({shown(o.name)}) is corrupt: it does not match the "
+                               "checksum in its manifest; nothing was restored")
         store.commit_writes(pending)
     except BaseException:
         for w in pending:
@@ -334,26 +363,15 @@ def _restore_copies(daemon: "Daemon", session: "Session", path: Path, objects: l
         mapping.close()
 
 
-def delete(daemon: "Daemon", session: "Session | None", path: Path) -> None:
-    manifest = read_manifest(path)
-    if session is not None:
-        _may_read(daemon, session, manifest["namespace"])
-    if manifest["mode"] == "snapshot":
-        daemon.store.delete(manifest["namespace"], [o["snapshot"] for o in manifest["objects"]], missing_ok=True)
-    shutil.rmtree(path)
-    log.info("checkpoint %s deleted", path)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def delete(daemon: "Daemon", uid: int | None, where: Location) -> None:
+    d, known = _open(daemon, uid, where)
+    d.close()
+    store = daemon.store
+    if known.snapshot is not None:  # recorded: its objects are those under its prefix
+        store.delete(known.namespace, [m.name for m in store.list(known.namespace, known.snapshot)],
+                     missing_ok=True)
+    elif known.manifest.mode == "snapshot":  # one it has no record of (privileged callers only)
+        store.delete(known.namespace, [o.snapshot for o in known.manifest.objects], missing_ok=True)
+    where.remove()
+    store.index_db.forget_checkpoint(str(where.path))
+    log.info("checkpoint %s deleted", where.path)

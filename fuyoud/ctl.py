@@ -2,6 +2,7 @@
 
     fuyouctl status                 engine, devices, memory, throughput now, sessions
     fuyouctl sessions               the live sessions: uid, pid, model size, last activity
+                                    (the operator's view: needs the admin token)
     fuyouctl drain [--wait]         stop accepting new sessions; --cancel reopens
     fuyouctl checkpoint SESSION DIR copy a session's state to DIR on the daemon's host
     fuyouctl health                 the grpc.health.v1 status (exit 0 when serving)
@@ -49,6 +50,18 @@ def _admin_metadata(args) -> tuple:
     return ((ADMIN_METADATA_KEY, token),)
 
 
+def _operator_metadata(args) -> tuple:
+    """The admin token where this user may read it (sessions are listed to the operator
+    only), else nothing."""
+    try:
+        return _admin_metadata(args)
+    except CtlError:
+        return ()
+
+
+NOT_OPERATOR = "(sessions are shown to the operator only: run fuyouctl as root or as the daemon's user)"
+
+
 def _print_json(message) -> None:
     print(json.dumps(MessageToDict(message, preserving_proto_field_name=True), indent=2))
 
@@ -80,7 +93,8 @@ def sessions_table(sessions) -> str:
 
 
 def cmd_status(args, stub) -> int:
-    reply = stub.Status(pb.StatusRequest(), timeout=args.timeout)
+    metadata = _operator_metadata(args)
+    reply = stub.Status(pb.StatusRequest(), metadata=metadata, timeout=args.timeout)
     if args.json:
         _print_json(reply)
         return 0
@@ -98,16 +112,17 @@ def cmd_status(args, stub) -> int:
                 [[d.index, d.path, format_size(d.used_bytes), format_size(d.capacity_bytes),
                   f"{100 * d.used_bytes / max(d.capacity_bytes, 1):.0f}%"] for d in reply.devices]))
     print()
-    print(sessions_table(reply.session_list))
+    print(sessions_table(reply.session_list) if metadata else f"{reply.sessions} session(s) {NOT_OPERATOR}")
     return 0
 
 
 def cmd_sessions(args, stub) -> int:
-    reply = stub.ListSessions(pb.Empty(), timeout=args.timeout)
+    metadata = _operator_metadata(args)
+    reply = stub.ListSessions(pb.Empty(), metadata=metadata, timeout=args.timeout)
     if args.json:
         _print_json(reply)
     else:
-        print(sessions_table(reply.sessions))
+        print(sessions_table(reply.sessions) if metadata else NOT_OPERATOR)
     return 0
 
 

@@ -18,6 +18,15 @@ if TYPE_CHECKING:
     from fuyoud.server import Daemon
 
 log = logging.getLogger("fuyoud.service")
+# gRPC sends a status message in the trailers, whose size is limited (8 KiB by default): a
+# longer one is dropped and the client sees RESOURCE_EXHAUSTED "Stream removed" instead.
+MAX_MESSAGE = 2048
+
+
+def status_message(exc: Exception) -> str:
+    """An error's message, cut to fit a gRPC status (values are echoed shortened already)."""
+    text = str(exc)
+    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE - 20] + "... (message cut)"
 
 
 def handler(method):
@@ -33,7 +42,7 @@ def handler(method):
             return method(self, request, context)
         except FuyouError as exc:
             metrics.errors.labels(exc.kind).inc()
-            context.abort(exc.code, str(exc))
+            context.abort(exc.code, status_message(exc))
         except Exception:
             metrics.errors.labels("internal").inc()
             log.exception("%s failed", name)

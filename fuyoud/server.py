@@ -60,7 +60,7 @@ class Daemon:
         self.pool = Pool(config.memory.pinned_budget, config.session_budget, config.memory.segment_size,
                          lock=config.memory.lock != "no", pages=self.huge_pages.choose)
         self.store = self._open_store()
-        checkpoint.recover(self)
+        checkpoint.recover(self.store)
         self.optimizer = Optimizer(self.store, StateBuffers(config.optimizer.buffers, config.optimizer.buffer_budget))
         self.sessions = SessionRegistry(self._session_closed, self.store.index_db.namespace_owner,
                                         self.store.index_db.claim_namespace, config.daemon.admits)

@@ -9,32 +9,24 @@ codes. Handlers are thin: the work is in the pool, the store and the session reg
 from __future__ import annotations
 
 import logging
-import re
 
 from fuyou_proto import pb, rpc
 from fuyoud.admin import AdminMethods
 from fuyoud.errors import InvalidArgument, PermissionDenied
 from fuyoud.handler import handler as _handler
 from fuyoud.memory.pool import BufferRef
+from fuyoud.names import check_name as _check_name, shown
 from fuyoud.optimizer.groups import HEADER, Group, itemsize, state_bytes
 from fuyoud.optimizer.kernels import OptimizerSpec
 from fuyoud.storage.index import ObjectMeta
 from fuyoud.storage.store import ReadItem, WriteItem
 
 log = logging.getLogger(__name__)
-NAME_RE = re.compile(r"^[^\x00-\x1f/][^\x00-\x1f]{0,511}$")
 MAX_ITEMS = 65536
 
 
 def _ref(msg: pb.BufferRef) -> BufferRef:
     return BufferRef(msg.segment, msg.offset, msg.length, msg.generation)
-
-
-def _check_name(name: str) -> str:
-    if not NAME_RE.match(name):
-        raise InvalidArgument(f"bad object name {name!r}: 1-512 characters, no control characters, "
-                              "not starting with '/'")
-    return name
 
 
 RESERVED = {"optim/": "optimizer groups", "snapshots/": "checkpoint snapshots"}
@@ -44,7 +36,7 @@ def _check_writable(name: str) -> str:
     """Names a client may write directly (the reserved prefixes belong to the daemon)."""
     for prefix, owner in RESERVED.items():
         if name.startswith(prefix):
-            raise InvalidArgument(f"object names under {prefix!r} belong to {owner}: {name!r}")
+            raise InvalidArgument(f"object names under {prefix!r} belong to {owner}: {shown(name)}")
     return name
 
 
@@ -68,7 +60,7 @@ class FuyouServicer(AdminMethods, rpc.FuyouServicer):
     def _namespace(session, requested: str) -> str:
         if requested and requested != session.namespace:
             raise PermissionDenied(
-                f"namespace {requested!r} is not this session's ({session.namespace!r}): a session "
+                f"namespace {shown(requested)} is not this session's ({session.namespace!r}): a session "
                 "reaches only its own objects")
         return session.namespace
 
@@ -103,7 +95,7 @@ class FuyouServicer(AdminMethods, rpc.FuyouServicer):
             name = _check_name(it.name)
             _check_writable(name)
             if name in seen:
-                raise InvalidArgument(f"object {name!r} appears twice in one SwapOut")
+                raise InvalidArgument(f"object {shown(name)} appears twice in one SwapOut")
             seen.add(name)
             src = pool.view(session.id, _ref(it.buffer), it.offset, it.length or None)
             items.append(WriteItem(self._namespace(session, it.namespace), name, src, it.persistent, session.id))
@@ -127,7 +119,7 @@ class FuyouServicer(AdminMethods, rpc.FuyouServicer):
                 size = store.stat(namespace, name).size
                 if it.object_offset > size:
                     raise InvalidArgument(f"object offset {it.object_offset} is past the end of "
-                                          f"{it.name!r} ({size} bytes)")
+                                          f"{shown(it.name)} ({size} bytes)")
                 length = size - it.object_offset
             dst = pool.view(session.id, _ref(it.buffer), it.offset, length)
             items.append(ReadItem(namespace, name, dst, it.object_offset))

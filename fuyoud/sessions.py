@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-import re
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from fuyoud.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, Unauthenticated, Unavailable
+from fuyoud.errors import AlreadyExists, NotFound, PermissionDenied, Unauthenticated, Unavailable
+from fuyoud.names import check_namespace, shown
 
 log = logging.getLogger(__name__)
-NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 @dataclass
@@ -67,16 +66,15 @@ class SessionRegistry:
             sid = next(self._ids)
             if namespace is None:
                 namespace = f"session-{sid}-{secrets.token_hex(4)}"
-            elif not NAMESPACE_RE.match(namespace):
-                raise InvalidArgument(
-                    f"bad namespace {namespace!r}: 1-128 characters of letters, digits, '.', '_', '-'")
+            else:
+                check_namespace(namespace)
             owner = self._namespace_owner(namespace)
             if owner is not None and owner != uid and uid != 0:
-                raise PermissionDenied(f"namespace {namespace!r} belongs to uid {owner}")
+                raise PermissionDenied(f"namespace {shown(namespace)} belongs to uid {owner}")
             holder = self._by_namespace.get(namespace)
             if holder is not None:
                 raise AlreadyExists(
-                    f"namespace {namespace!r} is held by live session {holder.id} (pid {holder.pid})")
+                    f"namespace {shown(namespace)} is held by live session {holder.id} (pid {holder.pid})")
             session = Session(sid, secrets.token_urlsafe(32), uid, pid, namespace,
                               namespace_claimed=owner is not None)
             self._by_token[session.token] = session

@@ -238,7 +238,9 @@ class FuyouServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListSessions(self, request, context):
-        """Operators (fuyouctl). ListSessions needs only access to the control socket;
+        """Operators (fuyouctl). ListSessions needs only access to the control socket, but
+        lists every session only to the operator (admin token), the caller's own session
+        to a session (its token), and none otherwise; Status's session_list likewise.
         Drain and Checkpoint need the admin token (x-fuyou-admin metadata), which the
         daemon writes to <runtime_dir>/admin.token readable by its own user only.
         """
@@ -266,6 +268,10 @@ class FuyouServicer:
     def Restore(self, request, context):
         """Bring a checkpoint's objects back into the calling session's namespace (replacing
         objects of the same names), after checking them (crc32 of copies); all or nothing.
+        Who may: the checkpoint's owner as recorded in the daemon's index when it wrote
+        it (never what the manifest says), root and the daemon's user; a checkpoint the
+        daemon has no record of only as a copy whose files the caller owns. Every file is
+        read inside the directory (no symlinks, no '..', regular files only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -26,7 +26,7 @@ CLIENT = textwrap.dedent("""
     os.setgroups([])
     os.setgid(65534)
     os.setuid(65534)
-    socket, root_dir, ckpt, token_path = sys.argv[1:5]
+    socket, root_dir, ckpt, token_path, mine, secret, state = sys.argv[1:8]
     out = {}
     def probe(name, fn):
         try:
@@ -56,12 +56,51 @@ CLIENT = textwrap.dedent("""
     probe("restore_roots", lambda: s.restore(ckpt))
     probe("drain", lambda: s.stub.Drain(pb.DrainRequest(), metadata=s.metadata))
     probe("admin_token", lambda: open(token_path).read())
+    probe("read_their_manifest", lambda: open(ckpt + "/manifest.json").read())
+    probe("read_index", lambda: open(state + "/index.sqlite", "rb").read())
+    def seen(reply):
+        return sorted((x.uid, x.namespace) for x in reply)
+    out["list_sessions"] = seen(s.stub.ListSessions(pb.Empty(), metadata=s.metadata).sessions)
+    out["status_sessions"] = seen(s.stub.Status(pb.StatusRequest()).session_list)
+    # Checkpoints of its own making, in the directory it may write under checkpoint_dirs:
+    # file entries that leave the directory, a symlink, and another user's namespace.
+    def crafted(name, objects, mode="copy", namespace=s.namespace, links=()):
+        d = os.path.join(mine, name)
+        os.makedirs(d + "/objects")
+        for rel, target in links:
+            os.symlink(target, os.path.join(d, rel))
+        with open(d + "/manifest.json", "w") as f:
+            json.dump({"format": "fuyou-checkpoint/1", "mode": mode, "namespace": namespace, "step": 1,
+                       "groups": [], "objects": objects}, f)
+        return d
+    size = os.path.getsize(secret) if os.access(secret, os.R_OK) else 4096
+    dots = "../" * 8 + secret.lstrip("/")
+    escape = crafted("escape", [{"name": "loot", "file": dots, "size": 4096, "version": 1, "crc32": 0}])
+    probe("restore_escape", lambda: s.restore(escape))
+    sym = crafted("sym", [{"name": "loot", "file": "objects/000000.bin", "size": 4096, "version": 1, "crc32": 0}],
+                  links=[("objects/000000.bin", secret)])
+    probe("restore_symlink", lambda: s.restore(sym))
+    theirs = crafted("theirs", [{"name": "secret", "snapshot": "secret", "size": 4096, "version": 1}],
+                     mode="snapshot", namespace="rootns")
+    probe("restore_their_namespace", lambda: s.restore(theirs))
+    probe("delete_theirs", lambda: s.delete_checkpoint(ckpt))
+    probe("loot", lambda: s.swap_in("loot", buf))
+    # Its own checkpoint (recorded by the daemon) restores; a directory put in its place does not.
+    own = os.path.join(mine, "own")
+    probe("own_checkpoint", lambda: (s.checkpoint(own, mode="copy"), s.restore(own)))
+    os.rename(own, own + ".moved")
+    crafted("own", [{"name": "loot", "file": "objects/000000.bin", "size": 4096, "version": 1, "crc32": 0}])
+    with open(own + "/objects/000000.bin", "wb") as f:
+        f.write(bytes(4096))
+    probe("restore_replaced", lambda: s.restore(own))
+    probe("delete_own", lambda: s.delete_checkpoint(own + ".moved"))
     s.close()
     print(json.dumps(out))
 """)
 
 
-def run_as_nobody(*args):
+def run_as_nobody(socket, root_dir, ckpt, token_path, mine="-", secret="-", state="-"):
+    args = (socket, root_dir, ckpt, token_path, mine, secret, state)
     proc = subprocess.run([sys.executable, "-c", CLIENT, *map(str, args)], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -93,8 +132,17 @@ def test_an_admitted_uid_reaches_nothing_of_another_users(short_tmp):
             secret.view[:5] = b"hello"
             root.swap_out("secret", secret, persistent=True)
             root.checkpoint(short_tmp / "ckpts" / "root-ckpt", mode="copy")
-        got = run_as_nobody(d.socket, short_tmp, short_tmp / "ckpts" / "root-ckpt",
-                            os.path.join(os.path.dirname(d.socket), "admin.token"))
+        (short_tmp / "ckpts").chmod(0o755)  # an operator who gives each tenant a directory to write
+        mine = short_tmp / "ckpts" / "nobody"
+        mine.mkdir()
+        os.chown(mine, NOBODY, NOBODY)
+        secret = short_tmp / "secret.bin"
+        secret.write_bytes(b"TOP SECRET" * 410)
+        secret.chmod(0o600)
+        with fuyou_client.connect(d.socket, namespace="rootns2"):  # a live session of root's while nobody looks
+            got = run_as_nobody(d.socket, short_tmp, short_tmp / "ckpts" / "root-ckpt",
+                                os.path.join(os.path.dirname(d.socket), "admin.token"), mine, secret,
+                                short_tmp / "state")
         assert got["connect"] == "OK" and got["own_object"] == "OK"
         assert got["root_namespace"].startswith("PermissionDenied") and "belongs to uid 0" in got["root_namespace"]
         assert "PERMISSION_DENIED" in got["other_namespace_stat"] and "not this session's" in got["other_namespace_stat"]
@@ -103,6 +151,24 @@ def test_an_admitted_uid_reaches_nothing_of_another_users(short_tmp):
         assert got["restore_roots"].startswith("PermissionDenied") and "uid 0" in got["restore_roots"]
         assert "PERMISSION_DENIED" in got["drain"] and "admin token" in got["drain"]
         assert got["admin_token"].startswith("error PermissionError")
+        # The daemon's files are its own: another user's checkpoint and the index are not readable.
+        assert got["read_their_manifest"].startswith("error PermissionError"), got["read_their_manifest"]
+        assert got["read_index"].startswith("error PermissionError"), got["read_index"]
+        # Sessions are listed to their own users only (the operator sees all with the admin token).
+        assert got["list_sessions"] == [[NOBODY, got["list_sessions"][0][1]]] and len(got["list_sessions"]) == 1
+        assert got["status_sessions"] == []
+        # A manifest of the tenant's own making reads nothing outside its directory, follows no
+        # symlink, reaches no other namespace, and its errors tell nothing of what it pointed at.
+        assert got["restore_escape"].startswith("InvalidArgument") and "objects/NNNNNN.bin" in got["restore_escape"]
+        assert got["restore_symlink"].startswith("InvalidArgument") and "symlink" in got["restore_symlink"]
+        assert got["restore_their_namespace"].startswith("PermissionDenied"), got["restore_their_namespace"]
+        assert got["delete_theirs"].startswith("PermissionDenied") and "uid 0" in got["delete_theirs"]
+        assert got["loot"].startswith("ObjectNotFound")
+        assert not any("0x" in v for v in got.values() if isinstance(v, str))
+        assert got["own_checkpoint"] == "OK"
+        assert got["restore_replaced"].startswith("PermissionDenied") and "owned by uid 65534" in got["restore_replaced"]
+        # (moved, it is no checkpoint the daemon knows: a tenant may not delete what it cannot own)
+        assert got["delete_own"].startswith("PermissionDenied"), got["delete_own"]
         with fuyou_client.connect(d.socket, namespace="rootns") as root:  # untouched
             out = root.allocate(4096)
             root.swap_in("secret", out)

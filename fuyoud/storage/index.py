@@ -10,6 +10,7 @@ version, never a mix; extents of uncommitted writes are simply free again at res
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 from dataclasses import dataclass
@@ -35,7 +36,27 @@ CREATE TABLE IF NOT EXISTS meta (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS checkpoints (
+    directory TEXT PRIMARY KEY,   -- its real path when it was written
+    namespace TEXT NOT NULL,      -- whose state it holds
+    uid       INTEGER NOT NULL,   -- who may restore or delete it (and root, the daemon's user)
+    mode      TEXT NOT NULL,      -- copy | snapshot
+    snapshot  TEXT NOT NULL,      -- snapshot mode: the prefix of its linked objects
+    manifest_sha256 TEXT NOT NULL -- a manifest that no longer matches is refused
+);
 """
+FILE_MODE = 0o600  # the index names every namespace, object and uid: the daemon's alone
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """A checkpoint this daemon wrote: what its manifest may not be trusted to say."""
+    directory: str
+    namespace: str
+    uid: int
+    mode: str
+    snapshot: str
+    manifest_sha256: str
 
 
 @dataclass(frozen=True)
@@ -58,7 +79,8 @@ class IndexDB:
     """The persistent half of the index. Thread-safe; every write is one transaction."""
 
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _private(path)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
@@ -115,6 +137,36 @@ class IndexDB:
             return self._db.execute("SELECT key, value FROM meta WHERE substr(key, 1, ?) = ?",
                                     (len(prefix), prefix)).fetchall()
 
+    # -- checkpoints this daemon wrote ------------------------------------------------------------
+    def record_checkpoint(self, record: CheckpointRecord) -> None:
+        with self._lock, self._db:
+            self._db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?)",
+                             (record.directory, record.namespace, record.uid, record.mode, record.snapshot,
+                              record.manifest_sha256))
+
+    def checkpoint_record(self, directory: str) -> CheckpointRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM checkpoints WHERE directory = ?", (directory,)).fetchone()
+        return CheckpointRecord(*row) if row else None
+
+    def forget_checkpoint(self, directory: str) -> None:
+        with self._lock, self._db:
+            self._db.execute("DELETE FROM checkpoints WHERE directory = ?", (directory,))
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _private(path: Path) -> None:
+    """Create the database file 0600 before SQLite does (SQLite then gives its -wal and
+    -shm files the same mode); an existing one from an older fuyoud is made private."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)
+    finally:
+        os.close(fd)
+    for extra in ("-wal", "-shm", "-journal"):
+        side = path.with_name(path.name + extra)
+        if side.exists() and not side.is_symlink():
+            os.chmod(side, FILE_MODE)
