@@ -83,6 +83,14 @@ class DaemonProcess:
         self.stop()
 
 
+def _write_private(path: Path, data: bytes) -> None:
+    """A file only this user may read, whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with open(fd, "wb") as f:
+        os.fchmod(fd, 0o600)
+        f.write(data)
+
+
 def start_daemon(state_dir: str | os.PathLike | None = None, config: dict[str, dict[str, Any]] | None = None,
                  timeout: float = 60.0, env: dict[str, str] | None = None) -> DaemonProcess:
     """Start fuyoud in the background with the embedded defaults, its state (data files,
@@ -90,7 +98,7 @@ def start_daemon(state_dir: str | os.PathLike | None = None, config: dict[str, d
     ``config`` overrides ({"section": {"key": value}}). Returns once it serves. The daemon
     stops by itself if this process dies without stopping it."""
     state = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="fuyoud-"))
-    state.mkdir(parents=True, exist_ok=True)
+    state.mkdir(parents=True, exist_ok=True, mode=0o700)
     runtime = state / "run"
     if len(str(runtime / "session.sock")) > 100:  # unix socket paths are limited to 108 bytes
         runtime = Path(tempfile.mkdtemp(prefix="fuyoud-run-"))
@@ -101,7 +109,7 @@ def start_daemon(state_dir: str | os.PathLike | None = None, config: dict[str, d
     for section, values in (config or {}).items():
         merged.setdefault(section, {}).update(values)
     config_path = state / "fuyoud.toml"
-    config_path.write_text(to_toml(merged))
+    _write_private(config_path, to_toml(merged).encode())
     log_path = state / "fuyoud.log"
     sock = merged["daemon"].get("control_socket") or str(Path(merged["daemon"]["runtime_dir"]) / "fuyoud.sock")
 
@@ -111,7 +119,7 @@ def start_daemon(state_dir: str | os.PathLike | None = None, config: dict[str, d
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as notify:
         notify.bind(str(notify_path))
         child_env = dict(os.environ if env is None else env, NOTIFY_SOCKET=str(notify_path))
-        with open(log_path, "ab") as log:
+        with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600), "ab") as log:
             proc = subprocess.Popen([sys.executable, "-m", "fuyoud", "--config", str(config_path), "--exit-with-parent"],
                                     stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
         deadline = time.monotonic() + timeout

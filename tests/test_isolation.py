@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -192,3 +193,40 @@ def test_shared_memory_fds_go_only_to_their_own_session(daemon):
         with pytest.raises(BlockingIOError):  # nothing else is waiting on a's socket
             socket_mod.recv_fds(a._sock, 4096, 4)
         a._sock.setblocking(True)
+
+
+def test_files_the_daemon_writes_are_its_own_whatever_the_umask(short_tmp):
+    """Under umask 0 (the most open a host could have), everything under the state, data
+    and checkpoint directories after a run is the daemon's user's alone: regular files
+    0600, directories writable by it only; the sockets keep their configured mode."""
+    data = short_tmp / "ssd"
+    old = os.umask(0)
+    try:
+        d = fuyou_client.start_daemon(short_tmp / "state", config=merge(SMALL, {"storage": {"data_dirs": [str(data)]}}))
+    finally:
+        os.umask(old)
+    try:
+        with fuyou_client.connect(d.socket, namespace="modes") as s:
+            buf = s.allocate(1 << 20)
+            s.create_group("g", buf, fuyou_client.AdamW())
+            s.step_group("g", buf, lr=1e-3)
+            s.swap_out("t", buf)  # a transient object too
+            state = short_tmp / "state"
+            s.checkpoint(state / "checkpoints" / "copy", mode="copy", client_state=b"x")
+            s.checkpoint(state / "checkpoints" / "snap", mode="snapshot")
+    finally:
+        assert d.stop() == 0, d.log()
+    seen = []
+    for root in (short_tmp / "state", data):
+        for path in [root, *root.rglob("*")]:
+            st = path.lstat()
+            seen.append(path.name)
+            if stat.S_ISSOCK(st.st_mode):
+                assert stat.S_IMODE(st.st_mode) == 0o660, path
+            elif stat.S_ISDIR(st.st_mode):
+                assert stat.S_IMODE(st.st_mode) & 0o022 == 0, f"{path}: {stat.filemode(st.st_mode)}"
+            else:
+                assert stat.S_ISREG(st.st_mode), path
+                assert stat.S_IMODE(st.st_mode) & 0o077 == 0, f"{path}: {stat.filemode(st.st_mode)}"
+    for name in ("index.sqlite", "fuyou.data", "manifest.json", "client_state.bin", "000000.bin"):
+        assert name in seen

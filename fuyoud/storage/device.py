@@ -30,7 +30,7 @@ class Device:
         self.index = index
         self.directory = Path(directory)
         self.capacity = capacity
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.path = self.directory / DATA_FILE
         self._lock_fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -49,6 +49,7 @@ class Device:
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
         fd = os.open(self.path, flags, 0o600)
         try:
+            os.fchmod(fd, 0o600)  # every tenant's state: the daemon's alone (also a file an older fuyoud made)
             size = os.fstat(fd).st_size
             if size < self.capacity:
                 # Check first: a full disk is a start-up error, never a mid-run surprise.
