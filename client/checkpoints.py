@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,14 +40,29 @@ def client_state(engine: "Engine", extra: Any) -> bytes:
     return buf.getvalue()
 
 
+MAX_CLIENT_STATE = 16 << 20  # the daemon keeps at most this much (fuyoud/checkpoint_files.py)
+
+
 def load_client_state(data: bytes) -> dict:
-    """Plain data only (weights_only): a checkpoint cannot run code in the client."""
+    """Plain data only (weights_only): a checkpoint cannot run code in the client. A
+    client state that is not one ``client_state`` wrote is a ValueError saying so."""
     if not data:
         return {"lr": None, "extra": None}
-    state = torch.load(io.BytesIO(data), weights_only=True)
+    if len(data) > MAX_CLIENT_STATE:
+        raise ValueError(f"the checkpoint's client state is {len(data)} bytes, more than {MAX_CLIENT_STATE}")
+    try:
+        state = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many kinds for hostile bytes
+        raise ValueError(f"the checkpoint's client state is unreadable ({type(exc).__name__}): it holds "
+                         "something other than plain data written by fuyou_client") from None
     if not isinstance(state, dict) or state.get("format") != CLIENT_STATE_FORMAT:
         raise ValueError("the checkpoint's client state is not one this version of fuyou_client reads")
-    return state
+    lr = state.get("lr")
+    if lr is not None and not (isinstance(lr, dict) and set(lr) <= {"lr", "initial_lr"} and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+            for v in lr.values())):
+        raise ValueError("the checkpoint's client state has a learning rate that is not a finite number >= 0")
+    return {"lr": lr, "extra": state.get("extra")}
 
 
 def read_masters(engine: "Engine", name: str, numel: int):
