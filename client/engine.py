@@ -25,6 +25,7 @@ resident. Gradients of every group stay in shared memory (they accumulate there)
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import time
 
@@ -35,6 +36,7 @@ from fuyou_client import checkpoints, layergroup
 from fuyou_client.activations import ActivationSwapper, treatments
 from fuyou_client.autoplan import AutoPlanner
 from fuyou_client.device import Device, resolve
+from fuyou_client.errors import NonFinite
 from fuyou_client.gradients import GradientPool
 from fuyou_client.grouping import ParamGroup, split
 from fuyou_client.hostgrads import HostAccumulation
@@ -319,7 +321,16 @@ class Engine:
 
     def step(self) -> None:
         """The barrier: after it every update of this iteration is in the parameters.
-        With ``accumulation_steps=n``, call it after the n-th backward (as with torch)."""
+        With ``accumulation_steps=n``, call it after the n-th backward (as with torch).
+
+        Non-finite gradients never reach the optimizer state. Without ``max_grad_norm``
+        each group's step leaves during backward, so a group whose gradients hold NaN or
+        inf is refused by the daemon (its state and step count kept) while the others
+        step; this then raises ``fuyou_client.errors.NonFinite`` naming it. With
+        ``max_grad_norm`` (``float("inf")`` checks without clipping) every gradient is
+        checked before any group steps: a non-finite global norm steps nothing and raises
+        NonFinite naming the groups at fault. Either way the loss-scaling skip is
+        ``except fuyou_client.errors.NonFinite: engine.zero_grad(); continue``."""
         t_start = time.perf_counter()
         self.optimizer._opt_called = True  # tells torch's LR schedulers that a step happened
         scale = None
@@ -328,7 +339,12 @@ class Engine:
                 if g.host_acc and g.pending != len(g.spec.params):
                     self.host_grads.add(g, first=g.backwards == 0)
         if self.max_grad_norm is not None:
-            scale = self._clip_coefficient()
+            try:
+                scale = self._clip_coefficient()
+            except NonFinite:  # nothing was submitted: the gradients stay for zero_grad() to clear
+                if self.offloader is not None:
+                    self.offloader.release_all()
+                raise
         if self.offloader is not None:
             self.offloader.release_all()  # weights of groups that got no gradient (or eval forwards)
         infos, errors = {}, []
@@ -358,6 +374,10 @@ class Engine:
         if errors:
             if self.host_grads is not None:  # additions of groups never stepped must not land in the next sum
                 self.host_grads.discard()
+            if all(isinstance(e, NonFinite) for e in errors):  # the daemon refused these groups' steps
+                raise NonFinite(
+                    f"{len(errors)} of {len(errors) + len(infos)} groups refused by fuyoud, the others stepped: "
+                    + " | ".join(str(e) for e in errors)) from errors[0]
             raise errors[0]
         self.activations.reset()
         if self._auto is not None:
@@ -375,20 +395,38 @@ class Engine:
                 lambda f: f.exception())
 
     def _clip_coefficient(self) -> float:
-        """torch.nn.utils.clip_grad_norm_'s coefficient (norm over every gradient)."""
+        """torch.nn.utils.clip_grad_norm_'s coefficient (norm over every gradient); exactly
+        1.0 with ``max_grad_norm=inf``. A non-finite norm raises NonFinite naming the groups
+        whose gradients made it so: nothing is stepped."""
         # In model.parameters() order, as torch.nn.utils.clip_grad_norm_(model.parameters()) sums.
-        grads = [p.grad for p in self.model.parameters() if p.requires_grad]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad for p in params]
         if self.host_grads is not None:  # the accumulated gradients, where they are
             self.host_grads.wait()
             accumulated = {id(p): v for g in self.groups if g.host_acc
                            for (_, p), v in zip(g.spec.params, self.host_grads.views(g))}
-            grads = [accumulated.get(id(p), p.grad) for p in self.model.parameters() if p.requires_grad]
-            grads = [t for t in grads if t is not None]
+            grads = [accumulated.get(id(p), p.grad) for p in params]
+        params, grads = [p for p, t in zip(params, grads) if t is not None], [t for t in grads if t is not None]
         norms = torch._foreach_norm(grads, 2.0)
         total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
         if not math.isfinite(total.item()):
-            raise FloatingPointError(f"the total gradient norm is {total.item()}; not stepping")
+            raise self._non_finite_norm(params, norms, total.item())
         return float(torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0))
+
+    def _non_finite_norm(self, params: list, norms: list, total: float) -> NonFinite:
+        bad = {id(p) for p, n in zip(params, torch.stack([n.float() for n in norms]).tolist())
+               if not math.isfinite(n)}
+        names = [g.spec.name for g in self.groups if any(id(p) in bad for _, p in g.spec.params)]
+        if names:
+            which = ", ".join(map(repr, names))
+            cause = f"the gradients of group{'s' if len(names) > 1 else ''} {which} hold NaN or inf"
+        elif bad:
+            cause = "gradients of parameters outside the groups hold NaN or inf"
+        else:
+            cause = "every group's gradient norm is finite but their sum of squares overflows float32"
+        return NonFinite(f"the total gradient norm is {total}: {cause} (or a norm too large for float32); no group "
+                         "was stepped (the optimizer state is unchanged): call engine.zero_grad() and go on with "
+                         "the next batch")
 
     def zero_grad(self) -> None:
         """Zero every gradient (in shared memory: they stay views of it; pooled ones are
@@ -490,6 +528,13 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
     ``offload="host"``: the blocks' weights stay in shared host memory (each step writes
     them there) and are uploaded to the device ahead of each use, as prefetched as from
     the SSD array but with no SSD reads (on the CPU the same as ``offload=False``).
+    ``max_grad_norm``: clip the global gradient norm to it, exactly as
+    ``torch.nn.utils.clip_grad_norm_`` (the steps then wait for every gradient); every
+    gradient is then also checked before any group steps, and a non-finite norm steps
+    nothing and raises ``fuyou_client.errors.NonFinite`` (``float("inf")``: that check
+    without clipping). Without it each group steps as soon as backward has finished it,
+    and the daemon refuses (keeping its state) the step of a group whose gradients are
+    not finite while the others step; ``engine.step()`` then raises NonFinite naming it.
     ``resume``: a directory written by ``engine.save_checkpoint``; the model's weights,
     the optimizer state, step counts and learning rate continue from it.
     ``activations``: what happens to the blocks' activations saved for backward: "keep"
@@ -508,6 +553,10 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
     them between backward passes). On the CPU the two are the same."""
     if accumulation_steps < 1:
         raise ValueError("accumulation_steps must be at least 1")
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real)
+                                      or not max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be a number > 0 (float('inf') to check the gradients for NaN and inf "
+                         f"without clipping) or None, not {max_grad_norm!r}")
     if offload not in (True, False, "host"):
         raise ValueError(f"offload must be True, False or 'host', not {offload!r}")
     if grad_accumulation not in ("device", "host"):

@@ -10,7 +10,9 @@ class FuyouClientError(Exception):
     code = "UNKNOWN"
 
 
-class InvalidArgument(FuyouClientError):
+class InvalidArgument(FuyouClientError, ValueError):
+    """A request the daemon refused as malformed (or, for optimizer settings such as
+    ``AdamW(eps=nan)``, that the client refuses before sending it): a ValueError."""
     code = "INVALID_ARGUMENT"
 
 
@@ -39,6 +41,15 @@ class DataLoss(FuyouClientError):
     code = "DATA_LOSS"
 
 
+class NonFinite(FuyouClientError, FloatingPointError):
+    """A step refused because it would have put NaN or infinite values into the optimizer
+    state: by the daemon (that group's gradients or update were not finite; its committed
+    state and step count are kept), or by ``engine.step()`` with ``max_grad_norm`` (the
+    global gradient norm was not finite; no group stepped). The message names the groups.
+    Loss scaling's skip: ``except NonFinite: engine.zero_grad(); continue``."""
+    code = "OUT_OF_RANGE"
+
+
 class DaemonUnavailable(FuyouClientError):
     """No daemon at the socket, or it died or is shutting down."""
     code = "UNAVAILABLE"
@@ -49,7 +60,7 @@ class SessionClosed(FuyouClientError):
 
 
 _BY_CODE = {cls.code: cls for cls in (InvalidArgument, ObjectNotFound, PermissionDenied, NamespaceBusy,
-                                      ResourceExhausted, DataLoss, DaemonUnavailable, SessionClosed)}
+                                      ResourceExhausted, DataLoss, NonFinite, DaemonUnavailable, SessionClosed)}
 
 
 def from_code(code: str, message: str) -> FuyouClientError:

@@ -7,13 +7,26 @@
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 
+from fuyou_client.errors import InvalidArgument
 from fuyou_proto import pb
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def check_number(owner: str, name: str, value, below: float | None = None) -> None:
+    """``value`` a finite number >= 0 (and < ``below`` where given), else InvalidArgument
+    (a ValueError) naming the field: the daemon refuses the same, this says it sooner."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise InvalidArgument(f"{owner}: {name} must be a finite number, got {value!r}")
+    if value < 0 or (below is not None and value >= below):
+        bound = f"in [0, {below:g})" if below is not None else ">= 0"
+        raise InvalidArgument(f"{owner}: {name} must be {bound}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -24,6 +37,15 @@ class AdamW:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 1e-2
+
+    def __post_init__(self) -> None:
+        check_number("AdamW", "lr", self.lr)
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
+            raise InvalidArgument(f"AdamW: betas must be a pair (beta1, beta2), got {self.betas!r}")
+        for i, beta in enumerate(self.betas):
+            check_number("AdamW", f"betas[{i}]", beta, below=1.0)
+        check_number("AdamW", "eps", self.eps)
+        check_number("AdamW", "weight_decay", self.weight_decay)
 
     def to_pb(self) -> pb.OptimizerSpec:
         return pb.OptimizerSpec(kind="adamw", beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
@@ -38,6 +60,12 @@ class SGD:
     dampening: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "momentum", "dampening", "weight_decay"):  # (torch does not bound dampening above)
+            check_number("SGD", name, getattr(self, name))
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise InvalidArgument("SGD: Nesterov momentum requires a momentum and zero dampening")
 
     def to_pb(self) -> pb.OptimizerSpec:
         return pb.OptimizerSpec(kind="sgd", momentum=self.momentum, dampening=self.dampening,

@@ -30,6 +30,12 @@ class Unauthenticated(FuyouError):
     code, kind = grpc.StatusCode.UNAUTHENTICATED, "unauthenticated"
 
 
+class NonFinite(FuyouError):
+    """A step would have put NaN or infinite values into an optimizer state: refused, the
+    committed state kept."""
+    code, kind = grpc.StatusCode.OUT_OF_RANGE, "non_finite"
+
+
 class ResourceExhausted(FuyouError):
     code, kind = grpc.StatusCode.RESOURCE_EXHAUSTED, "resource_exhausted"
 

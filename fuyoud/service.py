@@ -174,8 +174,6 @@ class FuyouServicer(AdminMethods, rpc.FuyouServicer):
         if request.HasField("weights_out"):
             out = pool.view(session.id, _ref(request.weights_out), request.weights_out_offset,
                             group.numel * itemsize(request.out_dtype))
-        if not request.lr >= 0:
-            raise InvalidArgument(f"learning rate must be a non-negative number, got {request.lr}")
         scale = request.grad_scale if request.HasField("grad_scale") else 1.0
         weights_object = ""
         if request.weights_object:

@@ -24,7 +24,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Fuyou"]
 PER_EXAMPLE = 10  # messages per hypothesis example
 EXPECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED,
             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
-            grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.DATA_LOSS}
+            grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.OUT_OF_RANGE}
 
 INT64 = [0, 1, -1, 4095, 4096, 4097, 2**31, 2**62, 2**63 - 1, -2**63]
 UINT64 = [0, 1, 4095, 4096, 2**20 + 1, 2**32, 2**63, 2**64 - 1]

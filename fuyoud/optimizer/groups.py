@@ -8,7 +8,9 @@ A group's state is one persistent object, ``optim/<group>``:
 object into a daemon buffer, runs the fused kernel on the gradients in the client's
 shared buffer, writes the new compute-dtype weights into the client's shared buffer,
 and commits the state as a new version of the object (the header's step count with
-it: one atomic commit). Steps of one group run in order; steps of different groups run
+it: one atomic commit). A step whose new state would hold a NaN or an infinity is
+refused (NonFinite) before anything is committed: the group keeps its state and step
+count. Steps of one group run in order; steps of different groups run
 concurrently, so with the client submitting groups as backward finishes them the
 daemon reads group g+1, steps g and writes g-1 at once. After each step it prefetches
 the state of the group expected next (the order of the previous iteration; at first,
@@ -17,15 +19,17 @@ the reverse of creation order, which is backward's), within the buffer budget.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from fuyoud.errors import InvalidArgument, NotFound
+from fuyoud.errors import InvalidArgument, NonFinite, NotFound
+from fuyoud.names import shown
 from fuyoud.optimizer.buffers import StateBuffers
-from fuyoud.optimizer.kernels import OptimizerSpec, step as run_kernel
+from fuyoud.optimizer.kernels import OptimizerSpec, all_finite, step as run_kernel
 from fuyoud.storage.store import ReadItem, Store, WriteItem
 from fuyoud.units import align_up
 
@@ -37,7 +41,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def itemsize(dtype: str) -> int:
     """Bytes per element of a dtype named in a request; InvalidArgument for others."""
     if dtype not in DTYPES:
-        raise InvalidArgument(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+        raise InvalidArgument(f"dtype {shown(dtype)} is not one of {sorted(DTYPES)}")
     return DTYPES[dtype].itemsize
 
 
@@ -184,7 +188,16 @@ class Optimizer:
     def step(self, group: Group, grads: memoryview, grad_dtype: str, out: memoryview | None, out_dtype: str,
              lr: float, grad_scale: float, session_id: int, weights_object: str = "") -> StepResult:
         """One step. The new weights go, in ``out_dtype``, to the client's ``out`` buffer
-        and/or to the transient object ``weights_object`` (for clients that offload them)."""
+        and/or to the transient object ``weights_object`` (for clients that offload them).
+
+        Nothing non-finite reaches the state: ``lr`` and ``grad_scale`` must be finite and
+        non-negative (InvalidArgument, before anything is read), and a step whose new state
+        (weights or moments) holds a NaN or an infinity (NaN or infinite gradients, or an
+        update that overflows) is refused with NonFinite: nothing is committed or written
+        to ``out``, and the group keeps its state and step count."""
+        for what, value in (("learning rate", lr), ("grad_scale", grad_scale)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise InvalidArgument(f"group {group.name!r}: {what} must be a finite number >= 0, got {value!r}")
         if grad_dtype not in DTYPES or ((out is not None or weights_object) and out_dtype not in DTYPES):
             raise InvalidArgument(f"dtypes must be one of {sorted(DTYPES)}")
         grad = _tensor(grads, DTYPES[grad_dtype], group.numel)
@@ -228,6 +241,10 @@ class Optimizer:
                 g = g.clone() if g is grad else g
                 g.mul_(grad_scale)  # global-norm clipping: the client's clip coefficient
             run_kernel(group.spec, group.step, slots, g, lr)
+            # Padding between the slots is zero: one sum over them all checks the new state.
+            if not all_finite(torch.frombuffer(state[HEADER:HEADER + len(slots) * sb], dtype=torch.float32),
+                              slots):
+                raise self._non_finite(group, grad, g, lr, grad_scale)  # the buffer is dropped: nothing kept
         state[:HEADER] = group.spec.header(n, group.step + 1).ljust(HEADER, b"\0")
         t2 = time.perf_counter()
         self.store.write([WriteItem(group.namespace, name, state, persistent=True, session_id=session_id)])
@@ -236,6 +253,21 @@ class Optimizer:
             out.copy_(slots[0])
         t3 = time.perf_counter()
         return StepResult(group.step, t1 - t0, t2 - t1, t3 - t2, prefetched)
+
+    @staticmethod
+    def _non_finite(group: Group, grad: torch.Tensor, scaled: torch.Tensor, lr: float,
+                    grad_scale: float) -> NonFinite:
+        """The refusal of a step whose new state is not finite, with its cause (checked
+        exactly, only now that the step failed)."""
+        if not all_finite(grad):
+            cause = "its gradients hold non-finite values (NaN or inf)"
+        elif scaled is not grad and not all_finite(scaled):
+            cause = f"its gradients times grad_scale {grad_scale!r} overflow float32"
+        else:
+            cause = (f"its gradients are finite but its update is not (learning rate {lr!r}): the step "
+                     "overflows float32, or the state it starts from was not finite")
+        return NonFinite(f"group {group.name!r}: {cause}; the step was refused and its committed state "
+                         f"(step {group.step}) kept")
 
     def fetch_weights(self, group: Group, out: memoryview, out_dtype: str) -> bool:
         """Serve a group's current weights from a read-ahead of its whole state.

@@ -10,13 +10,16 @@ the same numbers as stepping them one by one.
 """
 from __future__ import annotations
 
+import math
 import struct
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 from torch.optim.adamw import adamw as _adamw
 
 from fuyoud.errors import InvalidArgument
+from fuyoud.names import shown
 
 
 @dataclass(frozen=True)
@@ -31,12 +34,19 @@ class OptimizerSpec:
     nesterov: bool = False
 
     def __post_init__(self) -> None:
+        """Every hyperparameter checked here, in the daemon: a NaN or infinite one would
+        turn the master weights into NaN at the first step (and commit them)."""
         if self.kind not in ("adamw", "sgd"):
-            raise InvalidArgument(f"unknown optimizer {self.kind!r} (adamw or sgd)")
+            raise InvalidArgument(f"unknown optimizer {shown(self.kind)} (adamw or sgd)")
+        for name in ("beta1", "beta2", "eps", "weight_decay", "momentum", "dampening"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise InvalidArgument(f"optimizer {name} must be a finite number, got {value!r}")
         if self.kind == "adamw" and not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
             raise InvalidArgument(f"betas must be in [0, 1), got ({self.beta1}, {self.beta2})")
-        if self.eps < 0 or self.weight_decay < 0 or self.momentum < 0:
-            raise InvalidArgument("eps, weight_decay and momentum must not be negative")
+        for name in ("eps", "weight_decay", "momentum", "dampening"):  # (torch does not bound dampening above)
+            if getattr(self, name) < 0:
+                raise InvalidArgument(f"optimizer {name} must not be negative, got {getattr(self, name)!r}")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise InvalidArgument("Nesterov momentum requires a momentum and zero dampening")
 
@@ -83,3 +93,16 @@ def step(spec: OptimizerSpec, step_count: int, slots: list[torch.Tensor], grad: 
     torch._fused_sgd_([weights], [grad], [momentum] if momentum is not None else [],
                       weight_decay=spec.weight_decay, momentum=spec.momentum, lr=lr, dampening=spec.dampening,
                       nesterov=spec.nesterov, maximize=False, is_first_step=step_count == 0)
+
+
+def all_finite(t: torch.Tensor, parts: Sequence[torch.Tensor] | None = None) -> bool:
+    """Whether every element is finite (no NaN, no infinity).
+
+    One summation decides in the usual case: a finite sum means every element is finite
+    (a NaN or an infinity makes the sum NaN or infinite whatever else is added). Only a
+    non-finite sum, which large finite values can also give by overflowing, is checked
+    exactly, element by element: on ``parts`` where given (the tensors that matter inside
+    ``t``, e.g. a state's slots without the padding between them), else on ``t``."""
+    if t.numel() == 0 or math.isfinite(t.sum().item()):
+        return True
+    return all(bool(torch.isfinite(p).all()) for p in (parts if parts is not None else [t]))
