@@ -111,7 +111,9 @@ def run_as_nobody(socket, root_dir, ckpt, token_path, mine="-", secret="-", stat
 def start(short_tmp, **daemon):
     os.chmod(short_tmp, 0o755)  # let nobody reach the sockets (their own mode still decides)
     cfg = merge(SMALL, {"daemon": {"socket_group": "nogroup", **daemon}})
-    return fuyou_client.start_daemon(short_tmp / "state", config=cfg)
+    d = fuyou_client.start_daemon(short_tmp / "state", config=cfg)
+    (short_tmp / "state").chmod(0o755)  # (a private daemon's is 0700) the files' own modes must keep nobody out
+    return d
 
 
 @needs_root
