@@ -4,9 +4,12 @@ Writes, under ``--root`` (default ``/``):
 
     etc/systemd/system/fuyoud.service   deploy/fuyoud.service with ExecStart= pointing at
                                         this fuyoud and ReadWritePaths= at the config's
-                                        state and data directories
+                                        state, data and checkpoint directories (under
+                                        ProtectSystem=strict it may write nowhere else)
     etc/sysusers.d/fuyoud.conf          the fuyoud user and group
-    etc/tmpfiles.d/fuyoud.conf          its directories
+    etc/tmpfiles.d/fuyoud.conf          its directories, the config's data and checkpoint
+                                        directories included (ReadWritePaths= must name
+                                        directories that exist when the unit starts)
     etc/fuyoud/fuyoud.toml              deploy/fuyoud.toml, only if there is none yet
 
 and, when the root is ``/``, runs systemd-sysusers, systemd-tmpfiles --create and
@@ -54,6 +57,15 @@ def render_unit(template: str, executable: Path, config: Path, writable: list[Pa
             .replace(UNIT_PATHS, f"ReadWritePaths={paths}"))
 
 
+def render_tmpfiles(template: str, directories: list[Path]) -> str:
+    """The shipped entries plus one ``d`` line for each configured directory they lack."""
+    listed = {line.split()[1] for line in template.splitlines() if line.startswith("d ")}
+    extra = [f"d {d} 0750 fuyoud fuyoud -" for d in directories if str(d) not in listed]
+    if not extra:
+        return template
+    return template.rstrip("\n") + "\n# From /etc/fuyoud/fuyoud.toml (fuyoud install-service):\n" + "\n".join(extra) + "\n"
+
+
 def install(root: Path, executable: Path, run_tools: bool, out=sys.stdout) -> list[Path]:
     src = deploy_dir()
     config_path = Path("/etc/fuyoud/fuyoud.toml")
@@ -64,7 +76,7 @@ def install(root: Path, executable: Path, run_tools: bool, out=sys.stdout) -> li
         shutil.copyfile(src / "fuyoud.toml", config_file)
         written.append(config_file)
     cfg = load(config_file)  # the unit must let the daemon write where this config says
-    writable = [cfg.daemon.state_dir, *cfg.data_dirs]
+    writable = list(dict.fromkeys([cfg.daemon.state_dir, *cfg.data_dirs, *cfg.checkpoint_dirs]))
     if str(executable).startswith(("/root/", "/home/")):
         print(f"warning: {executable} is under a home directory, which user fuyoud may not be able to "
               "read; install fuyou into a system location (e.g. python3 -m venv /opt/fuyou)", file=out)
@@ -72,7 +84,8 @@ def install(root: Path, executable: Path, run_tools: bool, out=sys.stdout) -> li
         "etc/systemd/system/fuyoud.service": render_unit((src / "fuyoud.service").read_text(), executable,
                                                         config_path, writable),
         "etc/sysusers.d/fuyoud.conf": (src / "sysusers.d" / "fuyoud.conf").read_text(),
-        "etc/tmpfiles.d/fuyoud.conf": (src / "tmpfiles.d" / "fuyoud.conf").read_text(),
+        "etc/tmpfiles.d/fuyoud.conf": render_tmpfiles((src / "tmpfiles.d" / "fuyoud.conf").read_text(),
+                                                      writable[1:]),
     }
     for rel, text in files.items():
         dest = root / rel

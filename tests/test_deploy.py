@@ -70,6 +70,25 @@ def test_install_service_writes_a_unit_that_systemd_analyze_verifies(tmp_path):
     assert 'log_level = "debug"' in cfg_file.read_text()
 
 
+def test_the_unit_may_write_every_directory_of_the_config(tmp_path):
+    """Under ProtectSystem=strict the daemon writes only where ReadWritePaths= says: its
+    config's data and checkpoint directories must be there, and exist at start."""
+    cfg_file = tmp_path / "etc/fuyoud/fuyoud.toml"
+    cfg_file.parent.mkdir(parents=True)
+    cfg_file.write_text('[daemon]\nstate_dir = "/var/lib/fuyoud"\ncheckpoint_dirs = ["/data/ckpt-a", "/srv/ckpt-b"]\n'
+                        '[storage]\ndata_dirs = ["/mnt/nvme0/fuyou", "/mnt/nvme1/fuyou"]\n')
+    done = install_service(tmp_path)
+    assert done.returncode == 0, done.stderr
+    unit = (tmp_path / "etc/systemd/system/fuyoud.service").read_text()
+    writable = re.search(r"^ReadWritePaths=(.*)$", unit, re.M).group(1).split()
+    wanted = ["/var/lib/fuyoud", "/mnt/nvme0/fuyou", "/mnt/nvme1/fuyou", "/data/ckpt-a", "/srv/ckpt-b"]
+    assert sorted(writable) == sorted(wanted)
+    tmpfiles = (tmp_path / "etc/tmpfiles.d/fuyoud.conf").read_text()
+    made = {line.split()[1] for line in tmpfiles.splitlines() if line.startswith("d ")}
+    assert set(wanted) <= made
+    assert tmpfiles.count("d /var/lib/fuyoud ") == 1  # the shipped entries are not repeated
+
+
 @needs_systemd
 def test_sysusers_and_tmpfiles_entries_apply(tmp_path):
     if tool("systemd-sysusers") is None or tool("systemd-tmpfiles") is None:
