@@ -28,6 +28,7 @@ from fuyoud.config import ConfigError, load
 
 UNIT_EXEC = "ExecStart=/usr/local/bin/fuyoud --config /etc/fuyoud/fuyoud.toml"
 UNIT_PATHS = "ReadWritePaths=/var/lib/fuyoud"
+UNIT_MOUNTS = "RequiresMountsFor=/var/lib/fuyoud"
 
 
 def deploy_dir() -> Path:
@@ -50,11 +51,13 @@ def fuyoud_executable() -> Path:
 
 
 def render_unit(template: str, executable: Path, config: Path, writable: list[Path]) -> str:
-    if UNIT_EXEC not in template or UNIT_PATHS not in template:
-        raise ValueError("deploy/fuyoud.service lost its ExecStart= or ReadWritePaths= line")
+    if UNIT_EXEC not in template or UNIT_PATHS not in template or UNIT_MOUNTS not in template:
+        raise ValueError("deploy/fuyoud.service lost its ExecStart=, ReadWritePaths= or RequiresMountsFor= line")
     paths = " ".join(dict.fromkeys(str(p) for p in writable))
+    # RequiresMountsFor=: an SSD that is not mounted must stop the start, not leave the daemon
+    # filling (or tmpfiles.d creating) a directory of that name on the root file system.
     return (template.replace(UNIT_EXEC, f"ExecStart={executable} --config {config}")
-            .replace(UNIT_PATHS, f"ReadWritePaths={paths}"))
+            .replace(UNIT_PATHS, f"ReadWritePaths={paths}").replace(UNIT_MOUNTS, f"RequiresMountsFor={paths}"))
 
 
 def render_tmpfiles(template: str, directories: list[Path]) -> str:

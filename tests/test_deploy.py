@@ -83,6 +83,8 @@ def test_the_unit_may_write_every_directory_of_the_config(tmp_path):
     writable = re.search(r"^ReadWritePaths=(.*)$", unit, re.M).group(1).split()
     wanted = ["/var/lib/fuyoud", "/mnt/nvme0/fuyou", "/mnt/nvme1/fuyou", "/data/ckpt-a", "/srv/ckpt-b"]
     assert sorted(writable) == sorted(wanted)
+    mounts = re.search(r"^RequiresMountsFor=(.*)$", unit, re.M).group(1).split()
+    assert sorted(mounts) == sorted(wanted)  # an SSD not mounted stops the start
     tmpfiles = (tmp_path / "etc/tmpfiles.d/fuyoud.conf").read_text()
     made = {line.split()[1] for line in tmpfiles.splitlines() if line.startswith("d ")}
     assert set(wanted) <= made
