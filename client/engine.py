@@ -32,13 +32,13 @@ import time
 import torch
 from torch import nn
 
-from fuyou_client import checkpoints, layergroup
+from fuyou_client import checkpoints, layergroup, materialize
 from fuyou_client.activations import ActivationSwapper, treatments
 from fuyou_client.autoplan import AutoPlanner
 from fuyou_client.device import Device, resolve
 from fuyou_client.errors import NonFinite
 from fuyou_client.gradients import GradientPool
-from fuyou_client.grouping import ParamGroup, split
+from fuyou_client.grouping import ParamGroup, block_list, split
 from fuyou_client.hostgrads import HostAccumulation
 from fuyou_client.layergroup import LayerGroup
 from fuyou_client.offload import Offloader, Saved
@@ -82,7 +82,7 @@ class Engine:
                  max_grad_norm: float | None, accumulation_steps: int, owns_session: bool,
                  offload: bool | str = True, prefetch: int = 2, keep: int = 0, resume: bool = False,
                  activations="keep", host_budget: int = 256 << 20, device_budget: int | None = None,
-                 device: Device | None = None, grad_accumulation: str = "device"):
+                 device: Device | None = None, grad_accumulation: str = "device", materializer=None):
         self.model = model
         self.device = device or resolve(None, model)
         self._resume = resume  # the groups exist in the daemon (restored): take their weights
@@ -112,7 +112,11 @@ class Engine:
             for spec in groups:
                 index = sum(1 for g in self.groups if g.offloaded is not None)  # position in forward order
                 mode = offload if spec.module is not None else False  # (the rest group stays resident)
+                if materializer is not None:  # a model on the meta device: this group's values, now
+                    materializer.fill(spec, self.device.torch_device)
                 self.groups.append(layergroup.upload(self, spec, optimizer, mode, index))
+            if materializer is not None:
+                materializer.finish(self.device.torch_device)
         except BaseException:  # leave the user's model as it was
             with torch.no_grad():
                 for p, data, grad in originals:
@@ -520,7 +524,8 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
            max_grad_norm: float | None = None, accumulation_steps: int = 1, offload: bool | str = True,
            prefetch: int = 2, keep: int = 0, resume: str | os.PathLike | None = None,
            activations: str | dict[str, str] = "keep", host_budget: int = 256 << 20,
-           device_budget: int | None = None, device=None, grad_accumulation: str = "device") -> Engine:
+           device_budget: int | None = None, device=None, grad_accumulation: str = "device",
+           weights: str | os.PathLike | None = None) -> Engine:
     """Hook ``model`` up to fuyoud: its optimizer state moves to the SSD array, each layer
     group is stepped by the daemon as soon as backward has finished it, and (``offload``)
     the blocks' weights are fetched ahead of use, ``prefetch`` blocks deep; the last
@@ -550,7 +555,25 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
     ``max_grad_norm``, resident groups) live on a device with its own memory: "device"
     (in ``.grad``, as torch keeps them) or "host" (each backward's gradients leave the
     device at once and are summed in fp32 in shared host memory: no device memory for
-    them between backward passes). On the CPU the two are the same."""
+    them between backward passes). On the CPU the two are the same.
+    ``weights``: for a model built on the meta device (``with torch.device("meta"):``, or
+    accelerate's ``init_empty_weights``), where its values come from, one layer group at
+    a time, so that the model never exists whole in this process: the path of a
+    safetensors checkpoint (a ``from_pretrained`` directory, sharded with
+    ``model.safetensors.index.json`` or not, or one ``.safetensors`` file; tied weights
+    missing from it are found under their other name, tensors are cast to the
+    parameters' dtype, a missing or mis-shaped tensor is refused, named), or ``"init"``
+    (the model's own initialisation, replayed group by group: bitwise the values the same
+    model built on the CPU gets from the same ``torch.manual_seed``, for Hugging Face
+    models and plain ones made of torch's layers; see materialize.py). Required for a
+    model whose parameters are on the meta device (unless ``resume`` gives the weights),
+    refused for one whose parameters hold values. Meta buffers come from the checkpoint
+    or are recomputed by their module's init. With ``offload=True`` only the rest group
+    (embeddings, final norm, head), frozen parameters and buffers are then resident; each
+    block is made real on the CPU just before its upload and emptied after it. With
+    ``offload=False`` or ``"host"`` every group stays resident (in shared memory): the
+    model is then materialised, though never twice. Pass ``device="cuda"`` for a GPU (a
+    meta model's parameters are on no device: the default is the CPU)."""
     if accumulation_steps < 1:
         raise ValueError("accumulation_steps must be at least 1")
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real)
@@ -561,14 +584,27 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
         raise ValueError(f"offload must be True, False or 'host', not {offload!r}")
     if grad_accumulation not in ("device", "host"):
         raise ValueError(f"grad_accumulation must be 'device' or 'host', not {grad_accumulation!r}")
-    groups = split(model, blocks)
-    if not groups:
-        raise ValueError("the model has no trainable parameters")
-    if offload and hf_checkpointing(model):
-        raise ValueError(GRADIENT_CHECKPOINTING)
-    device = resolve(device, model)
+    materializer = materialize.prepare(model, weights, resume is not None)  # (a meta model: CPU stand-ins now)
+    try:
+        groups = split(model, blocks)
+        if not groups:
+            raise ValueError("the model has no trainable parameters")
+        if offload and hf_checkpointing(model):
+            raise ValueError(GRADIENT_CHECKPOINTING)
+        if materializer is not None:
+            materializer.bind(block_list(model, blocks))
+        device = resolve(device, model)
+    except BaseException:
+        if materializer is not None:
+            materializer.undo()
+        raise
     owns = session is None
-    session = session or connect(socket, namespace=namespace)
+    try:
+        session = session or connect(socket, namespace=namespace)
+    except BaseException:
+        if materializer is not None:
+            materializer.undo()
+        raise
     try:
         state = None
         if resume is not None:
@@ -576,11 +612,13 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
         engine = Engine(model, session, optimizer or AdamW(), groups, max_grad_norm, accumulation_steps, owns,
                         offload, prefetch, keep, resume=state is not None, activations=activations,
                         host_budget=host_budget, device_budget=device_budget, device=device,
-                        grad_accumulation=grad_accumulation)
+                        grad_accumulation=grad_accumulation, materializer=materializer)
         if state is not None:
             engine._checkpoint_lr = state["lr"] or {}
             engine.resume_lr()
             engine.checkpoint_extra = state["extra"]
+        if materializer is not None:
+            materializer.commit()
         return engine
     except BaseException:
         if owns:
@@ -588,4 +626,6 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
         elif not device.shares_host_memory:
             session.use_device(None)
         device.close()
+        if materializer is not None:
+            materializer.undo()  # (the model is on the meta device again)
         raise

@@ -48,11 +48,17 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     return (best[0], best[1]) if best else None
 
 
+def block_list(model: nn.Module, blocks: list[nn.Module] | None = None) -> list[nn.Module]:
+    """The blocks, in forward order: ``blocks`` or the ones ``find_blocks`` discovers."""
+    if blocks is not None:
+        return list(blocks)
+    found = find_blocks(model)
+    return list(found[1]) if found else []
+
+
 def split(model: nn.Module, blocks: list[nn.Module] | None = None) -> list[ParamGroup]:
     """Groups in forward order: one per block, then "rest". ``blocks`` overrides discovery."""
-    if blocks is None:
-        found = find_blocks(model)
-        blocks = list(found[1]) if found else []
+    blocks = block_list(model, blocks)
     owner: dict[int, str] = {}
     groups: list[ParamGroup] = []
     for i, block in enumerate(blocks):
