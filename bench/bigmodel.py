@@ -1,7 +1,8 @@
 """A model whose training state does not fit in this machine's memory, trained through Fuyou.
 
-    python bench/bigmodel.py --json PATH [--width 2560] [--layers 28] [--vocab 8192] [--seq 128]
-                             [--batch 1] [--steps 5] [--over 1.3] [--dir DIR] [--buffer-budget 1GiB]
+    python bench/bigmodel.py --json PATH [--width 2048] [--layers 1] [--vocab 8192] [--seq 128]
+                             [--batch 1] [--steps 5] [--prefetch 1] [--over 1.3] [--dir DIR]
+                             [--buffer-budget 1GiB] [--pinned-budget 4GiB]
 
 A GPT-2-style model (Hugging Face ``GPT2LMHeadModel``, untied head) is sized so that its fp32
 weights, gradients and AdamW moments (16 bytes per parameter) exceed the host's physical memory
@@ -13,8 +14,8 @@ and the script reports:
 
 * params, state_bytes (16 per parameter), physical_memory_bytes, state_over_memory;
 * peak resident memory of the client and of the daemon (``VmRSS`` sampled every 50 ms and
-  ``VmHWM`` at the end, shared memory included, so pages both map count twice) and
-  peak_rss_over_state (target <= 0.12);
+  ``VmHWM`` at the end, shared memory included), and of the two together, sampled at the
+  same instants with the shared memory counted once: peak_rss_over_state (target <= 0.12);
 * seconds per step, the optimizer phase of each step (first group step submitted to last group
   step done) against its SSD bound (12 bytes per parameter read and 12 written at the bare
   read and write bandwidths of the same directory, measured before and after the run with
@@ -37,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -66,7 +66,7 @@ with torch.device("meta"):
 params = sum(p.numel() for p in model.parameters())
 t0 = time.perf_counter()
 engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=args["lr"], weight_decay=0.01), socket=args["socket"],
-                             namespace="bigmodel", weights="init", offload=True)
+                             namespace="bigmodel", weights="init", offload=True, prefetch=args["prefetch"])
 attach_s = time.perf_counter() - t0
 print(json.dumps({"event": "attached", "params": params, "seconds": attach_s}), flush=True)
 gen = torch.Generator().manual_seed(1)
@@ -121,7 +121,9 @@ def size_model(args, memory: int) -> tuple[int, int]:
 
 
 class RssSampler:
-    """The peak VmRSS of some processes, sampled in a thread."""
+    """Peak resident memory, sampled in a thread: of each process (VmRSS), and of the two
+    together at the same instant with the shared memory counted once (the client maps every
+    segment of the daemon's pool: client VmRSS + daemon VmRSS - daemon RssShmem)."""
 
     def __init__(self, interval: float = 0.05):
         self.pids: dict[str, int] = {}
@@ -132,10 +134,15 @@ class RssSampler:
 
     def _run(self, interval: float) -> None:
         while not self._stop.wait(interval):
+            now = {}
             for name, pid in list(self.pids.items()):
                 rss = read_status(pid, "VmRSS")
                 if rss is not None:
+                    now[name] = rss
                     self.peak[name] = max(self.peak.get(name, 0), rss)
+            if len(now) == 2:
+                both = now["client"] + now["daemon"] - (read_status(self.pids["daemon"], "RssShmem") or 0)
+                self.peak["together"] = max(self.peak.get("together", 0), both)
 
     def stop(self) -> None:
         self._stop.set()
@@ -166,18 +173,19 @@ def bare_bandwidth(directory: Path, size: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", required=True)
-    p.add_argument("--width", type=int, default=2560)
-    p.add_argument("--heads", type=int, default=20)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
     p.add_argument("--layers", type=int, default=1, help="at least this many blocks (more to reach --over)")
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--prefetch", type=int, default=1, help="attach(prefetch=...): blocks fetched ahead")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--over", type=float, default=1.3, help="state bytes over physical memory, at least")
     p.add_argument("--dir", help="work directory (default: a new one under <repo>/.fuyou/bench)")
     p.add_argument("--buffer-budget", default="1GiB", help="the daemon's [optimizer] buffer_budget")
-    p.add_argument("--pinned-budget", default="2GiB", help="the daemon's [memory] pinned_budget")
+    p.add_argument("--pinned-budget", default="4GiB", help="the daemon's [memory] pinned_budget")
     p.add_argument("--bare-size", default="2GiB", help="file size of the bare bandwidth measurement")
     p.add_argument("--keep-files", action="store_true")
     args = p.parse_args(argv)
@@ -185,9 +193,10 @@ def main(argv=None) -> int:
     memory = physical_memory()
     layers, params = size_model(args, memory)
     state = STATE_BYTES_PER_PARAM * params
-    block = 12 * args.width ** 2 + 13 * args.width
+    # attach refuses an array with less than twice the state free (each step writes a group's
+    # new version before the old one goes; attach does not know how many run at once).
     headroom = max(64 << 20, OPT_BYTES_EACH_WAY * params // 20)
-    capacity = OPT_BYTES_EACH_WAY * params + 2 * OPT_BYTES_EACH_WAY * block + headroom
+    capacity = 2 * (OPT_BYTES_EACH_WAY * params + 4096 * (layers + 1) * 3) + headroom
     capacity = (capacity + (1 << 20) - 1) >> 20 << 20
     parent = Path(args.dir) if args.dir else REPO / ".fuyou" / "bench"
     parent.mkdir(parents=True, exist_ok=True)
@@ -197,7 +206,7 @@ def main(argv=None) -> int:
     if free < need:
         print(f"bigmodel: {parent} has {format_size(free)} free; this run needs {format_size(need)} "
               f"({params / 1e9:.2f}B parameters: {format_size(OPT_BYTES_EACH_WAY * params)} of AdamW state on SSD, "
-              "a new version of the largest group and headroom). Free space or pass --dir on a larger disk.",
+              "twice that free for new versions, and headroom). Free space or pass --dir on a larger disk.",
               file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="bigmodel-", dir=parent))
@@ -220,6 +229,7 @@ def main(argv=None) -> int:
         sampler.pids["daemon"] = daemon.pid
         child_args = {"width": args.width, "layers": layers, "heads": args.heads, "vocab": args.vocab,
                       "seq": args.seq, "batch": args.batch, "steps": args.steps, "lr": args.lr,
+                      "prefetch": args.prefetch,
                       "socket": daemon.socket}
         proc = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(child_args)], stdout=subprocess.PIPE,
                                 text=True)
@@ -250,12 +260,14 @@ def main(argv=None) -> int:
     bound = OPT_BYTES_EACH_WAY * params / read_bw + OPT_BYTES_EACH_WAY * params / write_bw
     client_peak = max(sampler.peak.get("client", 0), events["done"]["vmhwm"])
     daemon_peak = max(sampler.peak.get("daemon", 0), daemon_hwm)
+    together = sampler.peak.get("together", client_peak + daemon_peak)
     timed = steps[1:] or steps  # the first step also pays for first-touch page faults
     optimizer = statistics.median(s["optimizer"] for s in timed)
     result.update({
         "attach_seconds": events["attached"]["seconds"],
         "peak_rss_client_bytes": client_peak, "peak_rss_daemon_bytes": daemon_peak,
-        "peak_rss_over_state": (client_peak + daemon_peak) / state,
+        "peak_rss_together_bytes": together,
+        "peak_rss_over_state": together / state,
         "seconds_per_step": statistics.median(s["seconds"] for s in timed),
         "optimizer_seconds": optimizer, "ssd_bound_seconds": bound, "optimizer_over_ssd_bound": optimizer / bound,
         "ssd_bytes_per_param_per_iter": statistics.median((s["read"] + s["written"]) / params for s in timed),
@@ -268,8 +280,8 @@ def main(argv=None) -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"params {params / 1e9:.2f}B, state {state / memory:.2f}x memory; peak RSS client "
-          f"{format_size(client_peak)} + daemon {format_size(daemon_peak)} = {result['peak_rss_over_state']:.3f}x "
-          f"state (target <= {TARGET_RSS}); {result['seconds_per_step']:.1f} s/step, optimizer "
+          f"{format_size(client_peak)}, daemon {format_size(daemon_peak)}, together (shared memory once) "
+          f"{format_size(together)} = {result['peak_rss_over_state']:.3f}x state (target <= {TARGET_RSS}); {result['seconds_per_step']:.1f} s/step, optimizer "
           f"{optimizer:.1f} s = {result['optimizer_over_ssd_bound']:.2f}x its SSD bound {bound:.1f} s (target <= "
           f"{TARGET_OPT}); {result['ssd_bytes_per_param_per_iter']:.1f} SSD bytes/param/iter; losses "
           f"{', '.join(f'{x:.3f}' for x in result['losses'])}")
