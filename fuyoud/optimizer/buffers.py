@@ -1,7 +1,10 @@
 """Daemon-private buffers that hold optimizer state while it is read, stepped and written.
 
-A fixed number of buffers (read-ahead, compute, write-back: 3 by default) within a
-byte budget, so the optimizer's memory is bounded whatever the model size. Buffers
+A fixed number of buffers (``[optimizer] buffers``, 6 by default) within a byte budget,
+so the optimizer's memory is bounded whatever the model size: a step holds one buffer,
+with the group's whole state when it fits (and a read-ahead of a group's state holds
+another until its step), or, for a group larger than a buffer, cut into scratch blocks
+and three chunk stages (read, compute, write back: see chunks.py). Buffers
 are private anonymous mappings on transparent huge pages (contiguous memory makes
 O_DIRECT faster) and are kept between steps: mapping and faulting in hundreds of MB
 per step would cost more than the step.
@@ -12,9 +15,8 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-from fuyoud.errors import ResourceExhausted
 from fuyoud.memory.hugepages import HUGE, huge_page_buffer
-from fuyoud.units import align_up, format_size
+from fuyoud.units import align_up
 
 
 class _Buffer:
@@ -32,12 +34,9 @@ class StateBuffers:
         self._cond = threading.Condition()
         self.in_use = 0
 
-    def check_fits(self, nbytes: int, what: str) -> None:
-        if nbytes > self.per_buffer:
-            raise ResourceExhausted(
-                f"{what} needs {format_size(nbytes)} of optimizer state in memory at once, more than one "
-                f"optimizer buffer ({format_size(self.per_buffer)} = [optimizer] buffer_budget / buffers); "
-                "use smaller parameter groups or raise [optimizer] buffer_budget")
+    def fits(self, nbytes: int) -> bool:
+        """Whether one buffer holds ``nbytes``; larger groups are stepped in chunks."""
+        return nbytes <= self.per_buffer
 
     def try_acquire(self, nbytes: int, leave: int = 0) -> memoryview | None:
         """A buffer if more than ``leave`` are free, else None. Read-ahead leaves one free,

@@ -15,6 +15,14 @@ concurrently, so with the client submitting groups as backward finishes them the
 daemon reads group g+1, steps g and writes g-1 at once. After each step it prefetches
 the state of the group expected next (the order of the previous iteration; at first,
 the reverse of creation order, which is backward's), within the buffer budget.
+
+A group whose step does not fit one optimizer buffer (``Group.buffer_bytes`` above
+``[optimizer] buffer_budget / buffers``) is created and stepped in chunks (chunks.py),
+with the same arithmetic and one atomic commit per step; its state is never read ahead
+whole (no prefetch, FetchWeights declines). Its new weights reach ``out`` chunk by chunk
+while the step runs, before the commit: a step that fails after that (a later chunk not
+finite, an I/O error) first puts the committed weights back into ``out``, so that there
+too weights and state never disagree once the step has returned or raised.
 """
 from __future__ import annotations
 
@@ -26,8 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fuyoud.errors import InvalidArgument, NonFinite, NotFound
+from fuyoud.errors import DataLoss, FuyouError, InvalidArgument, NonFinite, NotFound
 from fuyoud.names import shown
+from fuyoud.optimizer import chunks
 from fuyoud.optimizer.buffers import StateBuffers
 from fuyoud.optimizer.kernels import OptimizerSpec, all_finite, step as run_kernel
 from fuyoud.storage.store import ReadItem, Store, WriteItem
@@ -77,6 +86,13 @@ class Group:
         """A step's buffer: the state, then room for the new weights in any dtype."""
         return self.nbytes + slot_bytes(self.numel)
 
+    def chunk_plan(self, per_buffer: int) -> chunks.ChunkPlan:
+        """How a step of this group is cut into chunks within buffers of ``per_buffer``
+        bytes (ResourceExhausted if they are too small even for that)."""
+        sb = slot_bytes(self.numel)
+        return chunks.ChunkPlan.make(self.numel, tuple(HEADER + i * sb for i in range(self.spec.slots)), sb,
+                                     self.nbytes, per_buffer, f"group {self.name!r}")
+
 
 @dataclass
 class StepResult:
@@ -113,13 +129,19 @@ class Optimizer:
         if numel == 0 or len(weights) % 4:
             raise InvalidArgument(f"initial weights must be fp32, a positive multiple of 4 bytes (got {len(weights)})")
         group = Group(namespace, name, spec, numel, 0)
-        self.buffers.check_fits(group.buffer_bytes, f"group {name!r}")
-        with self.buffers.acquire(group.nbytes) as buf:
-            buf[:HEADER] = spec.header(numel, 0).ljust(HEADER, b"\0")
-            slots = buf[HEADER:]
-            slots[:numel * 4] = weights
-            torch.frombuffer(slots, dtype=torch.uint8)[numel * 4:].zero_()  # padding and moments
-            self.store.write([WriteItem(namespace, state_name(name), buf, persistent=True, session_id=session_id)])
+        if self.chunked(group):  # the state in pieces, never whole in memory
+            plan = group.chunk_plan(self.buffers.per_buffer)
+            with self.buffers.acquire(plan.buffer_bytes) as buf:
+                chunks.create(self.store, buf, plan, namespace, state_name(name), spec.header(numel, 0).ljust(
+                    HEADER, b"\0"), weights, session_id)
+        else:
+            with self.buffers.acquire(group.nbytes) as buf:
+                buf[:HEADER] = spec.header(numel, 0).ljust(HEADER, b"\0")
+                slots = buf[HEADER:]
+                slots[:numel * 4] = weights
+                torch.frombuffer(slots, dtype=torch.uint8)[numel * 4:].zero_()  # padding and moments
+                self.store.write([WriteItem(namespace, state_name(name), buf, persistent=True,
+                                            session_id=session_id)])
         with self._lock:
             old = self._groups.get((namespace, name))
             self._groups[(namespace, name)] = group
@@ -130,6 +152,10 @@ class Optimizer:
             if name not in order:
                 order.insert(0, name)  # backward visits groups in reverse creation order
         return group
+
+    def chunked(self, group: Group) -> bool:
+        """Whether the group's steps are too large for one buffer and go in chunks."""
+        return not self.buffers.fits(group.buffer_bytes)
 
     def get(self, namespace: str, name: str) -> Group:
         """The group, loaded from its state object's header after a restart."""
@@ -203,6 +229,11 @@ class Optimizer:
         grad = _tensor(grads, DTYPES[grad_dtype], group.numel)
         out_t = _tensor(out, DTYPES[out_dtype], group.numel) if out is not None else None
         self._note_order(group)
+        if self.chunked(group):
+            result = self._step_chunked(group, grad, out_t, DTYPES[out_dtype] if weights_object else None, lr,
+                                        grad_scale, session_id, weights_object)
+            self._prefetch_next(group)  # (a group that fits, after this one)
+            return result
         with group.lock:
             if group.dead:
                 raise NotFound(f"optimizer group {group.name!r} was deleted or replaced while this step waited")
@@ -254,6 +285,63 @@ class Optimizer:
         t3 = time.perf_counter()
         return StepResult(group.step, t1 - t0, t2 - t1, t3 - t2, prefetched)
 
+    def _step_chunked(self, group: Group, grad: torch.Tensor, out: torch.Tensor | None,
+                      weights_dtype: torch.dtype | None, lr: float, grad_scale: float, session_id: int,
+                      weights_object: str) -> StepResult:
+        """A step of a group larger than a buffer, chunk by chunk (chunks.py). Each chunk's
+        new weights go to ``out`` once the chunk is checked; if the step then fails, the
+        committed weights are put back there before the error is raised."""
+        plan = group.chunk_plan(self.buffers.per_buffer)
+        written = 0  # elements [0, written) of out hold new weights
+
+        def compute(a: int, b: int, slots: list[torch.Tensor], weights: torch.Tensor | None) -> None:
+            nonlocal written
+            part = grad[a:b]
+            with self._compute:
+                g = part if part.dtype == torch.float32 else part.float()
+                if grad_scale != 1.0:
+                    g = g.clone() if g is part else g
+                    g.mul_(grad_scale)
+                run_kernel(group.spec, group.step, slots, g, lr)
+                if not all(all_finite(s) for s in slots):
+                    raise self._non_finite(group, part, g, lr, grad_scale)
+                if weights is not None:
+                    weights.copy_(slots[0])
+                if out is not None:
+                    out[a:b].copy_(weights if weights is not None else slots[0])
+                    written = b
+
+        with group.lock:
+            if group.dead:
+                raise NotFound(f"optimizer group {group.name!r} was deleted or replaced while this step waited")
+            buf = self.buffers.acquire_blocking(plan.buffer_bytes)
+            try:
+                header = group.spec.header(group.numel, group.step + 1).ljust(HEADER, b"\0")
+                try:
+                    timing = chunks.step(self.store, buf, plan, group.namespace, state_name(group.name), header,
+                                         session_id, compute, weights_object, weights_dtype)
+                except BaseException as exc:
+                    if written:
+                        self._restore_out(group, buf, plan, out, written, exc)
+                    raise
+                group.step += 1
+            finally:
+                self.buffers.release(buf)
+        return StepResult(group.step, timing.read_s, timing.compute_s, timing.write_s, False)
+
+    def _restore_out(self, group: Group, buf: memoryview, plan: chunks.ChunkPlan, out: torch.Tensor, end: int,
+                     exc: BaseException) -> None:
+        """After a failed chunked step: the committed weights of elements [0, end) back
+        into ``out`` (the state object's version is the one the step started from)."""
+        try:
+            chunks.read_weights(self.store, buf, plan, group.namespace, state_name(group.name), end,
+                                lambda a, b, w: out[a:b].copy_(w))
+        except Exception as again:  # noqa: BLE001 - reported with the step's own error
+            what = exc if isinstance(exc, FuyouError) else repr(exc)
+            raise DataLoss(f"{what}; moreover the client's weights buffer of group {group.name!r} already held "
+                           f"new weights for elements [0, {end}) and restoring the committed ones failed "
+                           f"({again}): read the group's weights again before using them") from exc
+
     @staticmethod
     def _non_finite(group: Group, grad: torch.Tensor, scaled: torch.Tensor, lr: float,
                     grad_scale: float) -> NonFinite:
@@ -275,11 +363,13 @@ class Optimizer:
         Backward needs a block's weights shortly before that block's step reads the same
         state: reading it once, into an optimizer buffer kept for the step, saves the
         separate weight read (4 bytes per parameter and iteration in fp32). Returns False,
-        having done nothing, when no buffer is spare; the client then reads the weights
-        itself."""
+        having done nothing, when no buffer is spare or the group is stepped in chunks
+        (its state is larger than a buffer); the client then reads the weights itself."""
         if out_dtype not in DTYPES:
             raise InvalidArgument(f"out_dtype must be one of {sorted(DTYPES)}")
         out_t = _tensor(out, DTYPES[out_dtype], group.numel)
+        if self.chunked(group):  # its state is never read ahead whole
+            return False
         with group.lock:
             if group.dead:
                 raise NotFound(f"optimizer group {group.name!r} was deleted or replaced")
@@ -317,7 +407,8 @@ class Optimizer:
             if i == len(order):  # the next iteration's first group: it would hold a buffer for a whole forward
                 return
             nxt = self._groups.get((group.namespace, order[i]))
-        if nxt is None or nxt is group or nxt.prefetched is not None or not nxt.lock.acquire(blocking=False):
+        if nxt is None or nxt is group or nxt.prefetched is not None or self.chunked(nxt) \
+                or not nxt.lock.acquire(blocking=False):
             return
         threading.Thread(target=self._prefetch, args=(nxt,), name="optim-prefetch", daemon=True).start()
 

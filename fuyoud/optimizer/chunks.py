@@ -1,0 +1,523 @@
+"""Layer groups whose state does not fit one optimizer buffer: created and stepped in chunks.
+
+The state object keeps its layout (groups.py: [4 KiB header][weights][exp_avg][exp_avg_sq],
+each slot 4 KiB aligned), so checkpoints, export and the clients' weight reads do not
+know whether a group is chunked. A chunked step holds one optimizer buffer, as any
+step does, and cuts it into
+
+  * scratch: 3 blocks of 1 MiB per slot, for the edges of the checksum blocks (below);
+  * three *stages*, each holding one chunk: the chunk's range of every slot and room for
+    its new weights in the compute dtype (the transient weights object of bf16 offload).
+
+A chunk is a run of elements, a multiple of GRANULE (2048) elements so that every
+range of it in the object and in a 16-bit weights copy is 4 KiB aligned (O_DIRECT in
+place), and as large as three stages allow (at most a quarter of the group, so that
+the pipeline has something to overlap). While the stepping thread runs the kernel on
+chunk c, a reader thread reads chunk c+1 from the committed version and a writer thread
+writes chunk c-1 into the new version: a pending write (Store.open_write) that is
+committed once, at the end, with the header (the new step count) in it, and with the
+weights object when there is one (Store.commit_writes: one index transaction). Until
+that commit nothing of the step is visible in the store; a failure anywhere (a
+non-finite chunk, an I/O error) aborts the pending writes after the reader and writer
+have stopped.
+
+Checksum blocks: every persistent object carries a CRC32C per 1 MiB block, and a
+pending write takes whole blocks only. The slots start at 4 KiB boundaries, so a
+chunk's ranges rarely end on block boundaries: BlockWriter writes the whole blocks of a
+range in place and gathers the bytes of a partly covered block in a scratch block until
+the block is complete (a slot's first block also holds the end of the previous slot,
+which comes with the last chunk: at most two open blocks per slot). On the read side a
+partly covered block would be read whole once more by the checksum check; StreamReader
+instead reads the block a chunk ends in whole into a scratch block and the next chunk
+takes its head from there, so every block is read once.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from fuyoud.errors import ResourceExhausted
+from fuyoud.io.engine import Op
+from fuyoud.memory.hugepages import HUGE
+from fuyoud.storage import checksums
+from fuyoud.storage.pending import PendingWrite
+from fuyoud.storage.store import ReadItem, Store, WriteItem, _Batch
+from fuyoud.units import align_up, format_size
+
+log = logging.getLogger(__name__)
+BLOCK = checksums.BLOCK
+STAGES = 3  # read-ahead, compute, write-back
+GRANULE = 2048  # elements: fp32 ranges 8 KiB aligned, 16-bit ones 4 KiB
+MIN_CHUNKS = 4
+OUT_BYTES = 4  # room per element for the new weights in the compute dtype (fp32 at most)
+
+
+def scratch_blocks(slots: int) -> int:
+    """1 MiB blocks a chunked step needs beside its stages: per slot STAGES - 1 read-side
+    blocks (StreamReader) and three write-side blocks (its running edge, the edge the chunk before left, which
+    the chunk completes but is written with the chunk's batch, and its first block,
+    shared with the previous slot or the header, complete only at the end); one more for
+    the weights object's edge."""
+    return (STAGES - 1 + 3) * slots + 1
+
+
+def min_buffer(slots: int) -> int:
+    """The smallest optimizer buffer a group of ``slots`` slots can be stepped in."""
+    return align_up(scratch_blocks(slots) * BLOCK + STAGES * (4 * slots + OUT_BYTES) * GRANULE, HUGE)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    numel: int
+    offsets: tuple[int, ...]  # object offset of each slot
+    slot_bytes: int  # each slot's bytes in the object (4 KiB aligned: the padding included)
+    size: int  # the object's bytes
+    chunk: int  # elements per chunk
+
+    @classmethod
+    def make(cls, numel: int, offsets: tuple[int, ...], slot_bytes: int, size: int, per_buffer: int,
+             what: str) -> "ChunkPlan":
+        slots = len(offsets)
+        usable = per_buffer - scratch_blocks(slots) * BLOCK
+        fit = max(usable, 0) // (STAGES * (4 * slots + OUT_BYTES)) // GRANULE * GRANULE
+        if fit < GRANULE:
+            raise ResourceExhausted(
+                f"{what} needs {format_size(size + slot_bytes)} of optimizer state in memory, more than one "
+                f"optimizer buffer ({format_size(per_buffer)} = [optimizer] buffer_budget / buffers), and a buffer "
+                f"that small cannot step it in chunks either (that needs at least {format_size(min_buffer(slots))} "
+                "per buffer); raise [optimizer] buffer_budget")
+        want = align_up(-(-numel // MIN_CHUNKS), GRANULE)
+        return cls(numel, offsets, slot_bytes, size, min(fit, want))
+
+    @property
+    def slots(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def scratch_bytes(self) -> int:
+        return scratch_blocks(self.slots) * BLOCK
+
+    @property
+    def region_bytes(self) -> int:  # one slot's range of one chunk
+        return 4 * self.chunk
+
+    @property
+    def stage_bytes(self) -> int:
+        return (self.slots * 4 + OUT_BYTES) * self.chunk
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.scratch_bytes + STAGES * self.stage_bytes
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return [(a, min(a + self.chunk, self.numel)) for a in range(0, self.numel, self.chunk)]
+
+
+class _Stage:
+    """One chunk's place in the buffer: a region per slot, then the weights copy."""
+
+    def __init__(self, buf: memoryview, plan: ChunkPlan, index: int):
+        base = plan.scratch_bytes + index * plan.stage_bytes
+        r = plan.region_bytes
+        self.regions = [buf[base + i * r:base + (i + 1) * r] for i in range(plan.slots)]
+        self.out = buf[base + plan.slots * r:base + plan.stage_bytes]
+
+    def slots(self, m: int) -> list[torch.Tensor]:
+        return [torch.frombuffer(r, dtype=torch.float32)[:m] for r in self.regions]
+
+    def weights(self, m: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.frombuffer(self.out, dtype=dtype)[:m]
+
+
+class BatchedWrite(PendingWrite):
+    """A pending write that takes many pieces in one engine batch (PendingWrite.write
+    takes one: a chunk's ranges of three slots, written one after the other, kept few
+    requests in flight and wrote at a fraction of the disk's speed). With ``io`` (a
+    thread) the batch runs there while the calling thread computes its checksums."""
+
+    io: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def open(cls, store: Store, namespace: str, name: str, size: int, persistent: bool,
+             session_id: int, io: ThreadPoolExecutor | None = None) -> "BatchedWrite":
+        w = cls(store, store.open_write(namespace, name, size, persistent, session_id).meta)
+        w.io = io
+        return w
+
+    def write_many(self, pieces: list[tuple[int, memoryview]]) -> None:
+        """Bytes [offset, offset + len(src)) for each (offset, src), each a run of whole
+        checksum blocks (the object's last one may be short)."""
+        if not pieces:
+            return
+        batch = _Batch()
+        for i, (offset, src) in enumerate(pieces):
+            if offset % BLOCK or offset < 0 or offset + len(src) > self.meta.size or (
+                    len(src) % BLOCK and offset + len(src) != self.meta.size):
+                raise AssertionError(f"piece [{offset}, {offset + len(src)}) of {self.meta.name!r} is not a run of "
+                                     "whole checksum blocks")
+            self.store._plan(batch, i, self.meta.layout, offset, src, Op.WRITE)
+        items = [WriteItem(self.meta.namespace, self.meta.name, src) for _, src in pieces]
+        running = self.io.submit(self.store._execute, batch, Op.WRITE, items) if self.io is not None else None
+        sums = [checksums.block_checksums(src) for _, src in pieces] if self._sums is not None else []
+        errors = running.result() if running is not None else self.store._execute(batch, Op.WRITE, items)
+        if errors:
+            self.abort()
+            raise errors[min(errors)]
+        if sums:
+            for (offset, _), block_sums in zip(pieces, sums):
+                first = offset // BLOCK * 4
+                self._sums[first:first + len(block_sums)] = block_sums
+            self.meta = replace(self.meta, checksums=bytes(self._sums))
+
+
+class BlockWriter:
+    """Bytes of an object being written through a BatchedWrite, put in pieces at any
+    offsets (each byte once): whole 1 MiB blocks go to the device in place, a block
+    covered in part waits in a scratch block for the rest of its bytes. What ``put``
+    gathers is written by ``flush``, in one batch. Not thread-safe."""
+
+    def __init__(self, pending: BatchedWrite, scratch: list[memoryview]):
+        self.pending, self.size = pending, pending.meta.size
+        self.scratch = scratch  # free blocks, shared with other writers of the same step
+        self.open: dict[int, list] = {}  # block index -> [scratch block, bytes still missing]
+        self.ready: list[tuple[int, memoryview]] = []  # (offset, bytes) to write
+        self.done: list[memoryview] = []  # scratch blocks to give back once written
+
+    def put(self, offset: int, data: memoryview) -> None:
+        end = offset + len(data)
+        run: list[int] = []  # [start, end) of whole blocks to write straight from data
+        k = offset // BLOCK
+        while k * BLOCK < end:
+            lo, hi = k * BLOCK, min((k + 1) * BLOCK, self.size)
+            if offset <= lo and hi <= end:
+                run = [run[0] if run else lo, hi]
+            else:
+                a, b = max(lo, offset), min(hi, end)
+                entry = self.open.get(k)
+                if entry is None:
+                    if not self.scratch:  # the completed ones come back once written
+                        self.flush()
+                    entry = self.open[k] = [self.scratch.pop(), hi - lo]
+                entry[0][a - lo:b - lo] = data[a - offset:b - offset]
+                entry[1] -= b - a
+                if entry[1] == 0:
+                    del self.open[k]
+                    self.ready.append((lo, entry[0][:hi - lo]))
+                    self.done.append(entry[0])
+            k += 1
+        if run:
+            self.ready.append((run[0], data[run[0] - offset:run[1] - offset]))
+
+    def flush(self) -> None:
+        ready, self.ready = self.ready, []
+        self.pending.write_many(ready)
+        self.scratch.extend(self.done)
+        self.done = []
+
+    def finish(self) -> None:
+        self.flush()
+        if self.open:
+            raise AssertionError(f"blocks {sorted(self.open)} of {self.pending.meta.name!r} were never completed")
+
+
+class Source:
+    """The committed version of an object, pinned while a step reads it in pieces (an
+    overwrite or delete meanwhile does not recycle its extents), read raw in batches and
+    checked apart: the reader thread keeps the device busy while the stepping thread
+    checks what it read (Store.read checks each batch before the next can start, which
+    left the device idle a fifth of the time)."""
+
+    def __init__(self, store: Store, namespace: str, name: str):
+        self.store = store
+        with store._lock:
+            self.entry = store._get(namespace, name)
+            self.entry.readers += 1
+        self.meta = self.entry.meta
+
+    def close(self) -> None:
+        self.store.unpin([self.entry])
+
+    def read_raw(self, items: list[tuple[int, memoryview]]) -> dict[int, Exception]:
+        """Bytes [offset, offset + len(dst)) into each dst, unchecked, in one batch; the
+        items that failed, with their errors."""
+        batch = _Batch()
+        for i, (offset, dst) in enumerate(items):
+            self.store._plan(batch, i, self.meta.layout, offset, dst, Op.READ)
+        return self.store._execute(batch, Op.READ, [ReadItem(self.meta.namespace, self.meta.name, dst, offset)
+                                                    for offset, dst in items])
+
+    def check(self, offset: int, dst: memoryview) -> Exception | None:
+        """Whether bytes read raw match the object's checksums (None) or not (the error)."""
+        if not self.meta.checksums:
+            return None
+        return checksums.verify(self.meta, offset, dst, self.store._read_raw, self.store._where)
+
+    def read(self, offset: int, dst: memoryview) -> None:
+        """Checked, with Store's retry: for ranges whose raw read failed."""
+        self.store.read_pinned(self.entry, dst, offset)
+
+
+class StreamReader:
+    """Consecutive ranges of one stream (a slot) of a committed object, read so that no
+    checksum block is read twice: the block a range ends in is read whole into a cache
+    block, and the next range takes its head from there. STAGES - 1 cache blocks, used
+    in turn: the reader runs up to STAGES - 2 chunks ahead of the check of a chunk's
+    reads, so the block a chunk read is not overwritten before it is checked. Not
+    thread-safe."""
+
+    def __init__(self, size: int, caches: list[memoryview]):
+        self.size, self.caches = size, caches
+        self.cached, self.which = -1, 0  # the block index held in caches[which]
+
+    def plan(self, lo: int, hi: int, dst: memoryview, items: list[tuple[int, memoryview]],
+             after: list[Callable[[], None]]) -> bool:
+        """Bytes [lo, hi) into ``dst``: what the cache holds is copied now, the raw reads
+        are added to ``items`` and the copies out of the cache they fill to ``after``.
+        Returns whether the last item added is a cache block (which the next range's head
+        comes from, unchecked until this range's items are)."""
+        last = (hi - 1) // BLOCK
+        run: list[int] = []
+        cache_read = False
+        for k in range(lo // BLOCK, last + 1):
+            blo, bhi = k * BLOCK, min((k + 1) * BLOCK, self.size)
+            a, b = max(lo, blo), min(hi, bhi)
+            if a == blo and b == bhi:
+                run = [run[0] if run else a, b]
+                continue
+            if k == self.cached:
+                dst[a - lo:b - lo] = self.caches[self.which][a - blo:b - blo]
+            elif k == last:  # where the next range begins: whole, into the other cache block
+                self.which, self.cached = (self.which + 1) % len(self.caches), k
+                cache = self.caches[self.which]
+                cache_read = True
+                items.append((blo, cache[:bhi - blo]))
+                after.append(lambda a=a, b=b, blo=blo, cache=cache: dst.__setitem__(slice(a - lo, b - lo),
+                                                                                    cache[a - blo:b - blo]))
+            else:  # a stream's first block, never cached: its check reads it whole
+                items.append((a, dst[a - lo:b - lo]))
+        if run:  # (before the cache block: that stays the last item)
+            items.insert(len(items) - cache_read, (run[0], dst[run[0] - lo:run[1] - lo]))
+        return cache_read
+
+
+@dataclass
+class _Read:
+    """One chunk as the reader left it: raw items, which of them are cache blocks, and
+    the items whose reads failed."""
+    items: list[tuple[int, memoryview]]
+    cache_items: set[int]
+    errors: dict[int, Exception]
+
+
+class _Stop(Exception):
+    """The step already failed: the reader and writer do nothing more."""
+
+
+@dataclass
+class Timing:
+    read_s: float = 0.0  # waiting for reads
+    compute_s: float = 0.0
+    write_s: float = 0.0  # waiting for the last writes and the commit
+
+
+# compute(a, b, slots, weights): one chunk's step in place on ``slots`` (fp32, b - a
+# elements each), its new weights into ``weights`` (compute dtype) when given; raises to
+# refuse the step.
+Compute = Callable[[int, int, list[torch.Tensor], "torch.Tensor | None"], None]
+
+
+def step(store: Store, buf: memoryview, plan: ChunkPlan, namespace: str, name: str, header: bytes,
+         session_id: int, compute: Compute, weights_object: str = "",
+         out_dtype: torch.dtype | None = None) -> Timing:
+    """One step of the group whose state is ``namespace/name``, chunk by chunk through
+    ``buf`` (``plan.buffer_bytes``): the new state, ``header`` first, is committed as one
+    new version of the object (with the ``weights_object``, ``out_dtype`` elements, when
+    named) once every chunk is computed and written, or not at all. When this returns or
+    raises, no thread touches ``buf`` any more."""
+    timing = Timing()
+    chunks = plan.ranges()
+    stages = [_Stage(buf, plan, k) for k in range(STAGES)]
+    blocks = [buf[k * BLOCK:(k + 1) * BLOCK] for k in range(scratch_blocks(plan.slots))]
+    rc = STAGES - 1
+    readers = [StreamReader(plan.size, blocks[rc * i:rc * (i + 1)]) for i in range(plan.slots)]
+    free = blocks[rc * plan.slots:]  # the writers' scratch
+    wsize = torch.empty(0, dtype=out_dtype).element_size() if weights_object else 0
+    pending: list[BatchedWrite] = []
+    failure: list[BaseException] = []  # the first error of the reader or writer
+    failed = threading.Event()
+    reads = ThreadPoolExecutor(1, thread_name_prefix="optim-read")
+    writes = ThreadPoolExecutor(1, thread_name_prefix="optim-write")
+    write_io = ThreadPoolExecutor(1, thread_name_prefix="optim-write-io")  # (checksums meanwhile)
+    source: Source | None = None
+    redo = [False] * len(chunks)  # chunks whose head came from a cache block that failed its check
+
+    def guarded(fn):
+        def run(*args):
+            if failed.is_set():
+                raise _Stop()
+            try:
+                return fn(*args)
+            except BaseException as exc:
+                if not failed.is_set():
+                    failure.append(exc)
+                    failed.set()  # (a writer must never touch a pending write that was aborted)
+                raise
+        return run
+
+    @guarded
+    def read(c: int, before: Future | None) -> _Read:
+        if before is not None:
+            before.result()  # the stage's previous chunk is written
+            if failed.is_set():
+                raise _Stop()
+        a, b = chunks[c]
+        stage = stages[c % STAGES]
+        items: list[tuple[int, memoryview]] = []
+        cache_items: set[int] = set()
+        after: list[Callable[[], None]] = []
+        for i, reader in enumerate(readers):
+            lo = plan.offsets[i] + 4 * a
+            if reader.plan(lo, lo + 4 * (b - a), stage.regions[i], items, after):
+                cache_items.add(len(items) - 1)
+        errors = source.read_raw(items)
+        for copy in after:
+            copy()
+        return _Read(items, cache_items, errors)
+
+    def check(c: int, got: _Read) -> None:
+        """Chunk c's raw reads checked (in the stepping thread, while the reader reads
+        on); a chunk with a failed item is read again, checked, from its ranges."""
+        bad = dict(got.errors)
+        for i, (offset, dst) in enumerate(got.items):
+            if i not in bad:
+                exc = source.check(offset, dst)
+                if exc is not None:
+                    bad[i] = exc
+        if not bad and not redo[c]:
+            return
+        if bad:
+            log.warning("chunk %d of %s: %d read(s) failed, reading it again: %s", c, name, len(bad),
+                        next(iter(bad.values())))
+            if c + 1 < len(chunks) and got.cache_items & bad.keys():
+                redo[c + 1] = True  # its head was copied from a block that failed
+        a, b = chunks[c]
+        for i, region in enumerate(stages[c % STAGES].regions):
+            source.read(plan.offsets[i] + 4 * a, region[:4 * (b - a)])
+
+    @guarded
+    def write(c: int) -> None:
+        a, b = chunks[c]
+        stage = stages[c % STAGES]
+        if c == 0:
+            state.put(0, memoryview(header))
+        for i, region in enumerate(stage.regions):
+            n = 4 * (b - a)
+            if b == plan.numel:  # the slot's padding: zeros, like every version's
+                end = plan.slot_bytes - 4 * a
+                region[n:end] = bytes(end - n)
+                n = end
+            state.put(plan.offsets[i] + 4 * a, region[:n])
+        state.flush()
+        if weights is not None:
+            weights.put(a * wsize, stage.out[:(b - a) * wsize])
+            weights.flush()
+
+    try:
+        source = Source(store, namespace, name)
+        pending.append(BatchedWrite.open(store, namespace, name, plan.size, True, session_id, write_io))
+        state = BlockWriter(pending[0], free)
+        weights = None
+        if weights_object:
+            pending.append(BatchedWrite.open(store, namespace, weights_object, plan.numel * wsize, False, session_id,
+                                             write_io))
+            weights = BlockWriter(pending[1], free)
+        read_futures = {c: reads.submit(read, c, None) for c in range(min(STAGES - 1, len(chunks)))}
+        write_futures: dict[int, Future] = {}
+        for c, (a, b) in enumerate(chunks):
+            t0 = time.perf_counter()
+            check(c, read_futures.pop(c).result())
+            t1 = time.perf_counter()
+            stage = stages[c % STAGES]
+            compute(a, b, stage.slots(b - a), stage.weights(b - a, out_dtype) if weights is not None else None)
+            t2 = time.perf_counter()
+            timing.read_s += t1 - t0
+            timing.compute_s += t2 - t1
+            write_futures[c] = writes.submit(write, c)
+            nxt = c + STAGES - 1
+            if nxt < len(chunks):  # into the stage of chunk c - 1, once that is written
+                read_futures[nxt] = reads.submit(read, nxt, write_futures.get(nxt - STAGES))
+        t0 = time.perf_counter()
+        for f in write_futures.values():
+            f.result()
+        state.finish()
+        if weights is not None:
+            weights.finish()
+        store.commit_writes(pending)
+        timing.write_s = time.perf_counter() - t0
+        return timing
+    except BaseException as exc:
+        failed.set()
+        reads.shutdown(wait=True, cancel_futures=True)
+        writes.shutdown(wait=True, cancel_futures=True)
+        write_io.shutdown(wait=True)
+        for w in pending:
+            w.abort()
+        if isinstance(exc, _Stop) and failure:
+            raise failure[0] from None
+        raise
+    finally:
+        reads.shutdown(wait=True)
+        writes.shutdown(wait=True)
+        write_io.shutdown(wait=True)
+        if source is not None:
+            source.close()
+
+
+def create(store: Store, buf: memoryview, plan: ChunkPlan, namespace: str, name: str, header: bytes,
+           weights: memoryview, session_id: int) -> None:
+    """A new state object, in pieces through ``buf``: ``header``, the master weights
+    ``weights`` (fp32, copied into ``buf`` first: the client's memory may change while
+    they are written) and zero moments; committed at the end or not at all."""
+    blocks = [buf[k * BLOCK:(k + 1) * BLOCK] for k in range(scratch_blocks(plan.slots))]
+    area = buf[plan.scratch_bytes:plan.buffer_bytes]
+    piece = len(area) // 8192 * 8192
+    pending = BatchedWrite.open(store, namespace, name, plan.size, True, session_id)
+    try:
+        out = BlockWriter(pending, blocks)
+        out.put(0, memoryview(header))
+        nbytes = len(weights)
+        for off in range(0, plan.slot_bytes, piece):  # the weights, then the slot's padding
+            m = min(piece, plan.slot_bytes - off)
+            real = max(0, min(m, nbytes - off))
+            area[:real] = weights[off:off + real]
+            area[real:m] = bytes(m - real)
+            out.put(plan.offsets[0] + off, area[:m])
+            out.flush()
+        area[:piece] = bytes(piece)
+        for start in plan.offsets[1:]:  # the moments: zeros
+            for off in range(0, plan.slot_bytes, piece):
+                out.put(start + off, area[:min(piece, plan.slot_bytes - off)])
+                out.flush()
+        out.finish()
+        store.commit_writes([pending])
+    except BaseException:
+        pending.abort()
+        raise
+
+
+def read_weights(store: Store, buf: memoryview, plan: ChunkPlan, namespace: str, name: str, end: int,
+                 into: Callable[[int, int, torch.Tensor], None]) -> None:
+    """The committed master weights of elements [0, ``end``), piece by piece through
+    ``buf``: ``into(a, b, weights)`` for each piece."""
+    area = buf[plan.scratch_bytes:plan.buffer_bytes]
+    piece = len(area) // 4 // GRANULE * GRANULE
+    for a in range(0, end, piece):
+        b = min(a + piece, end)
+        store.read([ReadItem(namespace, name, area[:4 * (b - a)], plan.offsets[0] + 4 * a)])
+        into(a, b, torch.frombuffer(area, dtype=torch.float32)[:b - a])

@@ -1,0 +1,297 @@
+"""Layer groups larger than an optimizer buffer are stepped in chunks (fuyoud/optimizer/chunks.py):
+bitwise like torch, all or nothing, across restarts, checkpoints and attach."""
+from __future__ import annotations
+
+import copy
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fuyou_client
+from conftest import SMALL, merge
+from fuyou_client import SGD, AdamW
+from fuyoud.optimizer import chunks
+from fuyoud.optimizer.groups import HEADER, Group, slot_bytes
+from fuyoud.optimizer.kernels import OptimizerSpec
+from fuyoud.units import format_size
+
+MiB = 1 << 20
+# 4 buffers of 20 MiB: AdamW steps chunks of 86,016 elements (336 KiB per slot, less than
+# a 1 MiB checksum block), SGD with momentum of 262,144 (1 MiB per slot).
+PER_BUFFER = 20 * MiB
+CONFIG = merge(SMALL, {"optimizer": {"buffer_budget": f"{4 * PER_BUFFER // MiB}MiB", "buffers": 4},
+                       "storage": {"capacity_per_device": "1GiB"}})
+N = 1_500_007  # AdamW: 24 MB of state and new weights, more than a buffer; not a multiple of a chunk
+HYPER = dict(betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    root = Path(tempfile.mkdtemp(prefix="fy-ch-", dir="/tmp"))
+    d = fuyou_client.start_daemon(root / "state", config=CONFIG)
+    yield d
+    code = d.stop()
+    shutil.rmtree(root, ignore_errors=True)
+    assert code == 0, d.log()
+
+
+@pytest.fixture
+def session(daemon):
+    with fuyou_client.connect(daemon.socket) as s:
+        yield s
+
+
+def chunks_of(spec: OptimizerSpec, numel: int, per_buffer: int) -> int:
+    """How many chunks the daemon steps such a group in (and that it is chunked at all)."""
+    group = Group("ns", "g", spec, numel, 0)
+    assert group.buffer_bytes > per_buffer
+    plan = group.chunk_plan(per_buffer)
+    assert numel % plan.chunk
+    return len(plan.ranges())
+
+
+def new_group(session, name, spec, n, seed=0):
+    """A group of ``n`` random fp32 weights: (the client's weights buffer, the initial weights)."""
+    torch.manual_seed(seed)
+    init = torch.randn(n)
+    w = session.allocate(n * 4)
+    w.tensor(torch.float32)[:n].copy_(init)
+    session.create_group(name, w, spec)
+    return w, init
+
+
+def state_of(session, name, n, slots):
+    """The committed state object: (raw bytes, step count, [weights, moments...])."""
+    size = session.stat(f"optim/{name}").size
+    buf = session.allocate(size)
+    session.swap_in(f"optim/{name}", buf)
+    raw = bytes(buf.tensor(torch.uint8)[:size].numpy())
+    _, numel, step = OptimizerSpec.parse_header(raw[:HEADER])
+    assert numel == n
+    sb = slot_bytes(n)
+    tensors = [torch.frombuffer(bytearray(raw[HEADER + i * sb:HEADER + i * sb + n * 4]), dtype=torch.float32)
+               for i in range(slots)]
+    return raw, step, tensors
+
+
+def test_adamw_in_chunks_is_bitwise_torch(session):
+    """Weight decay, a clipping coefficient some steps, a changing learning rate; then
+    bf16 gradients, bf16 weights out and the bf16 weights object of offloaded training."""
+    spec = AdamW(**HYPER)
+    assert chunks_of(OptimizerSpec("adamw", 0.8, 0.95, 1e-6, 0.1), N, PER_BUFFER) >= 10
+    w, init = new_group(session, "big", spec, N)
+    ref = nn.Parameter(init.clone())
+    opt = torch.optim.AdamW([ref], lr=1e-2, **HYPER, fused=True)
+    g = session.allocate(N * 4)
+    gen = torch.Generator().manual_seed(1)
+    for lr, scale in [(1e-2, None), (8e-3, 0.5), (6e-3, None), (5e-3, 0.25)]:
+        grad = torch.randn(N, generator=gen)
+        ref.grad = grad.clone() if scale is None else grad * scale  # (clip_grad_norm_ multiplies in place)
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+        g.tensor(torch.float32)[:N].copy_(grad)
+        info = session.step_group("big", g, lr, out=w, grad_scale=scale)
+        assert not info.prefetched
+        assert torch.equal(w.tensor(torch.float32)[:N], ref.data)
+    _, step, (weights, exp_avg, exp_avg_sq) = state_of(session, "big", N, 3)
+    assert step == 4 == session.group("big").step
+    st = opt.state[ref]
+    assert torch.equal(weights, ref.data) and torch.equal(exp_avg, st["exp_avg"])
+    assert torch.equal(exp_avg_sq, st["exp_avg_sq"])
+    # bf16 compute: bf16 gradients, the new weights in bf16 to the client and to a weights object
+    g16, out16 = session.allocate(N * 2), session.allocate(N * 2)
+    for lr in (4e-3, 3e-3):
+        grad = torch.randn(N, generator=gen).bfloat16()
+        ref.grad = grad.float()
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+        g16.tensor(torch.bfloat16)[:N].copy_(grad)
+        session.step_group_async("big", g16, lr, grad_dtype=torch.bfloat16, out=out16, out_dtype=torch.bfloat16,
+                                 weights_object="weights/big").result(60)
+        assert torch.equal(out16.tensor(torch.bfloat16)[:N], ref.data.bfloat16())
+        back = session.allocate(N * 2)
+        session.swap_in("weights/big", back)
+        assert torch.equal(back.tensor(torch.bfloat16)[:N], ref.data.bfloat16())
+    # Never read ahead whole: the client is told to read the weights itself.
+    assert session.fetch_weights_async("big", w, torch.float32).result(30) is False
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_with_momentum_in_chunks_is_bitwise_torch(session, nesterov):
+    n = 2_000_003
+    spec = SGD(momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=nesterov)
+    assert chunks_of(OptimizerSpec("sgd", momentum=0.9, weight_decay=0.01, nesterov=nesterov), n, PER_BUFFER) >= 4
+    w, init = new_group(session, "sgd", spec, n)
+    ref = nn.Parameter(init.clone())
+    opt = torch.optim.SGD([ref], lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=nesterov, fused=True)
+    g = session.allocate(n * 4)
+    gen = torch.Generator().manual_seed(2)
+    for lr in (0.1, 0.05, 0.02):
+        grad = torch.randn(n, generator=gen)
+        ref.grad = grad.clone()
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+        g.tensor(torch.float32)[:n].copy_(grad)
+        session.step_group("sgd", g, lr, out=w)
+        assert torch.equal(w.tensor(torch.float32)[:n], ref.data)
+    _, step, (weights, momentum) = state_of(session, "sgd", n, 2)
+    assert step == 3 and torch.equal(momentum, opt.state[ref]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("where, bad", [(1_000_000, float("nan")), (N - 1, float("inf")), (5, float("nan"))],
+                         ids=["nan-mid", "inf-last-chunk", "nan-first-chunk"])
+def test_a_non_finite_chunk_commits_nothing(session, where, bad):
+    """A NaN or inf in one chunk's gradients: NonFinite, the committed state (header,
+    weights, moments) bitwise unchanged, and the client's weights too (the chunks before
+    the bad one had written theirs: they are put back); the next good step is torch's."""
+    w, init = new_group(session, "nf", AdamW(**HYPER), N)
+    ref = nn.Parameter(init.clone())
+    opt = torch.optim.AdamW([ref], lr=1e-2, **HYPER, fused=True)
+    g = session.allocate(N * 4)
+    gen = torch.Generator().manual_seed(3)
+    grad = torch.randn(N, generator=gen)
+    ref.grad = grad.clone()
+    opt.step()
+    g.tensor(torch.float32)[:N].copy_(grad)
+    session.step_group("nf", g, 1e-2, out=w)
+    before, step, _ = state_of(session, "nf", N, 3)
+    weights_before = w.tensor(torch.float32)[:N].clone()
+    assert torch.equal(weights_before, ref.data) and step == 1
+    g.tensor(torch.float32)[where] = bad
+    with pytest.raises(fuyou_client.NonFinite, match="non-finite"):
+        session.step_group_async("nf", g, 1e-2, out=w, weights_object="weights/nf").result(60)
+    after, step, _ = state_of(session, "nf", N, 3)
+    assert after == before and step == 1 == session.group("nf").step
+    assert torch.equal(w.tensor(torch.float32)[:N], weights_before)
+    with pytest.raises(fuyou_client.ObjectNotFound):  # nor was the weights object written
+        session.stat("weights/nf")
+    grad = torch.randn(N, generator=gen)
+    ref.grad = grad.clone()
+    opt.step()
+    g.tensor(torch.float32)[:N].copy_(grad)
+    assert session.step_group("nf", g, 1e-2, out=w).step == 2
+    assert torch.equal(w.tensor(torch.float32)[:N], ref.data)
+
+
+def test_a_chunked_group_survives_a_daemon_restart(short_tmp):
+    """Larger buffers here (32 MiB: chunks of 348,160 elements, 1.3 MiB per slot, spanning
+    two or three checksum blocks); the state reloads from its header after a restart."""
+    n = 2_500_001
+    cfg = merge(CONFIG, {"optimizer": {"buffer_budget": "128MiB", "buffers": 4},
+                         "storage": {"data_dirs": [str(short_tmp / "a"), str(short_tmp / "b")]}})
+    assert chunks_of(OptimizerSpec("adamw", 0.8, 0.95, 1e-6, 0.1), n, 32 * MiB) >= 4
+    ref = None
+    gen = torch.Generator().manual_seed(4)
+
+    def steps(s, w, lrs):
+        g = s.allocate(n * 4)
+        for lr in lrs:
+            grad = torch.randn(n, generator=gen)
+            ref.grad = grad.clone()
+            opt.param_groups[0]["lr"] = lr
+            opt.step()
+            g.tensor(torch.float32)[:n].copy_(grad)
+            s.step_group("r", g, lr, out=w)
+            assert torch.equal(w.tensor(torch.float32)[:n], ref.data)
+
+    with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d, \
+            fuyou_client.connect(d.socket, namespace="run") as s:
+        w, init = new_group(s, "r", AdamW(**HYPER), n)
+        ref = nn.Parameter(init.clone())
+        opt = torch.optim.AdamW([ref], lr=1e-2, **HYPER, fused=True)
+        steps(s, w, [1e-2, 9e-3])
+    with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d, \
+            fuyou_client.connect(d.socket, namespace="run") as s:
+        assert s.group("r").step == 2
+        steps(s, s.allocate(n * 4), [8e-3, 7e-3])
+        _, step, (weights, exp_avg, exp_avg_sq) = state_of(s, "r", n, 3)
+        assert step == 4 and torch.equal(weights, ref.data)
+        assert torch.equal(exp_avg_sq, opt.state[ref]["exp_avg_sq"])
+
+
+class Net(nn.Module):
+    """Three blocks of 2.1M parameters: 34 MB of AdamW state and new weights each, more
+    than one and a half buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(32, 1024)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 1024))
+                                    for _ in range(3))
+        self.out = nn.Linear(1024, 8)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h)
+
+
+BATCHES = [torch.randn(4, 32, generator=torch.Generator().manual_seed(i)) for i in range(7)]
+
+
+def train(model, engine, batches):
+    for x in batches:
+        model(x).square().mean().backward()
+        engine.step()
+        engine.zero_grad()
+
+
+def test_attach_with_blocks_larger_than_the_buffers(daemon, short_tmp):
+    """Offloaded blocks (their weights read from the state object: the daemon declines to
+    serve them from a read-ahead) train bitwise like torch's fused AdamW; a copy
+    checkpoint and its resume continue bitwise."""
+    torch.manual_seed(0)
+    ours = Net()
+    ref = copy.deepcopy(ours)
+    engine = fuyou_client.attach(ours, fuyou_client.AdamW(lr=1e-3, **HYPER), socket=daemon.socket, offload=True)
+    assert [g.spec.name for g in engine.groups] == ["block0000", "block0001", "block0002", "rest"]
+    assert Group("ns", "b", OptimizerSpec("adamw"), engine.groups[0].spec.numel, 0).buffer_bytes > 1.5 * PER_BUFFER
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, **HYPER, fused=True)
+    for x in BATCHES[:3]:
+        ours(x).square().mean().backward()
+        engine.step()
+        engine.zero_grad()
+        ref(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            assert torch.equal(ours(x), ref(x))  # (the blocks' weights fetched again from the state)
+    assert engine.offloader.served_bytes == 0 and engine.offloader.fetched_bytes > 0
+    assert engine.save_checkpoint(short_tmp / "ckpt", mode="copy").step == 3
+    train(ours, engine, BATCHES[3:])
+    engine.close()
+    for x in BATCHES[3:]:
+        ref(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for (name, a), b in zip(ours.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name
+
+    torch.manual_seed(123)
+    resumed = Net()
+    engine = fuyou_client.attach(resumed, fuyou_client.AdamW(lr=1e-3, **HYPER), socket=daemon.socket,
+                                 resume=short_tmp / "ckpt")
+    assert engine.state_dict()["group_steps"] == {g.spec.name: 3 for g in engine.groups}
+    train(resumed, engine, BATCHES[3:])
+    engine.close()
+    for (name, a), b in zip(resumed.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_a_buffer_too_small_to_chunk_in_is_refused(short_tmp):
+    """Chunks need scratch blocks for the checksum blocks' edges and three stages: a group
+    larger than buffers too small for that is refused at creation, naming the minimum."""
+    cfg = merge(SMALL, {"optimizer": {"buffer_budget": "8MiB", "buffers": 4}})  # 2 MiB buffers
+    with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d, fuyou_client.connect(d.socket) as s:
+        w = s.allocate(300_000 * 4)  # 4.8 MB of AdamW state, 2.4 MB of plain SGD's
+        for name, spec, slots in (("adamw", AdamW(), 3), ("sgd", SGD(), 1)):
+            least = format_size(chunks.min_buffer(slots)).replace(".", r"\.")
+            with pytest.raises(fuyou_client.ResourceExhausted, match=f"cannot step it in chunks.*at least {least}"):
+                s.create_group(name, w, spec)
+        s.create_group("fits", w, SGD(), numel=100_000)
+        assert s.step_group("fits", w, 0.1).step == 1
