@@ -131,9 +131,10 @@ class IOSection:
 @dataclass
 class OptimizerSection:
     # Daemon-private memory holding optimizer state while it is read ahead, stepped and
-    # written back: `buffers` buffers within `buffer_budget` bytes. One must hold the
-    # largest group's state plus its weights (AdamW fp32: 16 bytes per parameter). Six
-    # cover a client's backward read-ahead (2 groups deep), steps in flight and a spare.
+    # written back: `buffers` buffers within `buffer_budget` bytes. A group whose
+    # state plus weights (AdamW fp32: 16 bytes per parameter) fits one is stepped whole and
+    # read ahead; a larger one in chunks (fuyoud/optimizer/chunks.py). Six cover a client's
+    # backward read-ahead (2 groups deep), steps in flight and a spare.
     buffer_budget: int = 1 << 30
     buffers: int = 6
 
