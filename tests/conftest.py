@@ -1,7 +1,9 @@
 """Shared fixtures: real daemons (child processes or in-process), real files in tmp dirs."""
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -67,6 +69,20 @@ def small_daemon(short_tmp):
 def session(daemon):
     with fuyou_client.connect(daemon.socket) as s:
         yield s
+
+
+@contextlib.contextmanager
+def private_daemon(config: dict, prefix: str = "fy-"):
+    """fuyoud as a child process in a new directory under /tmp (short socket paths), for a
+    module's tests to share; the directory goes when it has stopped."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    d = fuyou_client.start_daemon(root / "state", config=config)
+    try:
+        yield d
+    finally:
+        code = d.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    assert code == 0, d.log()
 
 
 def in_process_config(root: Path, ndirs: int = 2, **overrides) -> config_mod.Config:

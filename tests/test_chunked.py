@@ -3,16 +3,13 @@ bitwise like torch, all or nothing, across restarts, checkpoints and attach."""
 from __future__ import annotations
 
 import copy
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import fuyou_client
-from conftest import SMALL, merge
+from conftest import SMALL, merge, private_daemon
 from fuyou_client import SGD, AdamW
 from fuyoud.optimizer import chunks
 from fuyoud.optimizer.groups import HEADER, Group, slot_bytes
@@ -31,12 +28,8 @@ HYPER = dict(betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
 
 @pytest.fixture(scope="module")
 def daemon():
-    root = Path(tempfile.mkdtemp(prefix="fy-ch-", dir="/tmp"))
-    d = fuyou_client.start_daemon(root / "state", config=CONFIG)
-    yield d
-    code = d.stop()
-    shutil.rmtree(root, ignore_errors=True)
-    assert code == 0, d.log()
+    with private_daemon(CONFIG, "fy-ch-") as d:
+        yield d
 
 
 @pytest.fixture

@@ -4,9 +4,6 @@ sooner by the client where it can tell), and a refused step leaves no trace."""
 from __future__ import annotations
 
 import copy
-import shutil
-import tempfile
-from pathlib import Path
 
 import grpc
 import pytest
@@ -14,7 +11,7 @@ import torch
 from torch import nn
 
 import fuyou_client
-from conftest import SMALL
+from conftest import SMALL, private_daemon
 from fuyou_client import SGD, AdamW
 from fuyou_proto import pb
 from fuyoud.optimizer.kernels import all_finite
@@ -27,12 +24,8 @@ N = 3000  # not a multiple of a page: the state's slots have padding between the
 @pytest.fixture(scope="module")
 def daemon():
     """One fuyoud for the module (each session has a namespace of its own)."""
-    root = Path(tempfile.mkdtemp(prefix="fy-nf-", dir="/tmp"))
-    d = fuyou_client.start_daemon(root / "state", config=SMALL)
-    yield d
-    code = d.stop()
-    shutil.rmtree(root, ignore_errors=True)
-    assert code == 0, d.log()
+    with private_daemon(SMALL, "fy-nf-") as d:
+        yield d
 
 
 @pytest.fixture
