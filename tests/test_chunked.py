@@ -9,18 +9,22 @@ import torch
 from torch import nn
 
 import fuyou_client
-from conftest import SMALL, merge, private_daemon
+from conftest import SMALL, merge, private_daemon, scrape
 from fuyou_client import SGD, AdamW
+from fuyoud.errors import ResourceExhausted
+from fuyoud.memory.segment import buffer_address
 from fuyoud.optimizer import chunks
 from fuyoud.optimizer.groups import HEADER, Group, slot_bytes
 from fuyoud.optimizer.kernels import OptimizerSpec
 from fuyoud.units import format_size
 
 MiB = 1 << 20
-# 4 buffers of 20 MiB: AdamW steps chunks of 86,016 elements (336 KiB per slot, less than
-# a 1 MiB checksum block), SGD with momentum of 262,144 (1 MiB per slot).
+# 2 buffers of 20 MiB: a chunked step holds one (more only when one stays free besides),
+# AdamW steps chunks of 86,016 elements (336 KiB per slot, less than a 1 MiB checksum
+# block: several chunks take their heads from the same cached block), SGD with momentum
+# chunks of 262,144 (1 MiB per slot).
 PER_BUFFER = 20 * MiB
-CONFIG = merge(SMALL, {"optimizer": {"buffer_budget": f"{4 * PER_BUFFER // MiB}MiB", "buffers": 4},
+CONFIG = merge(SMALL, {"optimizer": {"buffer_budget": f"{2 * PER_BUFFER // MiB}MiB", "buffers": 2},
                        "storage": {"capacity_per_device": "1GiB"}})
 N = 1_500_007  # AdamW: 24 MB of state and new weights, more than a buffer; not a multiple of a chunk
 HYPER = dict(betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
@@ -38,13 +42,41 @@ def session(daemon):
         yield s
 
 
-def chunks_of(spec: OptimizerSpec, numel: int, per_buffer: int) -> int:
-    """How many chunks the daemon steps such a group in (and that it is chunked at all)."""
+def chunks_of(spec: OptimizerSpec, numel: int, per_buffer: int, buffers: int = 1) -> int:
+    """How many chunks the daemon steps such a group in, holding ``buffers`` buffers (and
+    that it is chunked at all)."""
     group = Group("ns", "g", spec, numel, 0)
     assert group.buffer_bytes > per_buffer
-    plan = group.chunk_plan(per_buffer)
+    plan = group.chunk_plan(per_buffer, buffers)
     assert numel % plan.chunk
     return len(plan.ranges())
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_the_stages_fit_the_buffers(slots):
+    """Scratch and stages, in one to three buffers, never overlap nor leave their buffer;
+    the smallest buffer that can step in chunks is the one the refusal names."""
+    numel, sb = 10 ** 9, 4 * 10 ** 9  # (a multiple of 4 KiB)
+    offsets = tuple(HEADER + i * sb for i in range(slots))
+    for per_buffer in (chunks.min_buffer(slots), 42 * MiB, 170 * MiB):
+        for buffers in (1, 2, 3):
+            plan = chunks.ChunkPlan.make(numel, offsets, sb, HEADER + slots * sb, per_buffer, "g", buffers)
+            assert plan.chunk >= chunks.GRANULE and plan.chunk % chunks.GRANULE == 0
+            mems = [bytearray(per_buffer) for _ in range(buffers)]
+            bufs = [memoryview(m) for m in mems]
+            spans = [(0, 0, plan.scratch_bytes)]
+            for mem in plan.stages(bufs):
+                assert len(mem) == plan.stage_bytes
+                b = next(i for i, m in enumerate(mems) if mem.obj is m)
+                start = buffer_address(mem) - buffer_address(bufs[b])
+                spans.append((b, start, start + len(mem)))
+            for i, (b, lo, hi) in enumerate(spans):
+                assert hi <= per_buffer and all(b != b2 or hi <= lo2 or hi2 <= lo for b2, lo2, hi2 in spans[i + 1:])
+            if buffers > 1:  # more buffers, larger chunks
+                one = chunks.ChunkPlan.make(numel, offsets, sb, HEADER + slots * sb, per_buffer, "g")
+                assert plan.chunk > one.chunk
+    with pytest.raises(ResourceExhausted, match="cannot step it in chunks"):
+        chunks.ChunkPlan.make(numel, offsets, sb, HEADER + slots * sb, chunks.min_buffer(slots) - 2 * MiB, "g")
 
 
 def new_group(session, name, spec, n, seed=0):
@@ -171,12 +203,13 @@ def test_a_non_finite_chunk_commits_nothing(session, where, bad):
 
 
 def test_a_chunked_group_survives_a_daemon_restart(short_tmp):
-    """Larger buffers here (32 MiB: chunks of 348,160 elements, 1.3 MiB per slot, spanning
-    two or three checksum blocks); the state reloads from its header after a restart."""
+    """Larger buffers here (4 of 32 MiB: a step holds three, one per stage, and steps
+    chunks of 626,688 elements, 2.4 MiB per slot, spanning several checksum blocks); the
+    state reloads from its header after a restart."""
     n = 2_500_001
     cfg = merge(CONFIG, {"optimizer": {"buffer_budget": "128MiB", "buffers": 4},
                          "storage": {"data_dirs": [str(short_tmp / "a"), str(short_tmp / "b")]}})
-    assert chunks_of(OptimizerSpec("adamw", 0.8, 0.95, 1e-6, 0.1), n, 32 * MiB) >= 4
+    assert chunks_of(OptimizerSpec("adamw", 0.8, 0.95, 1e-6, 0.1), n, 32 * MiB, buffers=3) == 4
     ref = None
     gen = torch.Generator().manual_seed(4)
 
@@ -197,6 +230,7 @@ def test_a_chunked_group_survives_a_daemon_restart(short_tmp):
         ref = nn.Parameter(init.clone())
         opt = torch.optim.AdamW([ref], lr=1e-2, **HYPER, fused=True)
         steps(s, w, [1e-2, 9e-3])
+        assert scrape(d.status().metrics_url)['fuyoud_pinned_bytes{state="optimizer"}'] == 3 * 32 * MiB
     with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d, \
             fuyou_client.connect(d.socket, namespace="run") as s:
         assert s.group("r").step == 2
@@ -204,6 +238,96 @@ def test_a_chunked_group_survives_a_daemon_restart(short_tmp):
         _, step, (weights, exp_avg, exp_avg_sq) = state_of(s, "r", n, 3)
         assert step == 4 and torch.equal(weights, ref.data)
         assert torch.equal(exp_avg_sq, opt.state[ref]["exp_avg_sq"])
+
+
+def test_a_corrupt_chunk_is_refused_and_commits_nothing(short_tmp):
+    """A flipped byte in the data file, in the second moment of a chunk mid-way: the step
+    reads it again (checked), then fails with DATA_LOSS naming the object; nothing is
+    committed and the client's weights, which the earlier chunks had written, are the
+    committed ones again."""
+    from fuyoud.storage.index import IndexDB
+
+    cfg = merge(CONFIG, {"storage": {"data_dirs": [str(short_tmp / "ssd0")], "direct_io": True}})
+    with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d, \
+            fuyou_client.connect(d.socket, namespace="flip") as s:
+        w, init = new_group(s, "c", AdamW(**HYPER), N)
+        g = s.allocate(N * 4)
+        grad = torch.randn(N)
+        g.tensor(torch.float32)[:N].copy_(grad)
+        s.step_group("c", g, 1e-2, out=w)
+        committed = w.tensor(torch.float32)[:N].clone()
+    index = IndexDB(short_tmp / "state" / "index.sqlite")
+    meta = next(m for m in index.load() if m.name == "optim/c")
+    index.close()
+    where = meta.layout.extents[0].offset + HEADER + 2 * slot_bytes(N) + 4 * 1_000_000  # exp_avg_sq[1e6]
+    with open(short_tmp / "ssd0" / "fuyou.data", "r+b") as f:
+        f.seek(where)
+        byte = f.read(1)
+        f.seek(where)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d, \
+            fuyou_client.connect(d.socket, namespace="flip") as s:
+        out, g = s.allocate(N * 4), s.allocate(N * 4)
+        out.tensor(torch.float32)[:N].copy_(committed)
+        g.tensor(torch.float32)[:N].copy_(grad)
+        with pytest.raises(fuyou_client.DataLoss, match="checksum mismatch in object flip/optim/c"):
+            s.step_group("c", g, 1e-2, out=out)
+        assert s.stat("optim/c").version == meta.version and s.group("c").step == 1
+        assert torch.equal(out.tensor(torch.float32)[:N], committed)
+        assert "reading it again" in d.log()
+
+
+def test_read_faults_are_read_again_and_write_faults_commit_nothing(short_tmp, caplog):
+    """Through the fault-injecting engine, in-process, over two devices: a read returning
+    a flipped bit anywhere in a chunked step (a chunk's ranges, or the checksum block
+    the next chunk takes its head from) is read again and the step stays bitwise torch's;
+    a failed write mid-step commits nothing and leaves the client's weights as committed."""
+    import logging
+
+    from conftest import in_process_config, make_engine
+    from fuyoud.io.engine import Op
+    from fuyoud.io.faults import Fault, FaultyEngine
+    from fuyoud.server import Daemon
+
+    engine = FaultyEngine(make_engine("threadpool"))
+    daemon = Daemon(in_process_config(short_tmp, ndirs=2, storage__capacity_per_device="256MiB",
+                                      optimizer__buffer_budget=f"{2 * PER_BUFFER // MiB}MiB", optimizer__buffers=2),
+                    engine=engine)
+    daemon.start()
+    caplog.set_level(logging.WARNING, logger="fuyoud.optimizer.chunks")
+    try:
+        with fuyou_client.connect(str(daemon.config.daemon.control_path)) as s:
+            w, init = new_group(s, "f", AdamW(**HYPER), N)
+            ref = nn.Parameter(init.clone())
+            opt = torch.optim.AdamW([ref], lr=1e-2, **HYPER, fused=True)
+            g = s.allocate(N * 4)
+            gen = torch.Generator().manual_seed(5)
+            skips = [3, 9, 17, 24, 31, 38, 45, 52]  # a step reads ~70 requests of 256 KiB
+            for i, skip in enumerate(skips):
+                grad = torch.randn(N, generator=gen)
+                ref.grad = grad.clone()
+                opt.step()
+                g.tensor(torch.float32)[:N].copy_(grad)
+                engine.arm(Fault("corrupt", op=Op.READ, skip=skip))
+                s.step_group("f", g, 1e-2, out=w)
+                assert torch.equal(w.tensor(torch.float32)[:N], ref.data), skip
+                assert engine.injected == i + 1
+            assert len([r for r in caplog.records if "reading it again" in r.getMessage()]) == len(skips)
+            version = s.stat("optim/f").version
+            engine.arm(Fault("eio", op=Op.WRITE, skip=40))
+            with pytest.raises(fuyou_client.DataLoss, match="I/O error"):
+                s.step_group("f", g, 1e-2, out=w)
+            assert s.stat("optim/f").version == version and s.group("f").step == len(skips)
+            assert torch.equal(w.tensor(torch.float32)[:N], ref.data)
+            engine.clear()
+            grad = torch.randn(N, generator=gen)
+            ref.grad = grad.clone()
+            opt.step()
+            g.tensor(torch.float32)[:N].copy_(grad)
+            s.step_group("f", g, 1e-2, out=w)
+            assert torch.equal(w.tensor(torch.float32)[:N], ref.data)
+    finally:
+        daemon.stop()
 
 
 class Net(nn.Module):

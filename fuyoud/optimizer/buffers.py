@@ -3,8 +3,9 @@
 A fixed number of buffers (``[optimizer] buffers``, 6 by default) within a byte budget,
 so the optimizer's memory is bounded whatever the model size: a step holds one buffer,
 with the group's whole state when it fits (and a read-ahead of a group's state holds
-another until its step), or, for a group larger than a buffer, cut into scratch blocks
-and three chunk stages (read, compute, write back: see chunks.py). Buffers
+another until its step); a group larger than a buffer is stepped in chunks through
+scratch blocks and three stages (read, compute, write back: see chunks.py) in one
+buffer, or in up to three, one per stage, taken without waiting while one stays free. Buffers
 are private anonymous mappings on transparent huge pages (contiguous memory makes
 O_DIRECT faster) and are kept between steps: mapping and faulting in hundreds of MB
 per step would cost more than the step.

@@ -86,12 +86,12 @@ class Group:
         """A step's buffer: the state, then room for the new weights in any dtype."""
         return self.nbytes + slot_bytes(self.numel)
 
-    def chunk_plan(self, per_buffer: int) -> chunks.ChunkPlan:
-        """How a step of this group is cut into chunks within buffers of ``per_buffer``
-        bytes (ResourceExhausted if they are too small even for that)."""
+    def chunk_plan(self, per_buffer: int, buffers: int = 1) -> chunks.ChunkPlan:
+        """How a step of this group is cut into chunks within ``buffers`` buffers of
+        ``per_buffer`` bytes (ResourceExhausted if they are too small even for that)."""
         sb = slot_bytes(self.numel)
         return chunks.ChunkPlan.make(self.numel, tuple(HEADER + i * sb for i in range(self.spec.slots)), sb,
-                                     self.nbytes, per_buffer, f"group {self.name!r}")
+                                     self.nbytes, per_buffer, f"group {self.name!r}", buffers)
 
 
 @dataclass
@@ -131,7 +131,7 @@ class Optimizer:
         group = Group(namespace, name, spec, numel, 0)
         if self.chunked(group):  # the state in pieces, never whole in memory
             plan = group.chunk_plan(self.buffers.per_buffer)
-            with self.buffers.acquire(plan.buffer_bytes) as buf:
+            with self.buffers.acquire(plan.buffer_bytes(0)) as buf:
                 chunks.create(self.store, buf, plan, namespace, state_name(name), spec.header(numel, 0).ljust(
                     HEADER, b"\0"), weights, session_id)
         else:
@@ -288,10 +288,13 @@ class Optimizer:
     def _step_chunked(self, group: Group, grad: torch.Tensor, out: torch.Tensor | None,
                       weights_dtype: torch.dtype | None, lr: float, grad_scale: float, session_id: int,
                       weights_object: str) -> StepResult:
-        """A step of a group larger than a buffer, chunk by chunk (chunks.py). Each chunk's
-        new weights go to ``out`` once the chunk is checked; if the step then fails, the
-        committed weights are put back there before the error is raised."""
-        plan = group.chunk_plan(self.buffers.per_buffer)
+        """A step of a group larger than a buffer, chunk by chunk (chunks.py), in one
+        buffer, or in up to three (one per stage: larger chunks, fewer and longer
+        transfers) when that many are free without waiting and one stays free. Each
+        chunk's new weights go to ``out`` once the chunk is checked; if the step then
+        fails, the committed weights are put back there before the error is raised."""
+        per_buffer = self.buffers.per_buffer
+        group.chunk_plan(per_buffer)  # (refused before waiting when a buffer is too small)
         written = 0  # elements [0, written) of out hold new weights
 
         def compute(a: int, b: int, slots: list[torch.Tensor], weights: torch.Tensor | None) -> None:
@@ -314,27 +317,35 @@ class Optimizer:
         with group.lock:
             if group.dead:
                 raise NotFound(f"optimizer group {group.name!r} was deleted or replaced while this step waited")
-            buf = self.buffers.acquire_blocking(plan.buffer_bytes)
+            bufs = [self.buffers.acquire_blocking(per_buffer)]
             try:
+                while len(bufs) < chunks.STAGES:
+                    more = self.buffers.try_acquire(per_buffer, leave=1)
+                    if more is None:
+                        break
+                    bufs.append(more)
+                plan = group.chunk_plan(per_buffer, len(bufs))
                 header = group.spec.header(group.numel, group.step + 1).ljust(HEADER, b"\0")
                 try:
-                    timing = chunks.step(self.store, buf, plan, group.namespace, state_name(group.name), header,
+                    timing = chunks.step(self.store, bufs, plan, group.namespace, state_name(group.name), header,
                                          session_id, compute, weights_object, weights_dtype)
                 except BaseException as exc:
                     if written:
-                        self._restore_out(group, buf, plan, out, written, exc)
+                        self._restore_out(group, plan.stages(bufs)[0], plan, out, written, exc)
                     raise
                 group.step += 1
             finally:
-                self.buffers.release(buf)
+                for buf in bufs:
+                    self.buffers.release(buf)
         return StepResult(group.step, timing.read_s, timing.compute_s, timing.write_s, False)
 
-    def _restore_out(self, group: Group, buf: memoryview, plan: chunks.ChunkPlan, out: torch.Tensor, end: int,
+    def _restore_out(self, group: Group, area: memoryview, plan: chunks.ChunkPlan, out: torch.Tensor, end: int,
                      exc: BaseException) -> None:
         """After a failed chunked step: the committed weights of elements [0, end) back
-        into ``out`` (the state object's version is the one the step started from)."""
+        into ``out`` (the state object's version is the one the step started from),
+        through ``area``, memory of the step's."""
         try:
-            chunks.read_weights(self.store, buf, plan, group.namespace, state_name(group.name), end,
+            chunks.read_weights(self.store, area, plan, group.namespace, state_name(group.name), end,
                                 lambda a, b, w: out[a:b].copy_(w))
         except Exception as again:  # noqa: BLE001 - reported with the step's own error
             what = exc if isinstance(exc, FuyouError) else repr(exc)
