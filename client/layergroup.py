@@ -145,6 +145,12 @@ def upload(engine, spec: ParamGroup, optimizer, offload: bool | str, index: int)
         master, info = checkpoints.read_masters(engine, spec.name, n)
         if info.optimizer.to_pb() != optimizer.to_pb():
             master.free()
+            was, now = (getattr(o, "state_dtype", "fp32") for o in (info.optimizer, optimizer))
+            if was != now:
+                raise ValueError(f"group {spec.name} was checkpointed with state_dtype={was!r}, and this run asks "
+                                 f"for {now!r}: the moments are not converted between state dtypes; resume with "
+                                 f"state_dtype={was!r}, or start from the exported weights (engine.export) with "
+                                 f"state_dtype={now!r} (fresh moments)")
             raise ValueError(f"group {spec.name} was checkpointed with {info.optimizer}, not {optimizer}; "
                              "resume with the same optimizer settings (lr may differ)")
         with torch.no_grad():

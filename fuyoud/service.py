@@ -42,7 +42,7 @@ def _check_writable(name: str) -> str:
 
 def _spec(msg: pb.OptimizerSpec) -> OptimizerSpec:
     return OptimizerSpec(msg.kind, msg.beta1, msg.beta2, msg.eps, msg.weight_decay, msg.momentum,
-                         msg.dampening, msg.nesterov)
+                         msg.dampening, msg.nesterov, msg.state_dtype or "fp32")
 
 
 def group_info(group: Group) -> pb.GroupInfo:

@@ -127,7 +127,7 @@ class ObjectInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., namespace: _Optional[str] = ..., size: _Optional[int] = ..., persistent: _Optional[bool] = ..., devices: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
-    __slots__ = ("kind", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening", "nesterov")
+    __slots__ = ("kind", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening", "nesterov", "state_dtype")
     KIND_FIELD_NUMBER: _ClassVar[int]
     BETA1_FIELD_NUMBER: _ClassVar[int]
     BETA2_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class OptimizerSpec(_message.Message):
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     DAMPENING_FIELD_NUMBER: _ClassVar[int]
     NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    STATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     beta1: float
     beta2: float
@@ -144,7 +145,8 @@ class OptimizerSpec(_message.Message):
     momentum: float
     dampening: float
     nesterov: bool
-    def __init__(self, kind: _Optional[str] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., nesterov: _Optional[bool] = ...) -> None: ...
+    state_dtype: str
+    def __init__(self, kind: _Optional[str] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., nesterov: _Optional[bool] = ..., state_dtype: _Optional[str] = ...) -> None: ...
 
 class CreateGroupRequest(_message.Message):
     __slots__ = ("name", "optimizer", "weights", "offset", "numel")

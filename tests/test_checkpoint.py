@@ -50,13 +50,14 @@ def params(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("mode", ["snapshot", "copy"])
-def test_resume_continues_bitwise_like_a_run_that_never_stopped(short_tmp, mode):
+@pytest.mark.parametrize("mode, state_dtype", [("snapshot", "fp32"), ("copy", "fp32"), ("copy", "bf16"),
+                                               ("snapshot", "int8")])
+def test_resume_continues_bitwise_like_a_run_that_never_stopped(short_tmp, mode, state_dtype):
     d = start(short_tmp)
     try:
         # The run that never stops: 3 steps, checkpoint, 3 more.
         model = gpt2()
-        engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), socket=d.socket)
+        engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER, state_dtype=state_dtype), socket=d.socket)
         sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule)
         run(model, engine, sched, BATCHES[:3])
         reply = engine.save_checkpoint(short_tmp / "ckpt", extra={"sched": sched.state_dict(), "batch": 3},
@@ -71,7 +72,13 @@ def test_resume_continues_bitwise_like_a_run_that_never_stopped(short_tmp, mode)
 
         # The resumed run: another process's fresh model (other random weights).
         resumed = gpt2(seed=123)
-        engine = fuyou_client.attach(resumed, fuyou_client.AdamW(**HYPER), socket=d.socket, resume=short_tmp / "ckpt")
+        if state_dtype != "fp32":  # the moments are not converted: another state dtype is refused by name
+            other = "int8" if state_dtype == "bf16" else "bf16"
+            with pytest.raises(ValueError, match=f"checkpointed with state_dtype='{state_dtype}'.*asks for '{other}'"):
+                fuyou_client.attach(resumed, fuyou_client.AdamW(**HYPER, state_dtype=other), socket=d.socket,
+                                    resume=short_tmp / "ckpt")
+        engine = fuyou_client.attach(resumed, fuyou_client.AdamW(**HYPER, state_dtype=state_dtype), socket=d.socket,
+                                     resume=short_tmp / "ckpt")
         assert engine.checkpoint_extra["batch"] == 3
         sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule)
         sched.load_state_dict(engine.checkpoint_extra["sched"])

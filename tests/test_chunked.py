@@ -52,16 +52,24 @@ def chunks_of(spec: OptimizerSpec, numel: int, per_buffer: int, buffers: int = 1
     return len(plan.ranges())
 
 
-@pytest.mark.parametrize("slots", [1, 2, 3])
-def test_the_stages_fit_the_buffers(slots):
-    """Scratch and stages, in one to three buffers, never overlap nor leave their buffer;
-    the smallest buffer that can step in chunks is the one the refusal names."""
-    numel, sb = 10 ** 9, 4 * 10 ** 9  # (a multiple of 4 KiB)
-    offsets = tuple(HEADER + i * sb for i in range(slots))
-    for per_buffer in (chunks.min_buffer(slots), 42 * MiB, 170 * MiB):
+LAYOUTS = {"sgd": OptimizerSpec("sgd"), "sgd+momentum": OptimizerSpec("sgd", momentum=0.9),
+           "adamw": OptimizerSpec("adamw"), "adamw-bf16": OptimizerSpec("adamw", state_dtype="bf16"),
+           "adamw-int8": OptimizerSpec("adamw", state_dtype="int8")}
+
+
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_the_stages_fit_the_buffers(kind):
+    """Scratch and stages, in one to three buffers, never overlap nor leave their buffer,
+    and every slot's range of a chunk is 4 KiB aligned in memory and in the object; the
+    smallest buffer that can step in chunks is the one the refusal names."""
+    layout = LAYOUTS[kind].layout(10 ** 9)
+    for per_buffer in (chunks.min_buffer(layout), 42 * MiB, 170 * MiB):
         for buffers in (1, 2, 3):
-            plan = chunks.ChunkPlan.make(numel, offsets, sb, HEADER + slots * sb, per_buffer, "g", buffers)
-            assert plan.chunk >= chunks.GRANULE and plan.chunk % chunks.GRANULE == 0
+            plan = chunks.ChunkPlan.make(layout, per_buffer, "g", buffers)
+            assert plan.chunk >= chunks.GRANULE and plan.chunk % chunks.granule(layout) == 0
+            for i in range(plan.slots):
+                lo, n = plan.span(i, plan.chunk, 2 * plan.chunk)
+                assert lo % 4096 == 0 and n % 4096 == 0 and plan.region_bytes(i) == n
             mems = [bytearray(per_buffer) for _ in range(buffers)]
             bufs = [memoryview(m) for m in mems]
             spans = [(0, 0, plan.scratch_bytes)]
@@ -69,14 +77,15 @@ def test_the_stages_fit_the_buffers(slots):
                 assert len(mem) == plan.stage_bytes
                 b = next(i for i, m in enumerate(mems) if mem.obj is m)
                 start = buffer_address(mem) - buffer_address(bufs[b])
+                assert start % 4096 == 0
                 spans.append((b, start, start + len(mem)))
             for i, (b, lo, hi) in enumerate(spans):
                 assert hi <= per_buffer and all(b != b2 or hi <= lo2 or hi2 <= lo for b2, lo2, hi2 in spans[i + 1:])
             if buffers > 1:  # more buffers, larger chunks
-                one = chunks.ChunkPlan.make(numel, offsets, sb, HEADER + slots * sb, per_buffer, "g")
+                one = chunks.ChunkPlan.make(layout, per_buffer, "g")
                 assert plan.chunk > one.chunk
     with pytest.raises(ResourceExhausted, match="cannot step it in chunks"):
-        chunks.ChunkPlan.make(numel, offsets, sb, HEADER + slots * sb, chunks.min_buffer(slots) - 2 * MiB, "g")
+        chunks.ChunkPlan.make(layout, chunks.min_buffer(layout) - 2 * MiB, "g")
 
 
 def new_group(session, name, spec, n, seed=0):
@@ -406,8 +415,9 @@ def test_a_buffer_too_small_to_chunk_in_is_refused(short_tmp):
     cfg = merge(SMALL, {"optimizer": {"buffer_budget": "8MiB", "buffers": 4}})  # 2 MiB buffers
     with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d, fuyou_client.connect(d.socket) as s:
         w = s.allocate(300_000 * 4)  # 4.8 MB of AdamW state, 2.4 MB of plain SGD's
-        for name, spec, slots in (("adamw", AdamW(), 3), ("sgd", SGD(), 1)):
-            least = format_size(chunks.min_buffer(slots)).replace(".", r"\.")
+        for name, spec, kind in (("adamw", AdamW(), "adamw"), ("sgd", SGD(), "sgd"),
+                                 ("int8", AdamW(state_dtype="int8"), "adamw-int8")):
+            least = format_size(chunks.min_buffer(LAYOUTS[kind].layout(300_000))).replace(".", r"\.")
             with pytest.raises(fuyou_client.ResourceExhausted, match=f"cannot step it in chunks.*at least {least}"):
                 s.create_group(name, w, spec)
         s.create_group("fits", w, SGD(), numel=100_000)

@@ -11,7 +11,7 @@ step does, or up to three when that many are free (groups.py), and cuts them int
 
 A chunk is a run of elements, a multiple of GRANULE (2048) elements so that every
 range of it in the object and in a 16-bit weights copy is 4 KiB aligned (O_DIRECT in
-place), and as large as the stages allow (at most a quarter of the group, so that the
+place; int8 state, with a scale per 256 elements, needs 262144: ``granule``), and as large as the stages allow (at most a quarter of the group, so that the
 pipeline has something to overlap): larger chunks are fewer, longer transfers, and on
 the reference machine a 256M-parameter step in one 42 MiB buffer (chunks of 2.2 MiB per
 slot) took 1.4x the SSD bound, in three 1.2x.
@@ -42,6 +42,7 @@ checksums.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,6 +54,7 @@ import torch
 from fuyoud.errors import ResourceExhausted
 from fuyoud.io.engine import Op
 from fuyoud.memory.hugepages import HUGE
+from fuyoud.optimizer.layout import Layout
 from fuyoud.storage import checksums
 from fuyoud.storage.pending import PendingWrite
 from fuyoud.storage.store import ReadItem, Store, WriteItem, _Batch
@@ -74,9 +76,23 @@ def scratch_blocks(slots: int) -> int:
     return (STAGES - 1 + 3) * slots + 1
 
 
-def min_buffer(slots: int) -> int:
-    """The smallest optimizer buffer a group of ``slots`` slots can be stepped in."""
-    return align_up(scratch_blocks(slots) * BLOCK + STAGES * (4 * slots + OUT_BYTES) * GRANULE, HUGE)
+def granule(layout: Layout) -> int:
+    """Chunks are a multiple of this many elements: GRANULE, and so that every slot's
+    range of a chunk is 4 KiB aligned (a scale per 256 parameters needs 262144)."""
+    g = GRANULE
+    for s in layout.slots:
+        g = math.lcm(g, s.per * 4096 // math.gcd(4096, s.itemsize))
+    return g
+
+
+def _elem_bytes(layout: Layout, count: int) -> int:
+    """One stage's bytes for a chunk of ``count`` elements (a multiple of the granule)."""
+    return sum(s.itemsize * -(-count // s.per) for s in layout.slots) + OUT_BYTES * count
+
+
+def min_buffer(layout: Layout) -> int:
+    """The smallest optimizer buffer a group of this layout can be stepped in."""
+    return align_up(scratch_blocks(len(layout.slots)) * BLOCK + STAGES * _elem_bytes(layout, granule(layout)), HUGE)
 
 
 def _stage_room(per_buffer: int, scratch: int, buffers: int) -> tuple[int, list[int]]:
@@ -99,46 +115,60 @@ def _stage_room(per_buffer: int, scratch: int, buffers: int) -> tuple[int, list[
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    numel: int
-    offsets: tuple[int, ...]  # object offset of each slot
-    slot_bytes: int  # each slot's bytes in the object (4 KiB aligned: the padding included)
-    size: int  # the object's bytes
+    layout: Layout  # the state object's slots (layout.py)
     chunk: int  # elements per chunk
     buffers: int = 1  # optimizer buffers the step holds
     where: tuple[int, ...] = (0,) * STAGES  # the buffer each stage is in
 
     @classmethod
-    def make(cls, numel: int, offsets: tuple[int, ...], slot_bytes: int, size: int, per_buffer: int,
-             what: str, buffers: int = 1) -> "ChunkPlan":
+    def make(cls, layout: Layout, per_buffer: int, what: str, buffers: int = 1) -> "ChunkPlan":
         """Chunks as large as the stages allow in ``buffers`` buffers of ``per_buffer``
         bytes (ResourceExhausted when even one buffer is too small for the smallest)."""
-        slots = len(offsets)
-        if per_buffer < min_buffer(slots):
+        if per_buffer < min_buffer(layout):
             raise ResourceExhausted(
-                f"{what} needs {format_size(size + slot_bytes)} of optimizer state in memory, more than one "
-                f"optimizer buffer ({format_size(per_buffer)} = [optimizer] buffer_budget / buffers), and a buffer "
-                f"that small cannot step it in chunks either (that needs at least {format_size(min_buffer(slots))} "
-                "per buffer); raise [optimizer] buffer_budget")
-        room, where = _stage_room(per_buffer, scratch_blocks(slots) * BLOCK, buffers)
-        fit = room // (4 * slots + OUT_BYTES) // GRANULE * GRANULE
-        want = align_up(-(-numel // MIN_CHUNKS), GRANULE)
-        return cls(numel, offsets, slot_bytes, size, min(fit, want), buffers, tuple(where))
+                f"{what} needs {format_size(layout.size + 4 * layout.numel)} of optimizer state in memory, more than "
+                f"one optimizer buffer ({format_size(per_buffer)} = [optimizer] buffer_budget / buffers), and a "
+                f"buffer that small cannot step it in chunks either (that needs at least "
+                f"{format_size(min_buffer(layout))} per buffer); raise [optimizer] buffer_budget")
+        g = granule(layout)
+        room, where = _stage_room(per_buffer, scratch_blocks(len(layout.slots)) * BLOCK, buffers)
+        fit = g * max(1, room // _elem_bytes(layout, g))
+        want = align_up(-(-layout.numel // MIN_CHUNKS), g)
+        return cls(layout, min(fit, want), buffers, tuple(where))
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def offsets(self) -> tuple[int, ...]:  # object offset of each slot
+        return self.layout.offsets
+
+    @property
+    def size(self) -> int:  # the object's bytes
+        return self.layout.size
 
     @property
     def slots(self) -> int:
-        return len(self.offsets)
+        return len(self.layout.slots)
 
     @property
     def scratch_bytes(self) -> int:
         return scratch_blocks(self.slots) * BLOCK
 
-    @property
-    def region_bytes(self) -> int:  # one slot's range of one chunk
-        return 4 * self.chunk
+    def region_bytes(self, i: int) -> int:
+        """Slot ``i``'s room in a stage: its range of one chunk."""
+        s = self.layout.slots[i]
+        return s.itemsize * -(-self.chunk // s.per)
 
     @property
     def stage_bytes(self) -> int:
-        return (self.slots * 4 + OUT_BYTES) * self.chunk
+        return _elem_bytes(self.layout, self.chunk)
+
+    def span(self, i: int, a: int, b: int) -> tuple[int, int]:
+        """(object offset, bytes) of slot ``i``'s elements for parameters [a, b)."""
+        s = self.layout.slots[i]
+        return self.offsets[i] + s.itemsize * (a // s.per), s.itemsize * -(-(b - a) // s.per)
 
     def buffer_bytes(self, index: int) -> int:
         """What the plan uses of buffer ``index``."""
@@ -163,12 +193,15 @@ class _Stage:
     """One chunk's place: a region per slot, then the weights copy."""
 
     def __init__(self, mem: memoryview, plan: ChunkPlan):
-        r = plan.region_bytes
-        self.regions = [mem[i * r:(i + 1) * r] for i in range(plan.slots)]
-        self.out = mem[plan.slots * r:plan.stage_bytes]
+        self.layout = plan.layout
+        self.regions, at = [], 0
+        for i in range(plan.slots):
+            self.regions.append(mem[at:at + plan.region_bytes(i)])
+            at += plan.region_bytes(i)
+        self.out = mem[at:plan.stage_bytes]
 
     def slots(self, m: int) -> list[torch.Tensor]:
-        return [torch.frombuffer(r, dtype=torch.float32)[:m] for r in self.regions]
+        return [torch.frombuffer(r, dtype=s.dtype)[:s.count(m)] for r, s in zip(self.regions, self.layout.slots)]
 
     def weights(self, m: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.frombuffer(self.out, dtype=dtype)[:m]
@@ -425,8 +458,8 @@ def step(store: Store, bufs: list[memoryview], plan: ChunkPlan, namespace: str, 
         sources: set[int] = set()
         after: list[Callable[[], None]] = []
         for i, reader in enumerate(readers):
-            lo = plan.offsets[i] + 4 * a
-            if reader.plan(c, lo, lo + 4 * (b - a), stage.regions[i], items, after, sources):
+            lo, n = plan.span(i, a, b)
+            if reader.plan(c, lo, lo + n, stage.regions[i], items, after, sources):
                 cache_items.add(len(items) - 1)
         errors = source.read_raw(items)
         for copy in after:
@@ -452,7 +485,8 @@ def step(store: Store, bufs: list[memoryview], plan: ChunkPlan, namespace: str, 
                         next(iter(bad.values())))
         a, b = chunks[c]
         for i, region in enumerate(stages[c % STAGES].regions):
-            source.read(plan.offsets[i] + 4 * a, region[:4 * (b - a)])
+            lo, n = plan.span(i, a, b)
+            source.read(lo, region[:n])
 
     @guarded
     def write(c: int) -> None:
@@ -461,12 +495,12 @@ def step(store: Store, bufs: list[memoryview], plan: ChunkPlan, namespace: str, 
         if c == 0:
             state.put(0, memoryview(header))
         for i, region in enumerate(stage.regions):
-            n = 4 * (b - a)
+            lo, n = plan.span(i, a, b)
             if b == plan.numel:  # the slot's padding: zeros, like every version's
-                end = plan.slot_bytes - 4 * a
+                end = plan.offsets[i] + plan.layout.slot_bytes(plan.layout.slots[i]) - lo
                 region[n:end] = bytes(end - n)
                 n = end
-            state.put(plan.offsets[i] + 4 * a, region[:n])
+            state.put(lo, region[:n])
         state.flush()
         if weights is not None:
             weights.put(a * wsize, stage.out[:(b - a) * wsize])
@@ -536,17 +570,18 @@ def create(store: Store, buf: memoryview, plan: ChunkPlan, namespace: str, name:
         out = BlockWriter(pending, blocks)
         out.put(0, memoryview(header))
         nbytes = len(weights)
-        for off in range(0, plan.slot_bytes, piece):  # the weights, then the slot's padding
-            m = min(piece, plan.slot_bytes - off)
+        sizes = [plan.layout.slot_bytes(s) for s in plan.layout.slots]
+        for off in range(0, sizes[0], piece):  # the weights, then the slot's padding
+            m = min(piece, sizes[0] - off)
             real = max(0, min(m, nbytes - off))
             area[:real] = weights[off:off + real]
             area[real:m] = bytes(m - real)
             out.put(plan.offsets[0] + off, area[:m])
             out.flush()
         area[:piece] = bytes(piece)
-        for start in plan.offsets[1:]:  # the moments: zeros
-            for off in range(0, plan.slot_bytes, piece):
-                out.put(start + off, area[:min(piece, plan.slot_bytes - off)])
+        for start, size in zip(plan.offsets[1:], sizes[1:]):  # the moments (and their scales): zeros
+            for off in range(0, size, piece):
+                out.put(start + off, area[:min(piece, size - off)])
                 out.flush()
         out.finish()
         store.commit_writes([pending])

@@ -4,7 +4,8 @@ A group's state is one persistent object, ``optim/<group>``:
 
     [4 KiB header: spec, numel, step] [fp32 master weights] [exp_avg] [exp_avg_sq]
 
-(each slot 4 KiB aligned; SGD keeps weights and its momentum buffer). A step reads the
+(each slot 4 KiB aligned; SGD keeps weights and its momentum buffer; AdamW's moments
+may be bf16 or int8 with their scales: layout.py). A step reads the
 object into a daemon buffer, runs the fused kernel on the gradients in the client's
 shared buffer, writes the new compute-dtype weights into the client's shared buffer,
 and commits the state as a new version of the object (the header's step count with
@@ -38,12 +39,13 @@ from fuyoud.errors import DataLoss, FuyouError, InvalidArgument, NonFinite, NotF
 from fuyoud.names import shown
 from fuyoud.optimizer import chunks
 from fuyoud.optimizer.buffers import StateBuffers
+from fuyoud.optimizer import lowp
 from fuyoud.optimizer.kernels import OptimizerSpec, all_finite, step as run_kernel
+from fuyoud.optimizer.layout import HEADER
 from fuyoud.storage.store import ReadItem, Store, WriteItem
 from fuyoud.units import align_up
 
 log = logging.getLogger(__name__)
-HEADER = 4096
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -63,7 +65,7 @@ def slot_bytes(numel: int) -> int:
 
 
 def state_bytes(spec: OptimizerSpec, numel: int) -> int:
-    return HEADER + spec.slots * slot_bytes(numel)
+    return spec.layout(numel).size
 
 
 @dataclass
@@ -89,9 +91,7 @@ class Group:
     def chunk_plan(self, per_buffer: int, buffers: int = 1) -> chunks.ChunkPlan:
         """How a step of this group is cut into chunks within ``buffers`` buffers of
         ``per_buffer`` bytes (ResourceExhausted if they are too small even for that)."""
-        sb = slot_bytes(self.numel)
-        return chunks.ChunkPlan.make(self.numel, tuple(HEADER + i * sb for i in range(self.spec.slots)), sb,
-                                     self.nbytes, per_buffer, f"group {self.name!r}", buffers)
+        return chunks.ChunkPlan.make(self.spec.layout(self.numel), per_buffer, f"group {self.name!r}", buffers)
 
 
 @dataclass
@@ -117,6 +117,7 @@ class Optimizer:
         self._groups: dict[tuple[str, str], Group] = {}
         self._lock = threading.Lock()
         self._compute = threading.Lock()  # one kernel at a time: it is memory-bound and uses every core
+        self._scratch = lowp.Scratch()  # the reduced-precision kernels' temporaries (under _compute)
         self._order: dict[str, list[str]] = {}  # namespace -> step order of the last iteration
         self._current: dict[str, list[str]] = {}
 
@@ -139,7 +140,7 @@ class Optimizer:
                 buf[:HEADER] = spec.header(numel, 0).ljust(HEADER, b"\0")
                 slots = buf[HEADER:]
                 slots[:numel * 4] = weights
-                torch.frombuffer(slots, dtype=torch.uint8)[numel * 4:].zero_()  # padding and moments
+                torch.frombuffer(slots, dtype=torch.uint8)[numel * 4:].zero_()  # padding, moments, scales
                 self.store.write([WriteItem(namespace, state_name(name), buf, persistent=True,
                                             session_id=session_id)])
         with self._lock:
@@ -261,9 +262,8 @@ class Optimizer:
         if not prefetched:
             self.store.read([ReadItem(group.namespace, name, state)])
         t1 = time.perf_counter()
-        n, sb = group.numel, slot_bytes(group.numel)
-        slots = [torch.frombuffer(state[HEADER + i * sb:HEADER + i * sb + n * 4], dtype=torch.float32)
-                 for i in range(group.spec.slots)]
+        n, layout = group.numel, group.spec.layout(group.numel)
+        slots = layout.tensors(state)
         with self._compute:
             g = grad  # the kernels only read gradients: no copy unless they must change
             if grad.dtype != torch.float32:
@@ -271,10 +271,8 @@ class Optimizer:
             if grad_scale != 1.0:
                 g = g.clone() if g is grad else g
                 g.mul_(grad_scale)  # global-norm clipping: the client's clip coefficient
-            run_kernel(group.spec, group.step, slots, g, lr)
-            # Padding between the slots is zero: one sum over them all checks the new state.
-            if not all_finite(torch.frombuffer(state[HEADER:HEADER + len(slots) * sb], dtype=torch.float32),
-                              slots):
+            run_kernel(group.spec, group.step, slots, g, lr, self._scratch)
+            if not self._finite(layout, state, slots):
                 raise self._non_finite(group, grad, g, lr, grad_scale)  # the buffer is dropped: nothing kept
         state[:HEADER] = group.spec.header(n, group.step + 1).ljust(HEADER, b"\0")
         t2 = time.perf_counter()
@@ -305,8 +303,8 @@ class Optimizer:
                 if grad_scale != 1.0:
                     g = g.clone() if g is part else g
                     g.mul_(grad_scale)
-                run_kernel(group.spec, group.step, slots, g, lr)
-                if not all(all_finite(s) for s in slots):
+                run_kernel(group.spec, group.step, slots, g, lr, self._scratch)
+                if not all(all_finite(s) for s in group.spec.layout(b - a).floating(slots)):
                     raise self._non_finite(group, part, g, lr, grad_scale)
                 if weights is not None:
                     weights.copy_(slots[0])
@@ -352,6 +350,15 @@ class Optimizer:
             raise DataLoss(f"{what}; moreover the client's weights buffer of group {group.name!r} already held "
                            f"new weights for elements [0, {end}) and restoring the committed ones failed "
                            f"({again}): read the group's weights again before using them") from exc
+
+    @staticmethod
+    def _finite(layout, state: memoryview, slots: list[torch.Tensor]) -> bool:
+        """Whether the new state is finite. fp32 state: one sum over all the slots (the
+        padding between them is zero); otherwise each slot that can hold a NaN apart
+        (the int8 moments' scales turn NaN or infinite with them)."""
+        if all(t.dtype == torch.float32 for t in slots):
+            return all_finite(torch.frombuffer(state[HEADER:layout.size], dtype=torch.float32), slots)
+        return all(all_finite(t) for t in layout.floating(slots))
 
     @staticmethod
     def _non_finite(group: Group, grad: torch.Tensor, scaled: torch.Tensor, lr: float,

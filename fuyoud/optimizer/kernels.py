@@ -6,7 +6,8 @@ The kernels are torch's own (`torch.optim.adamw.adamw(..., fused=True)` and
 bias correction (measured on the project's machine: fused AdamW reaches 97% of the
 memory-bandwidth floor, the foreach path 18%, the single-tensor path 11%). All of these
 optimizers are elementwise, so stepping a group's parameters as one flat tensor gives
-the same numbers as stepping them one by one.
+the same numbers as stepping them one by one. AdamW's moments may be kept in bf16 or
+int8 (``state_dtype``: lowp.py), the master weights are always fp32.
 """
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from torch.optim.adamw import adamw as _adamw
 
 from fuyoud.errors import InvalidArgument
 from fuyoud.names import shown
+from fuyoud.optimizer import lowp
+from fuyoud.optimizer.layout import Layout, Slot, slots_for
+
+STATE_DTYPES = ("fp32", "bf16", "int8")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ class OptimizerSpec:
     momentum: float = 0.0
     dampening: float = 0.0
     nesterov: bool = False
+    state_dtype: str = "fp32"  # of AdamW's moments: "fp32", "bf16" or "int8"
 
     def __post_init__(self) -> None:
         """Every hyperparameter checked here, in the daemon: a NaN or infinite one would
@@ -49,38 +55,67 @@ class OptimizerSpec:
                 raise InvalidArgument(f"optimizer {name} must not be negative, got {getattr(self, name)!r}")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise InvalidArgument("Nesterov momentum requires a momentum and zero dampening")
+        if self.state_dtype not in STATE_DTYPES:
+            raise InvalidArgument(f"state_dtype {shown(self.state_dtype)} is not one of {', '.join(STATE_DTYPES)}")
+        if self.kind == "sgd" and self.state_dtype != "fp32":
+            raise InvalidArgument(f"SGD keeps its state in fp32 (state_dtype {self.state_dtype!r} is for AdamW)")
 
-    @property
-    def slots(self) -> int:
-        """fp32 tensors of numel elements in the state: the master weights first."""
-        if self.kind == "adamw":
-            return 3  # weights, exp_avg, exp_avg_sq
-        return 2 if self.momentum else 1  # weights, momentum buffer
+    def slot_list(self) -> tuple[Slot, ...]:
+        kind = "sgd+momentum" if self.kind == "sgd" and self.momentum else self.kind
+        return slots_for(kind, self.state_dtype)
 
+    def layout(self, numel: int) -> Layout:
+        """Where the state's tensors of a group of ``numel`` parameters lie (layout.py)."""
+        return Layout(self.slot_list(), numel)
+
+    # Version 1 (fp32 state only) is still read: objects and checkpoints written before
+    # state_dtype existed. Version 2 adds the state dtype's index in STATE_DTYPES.
     _FORMAT = "<8sQQ7dQ"  # magic, numel, step, 7 hyperparameters, nesterov
+    _FORMAT2 = _FORMAT + "Q"
     _MAGIC = b"FYOPT001"
+    _MAGIC2 = b"FYOPT002"
 
     def header(self, numel: int, step: int) -> bytes:
-        return struct.pack(self._FORMAT, self._MAGIC, numel, step, float(self.kind == "sgd"), self.beta1,
-                           self.beta2, self.eps, self.weight_decay, self.momentum, self.dampening,
-                           int(self.nesterov))
+        fields = (numel, step, float(self.kind == "sgd"), self.beta1, self.beta2, self.eps, self.weight_decay,
+                  self.momentum, self.dampening, int(self.nesterov))
+        if self.state_dtype == "fp32":  # readable by daemons that predate state_dtype
+            return struct.pack(self._FORMAT, self._MAGIC, *fields)
+        return struct.pack(self._FORMAT2, self._MAGIC2, *fields, STATE_DTYPES.index(self.state_dtype))
 
     @classmethod
     def parse_header(cls, data: bytes) -> tuple["OptimizerSpec", int, int]:
         """(spec, numel, step) from a state object's header; ValueError if it is none."""
-        size = struct.calcsize(cls._FORMAT)
-        magic, numel, step, is_sgd, b1, b2, eps, wd, mom, damp, nest = struct.unpack(cls._FORMAT, data[:size])
-        if magic != cls._MAGIC:
+        magic = bytes(data[:8])
+        if magic == cls._MAGIC:
+            fmt, state_dtype = cls._FORMAT, 0
+        elif magic == cls._MAGIC2:
+            fmt = cls._FORMAT2
+            state_dtype = struct.unpack_from("<Q", data, struct.calcsize(cls._FORMAT))[0]
+            if state_dtype >= len(STATE_DTYPES):
+                raise ValueError(f"unknown state dtype {state_dtype} in an optimizer state header")
+        else:
             raise ValueError("not an optimizer state object")
-        return cls("sgd" if is_sgd else "adamw", b1, b2, eps, wd, mom, damp, bool(nest)), numel, step
+        _, numel, step, is_sgd, b1, b2, eps, wd, mom, damp, nest = struct.unpack_from(cls._FORMAT, data)
+        try:
+            spec = cls("sgd" if is_sgd else "adamw", b1, b2, eps, wd, mom, damp, bool(nest),
+                       STATE_DTYPES[state_dtype])
+        except InvalidArgument as exc:
+            raise ValueError(f"an optimizer state header with impossible settings: {exc}") from None
+        return spec, numel, step
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def step(spec: OptimizerSpec, step_count: int, slots: list[torch.Tensor], grad: torch.Tensor, lr: float) -> None:
-    """One optimizer step in place. ``slots`` are the state's fp32 tensors (weights first),
-    ``step_count`` the number of steps taken before this one."""
+def step(spec: OptimizerSpec, step_count: int, slots: list[torch.Tensor], grad: torch.Tensor, lr: float,
+         scratch: lowp.Scratch | None = None) -> None:
+    """One optimizer step in place. ``slots`` are the state's tensors in the layout's
+    order (fp32 weights first), ``step_count`` the number of steps taken before this one;
+    reduced-precision state needs ``scratch`` (one per concurrent caller)."""
+    if spec.kind == "adamw" and spec.state_dtype != "fp32":
+        lowp.adamw_step(spec.state_dtype, step_count, slots, grad, lr, spec.beta1, spec.beta2, spec.eps,
+                        spec.weight_decay, scratch if scratch is not None else lowp.Scratch())
+        return
     if spec.kind == "adamw":
         weights, exp_avg, exp_avg_sq = slots
         steps = torch.tensor(float(step_count))  # the functional API increments it, as AdamW does

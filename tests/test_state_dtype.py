@@ -1,0 +1,238 @@
+"""Reduced-precision optimizer state (AdamW(state_dtype="bf16" | "int8")): the daemon's
+steps are bitwise equal to a plain torch reference, whole or in chunks; the stored
+layout is the size it claims; non-finite steps are refused; old headers still read."""
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from torch import nn
+
+import fuyou_client
+from conftest import SMALL, merge, private_daemon
+from fuyou_client import AdamW
+from fuyou_client.session import _call
+from fuyou_proto import pb
+from fuyoud.optimizer.groups import Group
+from fuyoud.optimizer.kernels import OptimizerSpec
+from fuyoud.optimizer.layout import HEADER
+
+MiB = 1 << 20
+QB = 256  # parameters per scale of the int8 moments
+HYPER = dict(betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+# 2 buffers of 40 MiB: N_BIG parameters are chunked in either state dtype
+CONFIG = merge(SMALL, {"optimizer": {"buffer_budget": "80MiB", "buffers": 2},
+                       "storage": {"capacity_per_device": "1GiB"}})
+N_BIG = 5_000_011
+
+
+# -- the reference: the arithmetic of fuyoud/optimizer/lowp.py, restated in plain torch ------------
+def _padded(x: torch.Tensor) -> torch.Tensor:
+    nb = -(-x.numel() // QB)
+    out = torch.zeros(nb * QB, dtype=x.dtype)
+    out[:x.numel()] = x
+    return out.view(nb, QB)
+
+
+def decode(state_dtype, m, v, ms=None, vs=None):
+    if state_dtype == "bf16":
+        return m.float(), v.float()
+    n = m.numel()
+    y = m.float() / 127
+    m32 = (_padded(y * y.abs()) * ms[:, None]).reshape(-1)[:n]
+    y = (v.float() + 1) / 256
+    v32 = (_padded((y * y) * (y * y)) * vs[:, None]).reshape(-1)[:n]
+    return m32, v32
+
+
+def encode(state_dtype, m32, v32):
+    if state_dtype == "bf16":
+        return m32.bfloat16(), v32.bfloat16(), None, None
+    n = m32.numel()
+    tiny = torch.finfo(torch.float32).tiny
+    x = _padded(m32)
+    ms = x.abs().amax(1)
+    r = x / ms.clamp_min(tiny)[:, None]
+    m = ((r.abs().sqrt() * 127).round() * r.sign()).reshape(-1)[:n].to(torch.int8)
+    x = _padded(v32)
+    vs = x.amax(1)
+    r = x / vs.clamp_min(tiny)[:, None]
+    v = ((r.sqrt().sqrt() * 256).round() - 1).clamp(0, 255).reshape(-1)[:n].to(torch.uint8)
+    return m, v, ms, vs
+
+
+class Reference:
+    """torch.optim.AdamW(fused=True) on fp32 weights whose moments are decoded before
+    each step and encoded after it."""
+
+    def __init__(self, state_dtype: str, init: torch.Tensor, lr: float):
+        self.dtype = state_dtype
+        self.p = nn.Parameter(init.clone())
+        self.opt = torch.optim.AdamW([self.p], lr=lr, **HYPER, fused=True)
+        zeros = torch.zeros_like(init)
+        self.stored = encode(state_dtype, zeros, zeros) if state_dtype == "int8" else (
+            zeros.bfloat16(), zeros.bfloat16(), None, None)
+        self.steps = 0
+
+    def step(self, grad: torch.Tensor, lr: float) -> None:
+        m32, v32 = decode(self.dtype, *self.stored)
+        self.opt.state[self.p] = {"step": torch.tensor(float(self.steps)), "exp_avg": m32, "exp_avg_sq": v32}
+        self.opt.param_groups[0]["lr"] = lr
+        self.p.grad = grad
+        self.opt.step()
+        st = self.opt.state[self.p]
+        self.stored = encode(self.dtype, st["exp_avg"], st["exp_avg_sq"])
+        self.steps += 1
+
+
+# -- the daemon ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def daemon():
+    with private_daemon(CONFIG, "fy-sd-") as d:
+        yield d
+
+
+@pytest.fixture
+def session(daemon):
+    with fuyou_client.connect(daemon.socket) as s:
+        yield s
+
+
+def stored_state(session, name, spec: OptimizerSpec, n: int):
+    """(step count, [weights, exp_avg, exp_avg_sq, scales...]) of the committed state object."""
+    size = session.stat(f"optim/{name}").size
+    layout = spec.layout(n)
+    assert size == layout.size
+    buf = session.allocate(size)
+    session.swap_in(f"optim/{name}", buf)
+    raw = memoryview(bytearray(buf.tensor(torch.uint8)[:size].numpy()))
+    buf.free()
+    got, numel, step = OptimizerSpec.parse_header(bytes(raw[:HEADER]))
+    assert got == spec and numel == n
+    return step, [t.clone() for t in layout.tensors(raw)]
+
+
+def gradients(n: int, seed: int) -> list[torch.Tensor]:
+    """Gradients with what quantization must survive: a block of zeros, outliers, and
+    values over many orders of magnitude."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(4):
+        g = torch.randn(n, generator=gen) * torch.logspace(-4, 1, n)[torch.randperm(n, generator=gen)]
+        g[QB:2 * QB] = 0  # a block the moments never leave zero in
+        g[::997] *= 100.0
+        out.append(g)
+    return out
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("n", [1000, 3 * 65536 + 300, N_BIG])  # one piece; pieces and a short block; chunks
+def test_steps_are_bitwise_the_reference(session, state_dtype, n):
+    spec = AdamW(**HYPER, state_dtype=state_dtype)
+    torch.manual_seed(n)
+    init = torch.randn(n)
+    w = session.allocate(n * 4)
+    w.tensor(torch.float32)[:n].copy_(init)
+    name = f"g-{state_dtype}-{n}"
+    full = OptimizerSpec("adamw", 0.8, 0.95, 1e-6, 0.1, state_dtype=state_dtype)
+    if n == N_BIG:  # stepped in chunks, several of them
+        group = Group("ns", name, full, n, 0)
+        assert group.buffer_bytes > 40 * MiB and len(group.chunk_plan(40 * MiB).ranges()) >= 4
+    info = session.create_group(name, w, spec)
+    assert info.optimizer.state_dtype == state_dtype
+    ref = Reference(state_dtype, init, 1e-2)
+    g = session.allocate(n * 4)
+    for i, grad in enumerate(gradients(n, seed=n)):
+        lr = 1e-2 / (1 + i)
+        ref.step(grad.clone(), lr)
+        g.tensor(torch.float32)[:n].copy_(grad)
+        session.step_group(name, g, lr, out=w)
+        assert torch.equal(w.tensor(torch.float32)[:n], ref.p.data), f"weights after step {i + 1}"
+    step, tensors = stored_state(session, name, full, n)
+    assert step == 4
+    assert torch.equal(tensors[0], ref.p.data)
+    for got, want, what in zip(tensors[1:], ref.stored, ("exp_avg", "exp_avg_sq", "exp_avg scales", "exp_avg_sq scales")):
+        assert torch.equal(got, want), what
+    for b in (g, w):
+        b.free()
+    session.delete(f"optim/{name}")
+
+
+@pytest.mark.parametrize("state_dtype, per_param", [("fp32", 12), ("bf16", 8), ("int8", 6 + 8 / QB)])
+def test_the_state_holds_the_bytes_it_claims(state_dtype, per_param):
+    """What a step reads and writes per parameter: the object's bytes, padding aside."""
+    n = 10 * 1024 * 1024
+    layout = OptimizerSpec("adamw", state_dtype=state_dtype).layout(n)
+    assert layout.bytes_per_param == per_param
+    assert layout.size - HEADER == pytest.approx(n * per_param, abs=4096 * len(layout.slots))
+    assert all(off % 4096 == 0 for off in layout.offsets) and layout.offsets[0] == HEADER
+
+
+def test_int8_second_moments_never_decode_to_zero_in_a_live_block():
+    """Zero is not a code of exp_avg_sq: an element whose second moment is far below its
+    block's largest decodes to s / 256^4, not 0 (else its update would be m / eps)."""
+    v = torch.zeros(2 * QB)
+    v[0] = 1.0
+    v[1] = 1e-30  # tiny, with a non-zero first moment
+    m = torch.zeros(2 * QB)
+    m[1] = 1e-15
+    codes_m, codes_v, ms, vs = encode("int8", m, v)
+    m32, v32 = decode("int8", codes_m, codes_v, ms, vs)
+    assert v32[1] == 1.0 / 256 ** 4 and v32[0] == 1.0
+    assert torch.all(v32[QB:] == 0)  # the second block is all zeros: it stays zero
+    # the error bound of the companding: relative error within half a code step
+    x = torch.logspace(-6, 0, QB)
+    codes_m, codes_v, ms, vs = encode("int8", x, x)
+    m32, v32 = decode("int8", codes_m, codes_v, ms, vs)
+    big = x > 1e-2
+    assert torch.all((m32[big] - x[big]).abs() / x[big] < 0.1)
+    assert torch.all((v32[big] - x[big]).abs() / x[big] < 0.06)
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_a_non_finite_step_is_refused_and_the_state_kept(session, state_dtype):
+    n = 5000
+    spec = AdamW(**HYPER, state_dtype=state_dtype)
+    w = session.allocate(n * 4)
+    w.tensor(torch.float32)[:n].copy_(torch.randn(n))
+    session.create_group("nf", w, spec)
+    g = session.allocate(n * 4)
+    g.tensor(torch.float32)[:n].normal_()
+    session.step_group("nf", g, 1e-3, out=w)
+    full = OptimizerSpec("adamw", 0.8, 0.95, 1e-6, 0.1, state_dtype=state_dtype)
+    before = stored_state(session, "nf", full, n)
+    g.tensor(torch.float32)[1234] = float("nan")
+    with pytest.raises(fuyou_client.NonFinite, match="non-finite"):
+        session.step_group("nf", g, 1e-3, out=w)
+    after = stored_state(session, "nf", full, n)
+    assert after[0] == before[0] == 1 and all(torch.equal(a, b) for a, b in zip(after[1], before[1]))
+
+
+def test_headers_written_before_state_dtype_read_as_fp32():
+    """A state object of the first header format (daemons before state_dtype) is fp32."""
+    v1 = struct.pack("<8sQQ7dQ", b"FYOPT001", 123, 7, 0.0, 0.9, 0.999, 1e-8, 0.01, 0.0, 0.0, 0)
+    spec, numel, step = OptimizerSpec.parse_header(v1.ljust(HEADER, b"\0"))
+    assert (spec.state_dtype, numel, step) == ("fp32", 123, 7)
+    assert OptimizerSpec("adamw", weight_decay=0.01).header(123, 7) == v1  # fp32 state still writes it
+    for dtype in ("bf16", "int8"):
+        spec = OptimizerSpec("adamw", 0.8, 0.95, 1e-6, 0.1, state_dtype=dtype)
+        assert OptimizerSpec.parse_header(spec.header(5, 2).ljust(HEADER, b"\0")) == (spec, 5, 2)
+    with pytest.raises(ValueError, match="state dtype"):
+        OptimizerSpec.parse_header(struct.pack("<8sQQ7dQQ", b"FYOPT002", 1, 0, 0.0, 0.9, 0.999, 1e-8, 0, 0, 0, 0, 9))
+
+
+def test_a_state_dtype_is_checked_by_client_and_daemon(session):
+    with pytest.raises(fuyou_client.InvalidArgument, match="state_dtype must be one of fp32, bf16, int8"):
+        AdamW(state_dtype="fp16")
+    w = session.allocate(4096)
+    spec = AdamW().to_pb()
+    spec.state_dtype = "int4"
+    with pytest.raises(fuyou_client.InvalidArgument, match="state_dtype 'int4' is not one of"):
+        _call(session._stub.CreateGroup, pb.CreateGroupRequest(name="x", optimizer=spec, weights=w.ref, numel=1024),
+              session._metadata)
+    sgd = fuyou_client.SGD(momentum=0.9).to_pb()
+    sgd.state_dtype = "bf16"
+    with pytest.raises(fuyou_client.InvalidArgument, match="SGD keeps its state in fp32"):
+        _call(session._stub.CreateGroup, pb.CreateGroupRequest(name="x", optimizer=sgd, weights=w.ref, numel=1024),
+              session._metadata)
