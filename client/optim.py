@@ -110,7 +110,8 @@ class StepInfo:
     compute_seconds: float
     write_seconds: float
     prefetched: bool
+    cached_bytes: int = 0  # state bytes the daemon's state cache had: not read from the SSD
 
     @classmethod
     def from_pb(cls, m: pb.StepGroupReply) -> "StepInfo":
-        return cls(m.step, m.read_seconds, m.compute_seconds, m.write_seconds, m.prefetched)
+        return cls(m.step, m.read_seconds, m.compute_seconds, m.write_seconds, m.prefetched, m.cached_bytes)

@@ -134,9 +134,12 @@ class OptimizerSection:
     # written back: `buffers` buffers within `buffer_budget` bytes. A group whose
     # state plus weights (AdamW fp32: 16 bytes per parameter) fits one is stepped whole and
     # read ahead; a larger one in chunks (fuyoud/optimizer/chunks.py). Six cover a client's
-    # backward read-ahead (2 groups deep), steps in flight and a spare.
+    # backward read-ahead (2 groups deep), steps in flight and a spare. With
+    # `state_cache`, buffers beyond three free ones keep the state of the group just
+    # stepped until its next step, which then reads nothing from the SSD.
     buffer_budget: int = 1 << 30
     buffers: int = 6
+    state_cache: bool = True
 
 
 @dataclass

@@ -55,6 +55,9 @@ class Metrics:
             buckets=LATENCY_BUCKETS, registry=r)
         self.optimizer_prefetched = Counter("fuyoud_optimizer_prefetched_steps",
                                             "Group steps whose state had been read ahead", registry=r)
+        self.optimizer_cache_bytes = Counter(
+            "fuyoud_optimizer_cache_bytes", "Optimizer state bytes steps took from the state cache instead of the SSD",
+            registry=r)
         self.checkpoint_seconds = Histogram("fuyoud_checkpoint_duration_seconds", "Time to take a checkpoint, by mode",
                                             ["mode"], buckets=CHECKPOINT_BUCKETS, registry=r)
         self.checkpoint_bytes = Counter(
@@ -82,6 +85,7 @@ class Metrics:
     def observe_step(self, result) -> None:
         self.optimizer_steps.inc()
         self.optimizer_prefetched.inc(result.prefetched)
+        self.optimizer_cache_bytes.inc(result.cached_bytes)
         for phase, seconds in (("read", result.read_s), ("compute", result.compute_s), ("write", result.write_s)):
             self.optimizer_seconds.labels(phase).observe(seconds)
         self.optimizer_step_seconds.observe(result.read_s + result.compute_s + result.write_s)
@@ -140,6 +144,9 @@ class _DaemonCollector:
         pinned.add_metric(["staging"], d.staging.total_bytes)
         pinned.add_metric(["optimizer"], d.optimizer.buffers.mapped_bytes)
         yield pinned
+        yield GaugeMetricFamily("fuyoud_optimizer_cached_state_bytes",
+                                "Optimizer state kept in memory between steps by the state cache",
+                                value=d.optimizer.cached_bytes())
         pages = GaugeMetricFamily("fuyoud_shared_segment_bytes", "Shared segments by the pages behind them",
                                   labels=["pages"])
         for kind, nbytes in pool.by_pages.items():

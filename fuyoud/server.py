@@ -61,7 +61,8 @@ class Daemon:
                          lock=config.memory.lock != "no", pages=self.huge_pages.choose)
         self.store = self._open_store()
         checkpoint.recover(self.store)
-        self.optimizer = Optimizer(self.store, StateBuffers(config.optimizer.buffers, config.optimizer.buffer_budget))
+        self.optimizer = Optimizer(self.store, StateBuffers(config.optimizer.buffers, config.optimizer.buffer_budget),
+                                   config.optimizer.state_cache)
         self.sessions = SessionRegistry(self._session_closed, self.store.index_db.namespace_owner,
                                         self.store.index_db.claim_namespace, config.daemon.admits)
         self._grpc: grpc.Server | None = None

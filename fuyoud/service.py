@@ -182,7 +182,8 @@ class FuyouServicer(AdminMethods, rpc.FuyouServicer):
                           weights_object)
         self.daemon.metrics.observe_step(result)
         return pb.StepGroupReply(step=result.step, read_seconds=result.read_s, compute_seconds=result.compute_s,
-                                 write_seconds=result.write_s, prefetched=result.prefetched)
+                                 write_seconds=result.write_s, prefetched=result.prefetched,
+                                 cached_bytes=result.cached_bytes)
 
     @_handler
     def FetchWeights(self, request, context):

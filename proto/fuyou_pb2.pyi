@@ -227,18 +227,20 @@ class FetchWeightsReply(_message.Message):
     def __init__(self, served: _Optional[bool] = ...) -> None: ...
 
 class StepGroupReply(_message.Message):
-    __slots__ = ("step", "read_seconds", "compute_seconds", "write_seconds", "prefetched")
+    __slots__ = ("step", "read_seconds", "compute_seconds", "write_seconds", "prefetched", "cached_bytes")
     STEP_FIELD_NUMBER: _ClassVar[int]
     READ_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WRITE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFETCHED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     step: int
     read_seconds: float
     compute_seconds: float
     write_seconds: float
     prefetched: bool
-    def __init__(self, step: _Optional[int] = ..., read_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ..., prefetched: _Optional[bool] = ...) -> None: ...
+    cached_bytes: int
+    def __init__(self, step: _Optional[int] = ..., read_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ..., prefetched: _Optional[bool] = ..., cached_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

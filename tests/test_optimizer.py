@@ -71,15 +71,66 @@ def test_adamw_matches_torch(session, fused):
     assert 0 < m['fuyoud_pinned_bytes{state="optimizer"}'] <= 3 * (2 << 20)
 
 
-def test_the_next_group_is_read_ahead(session):
+def test_the_next_group_is_read_ahead(short_tmp):
     """Groups stepped one after the other, in backward order: from the second iteration
     on, each step finds its state already read (the daemon learned the order)."""
-    init, weights, grads = make_groups(session, SIZES, AdamW())
-    infos = []
-    for _ in range(3):
-        for i in reversed(range(3)):
-            infos.append(session.step_group(f"g{i}", grads[i], 1e-3, out=weights[i]))
-    assert [i.prefetched for i in infos[3:]] == [False, True, True] * 2  # the first of each iteration is not
+    cfg = merge(SMALL, {"optimizer": {"state_cache": False}})
+    with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d, fuyou_client.connect(d.socket) as session:
+        init, weights, grads = make_groups(session, SIZES, AdamW())
+        infos = []
+        for _ in range(3):
+            for i in reversed(range(3)):
+                infos.append(session.step_group(f"g{i}", grads[i], 1e-3, out=weights[i]))
+        assert [i.prefetched for i in infos[3:]] == [False, True, True] * 2  # the first of each iteration is not
+        m = scrape(session.stub.Status(pb.StatusRequest()).metrics_url)
+        assert m["fuyoud_optimizer_cache_bytes_total"] == 0
+
+
+def state_reads(m: dict) -> float:
+    return sum(v for k, v in m.items() if k.startswith("fuyoud_io_bytes_total") and 'direction="read"' in k)
+
+
+@pytest.mark.parametrize("buffers, cached", [(4, 1), (6, 3)])
+def test_the_state_cache_serves_steps_from_memory(short_tmp, buffers, cached):
+    """Buffers beyond three free ones keep the state of the groups stepped in them: from
+    the second iteration on those groups' steps read nothing (counted), the others still
+    read theirs; every byte of state a step uses comes from the SSD or from the cache
+    once; and the steps stay bitwise torch's, also with all groups in flight at once."""
+    sizes = [65536 * (k + 1) for k in range(5)]  # 3 x 4 KiB-aligned slots: no padding
+    cfg = merge(SMALL, {"optimizer": {"buffers": buffers, "buffer_budget": f"{buffers * 8}MiB"}})
+    with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d, fuyou_client.connect(d.socket) as session:
+        spec = AdamW(betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+        init, weights, grads = make_groups(session, sizes, spec)
+        url = session.stub.Status(pb.StatusRequest()).metrics_url
+        before = state_reads(scrape(url))
+        ref = [torch.nn.Parameter(w.clone()) for w in init]
+        opt = torch.optim.AdamW(ref, lr=LRS[0], betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, fused=True)
+        gen = torch.Generator().manual_seed(1)
+        infos = []
+        for it in range(4):  # one group at a time, in backward order
+            for p, buf in zip(ref, grads):
+                p.grad = torch.randn(p.numel(), generator=gen)
+                buf.tensor(torch.float32).copy_(p.grad)
+            for group in opt.param_groups:
+                group["lr"] = LRS[it]
+            opt.step()
+            infos.append([session.step_group(f"g{i}", grads[i], LRS[it], out=weights[i])
+                          for i in reversed(range(len(sizes)))])
+        for w, p in zip(weights, ref):
+            assert torch.equal(w.tensor(torch.float32), p.data)
+        state = [12 * n + 4096 for n in reversed(sizes)]  # each group's state object, in step order
+        served = [info.cached_bytes for info in infos[-1]]
+        assert sum(1 for b in served if b) == cached
+        assert all(b in (0, s) for b, s in zip(served, state))
+        m = scrape(url)
+        total_cached = m["fuyoud_optimizer_cache_bytes_total"]
+        assert total_cached == sum(i.cached_bytes for step in infos for i in step) > 0
+        assert state_reads(m) - before + total_cached == 4 * sum(state)
+        assert m["fuyoud_optimizer_cached_state_bytes"] > 0
+        # All groups in flight at once (steps wait for buffers and take the cache's back):
+        run_steps(session, weights, grads, ref, opt, 3, LRS[4:])
+        for w, p in zip(weights, ref):
+            assert torch.equal(w.tensor(torch.float32), p.data)
 
 
 @pytest.mark.parametrize("momentum, dampening, nesterov", [(0.0, 0.0, False), (0.9, 0.0, False),

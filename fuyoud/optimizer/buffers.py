@@ -5,7 +5,9 @@ so the optimizer's memory is bounded whatever the model size: a step holds one b
 with the group's whole state when it fits (and a read-ahead of a group's state holds
 another until its step); a group larger than a buffer is stepped in chunks through
 scratch blocks and three stages (read, compute, write back: see chunks.py) in one
-buffer, or in up to three, one per stage, taken without waiting while one stays free. Buffers
+buffer, or in up to three, one per stage, taken without waiting while one stays free. A
+buffer that more than CACHE_RESERVE free ones leave spare after a step keeps that group's
+state until its next step (the state cache, groups.py), unless a step needs it first. Buffers
 are private anonymous mappings on transparent huge pages (contiguous memory makes
 O_DIRECT faster) and are kept between steps: mapping and faulting in hundreds of MB
 per step would cost more than the step.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from fuyoud.memory.hugepages import HUGE, huge_page_buffer
 from fuyoud.units import align_up
@@ -34,6 +36,7 @@ class StateBuffers:
         self._owners: dict[int, _Buffer] = {}  # id(view handed out) -> its buffer
         self._cond = threading.Condition()
         self.in_use = 0
+        self.evict: Callable[[], bool] | None = None  # gives back a buffer kept by the state cache
 
     def fits(self, nbytes: int) -> bool:
         """Whether one buffer holds ``nbytes``; larger groups are stepped in chunks."""
@@ -49,11 +52,23 @@ class StateBuffers:
             return self._take(nbytes)
 
     def acquire_blocking(self, nbytes: int) -> memoryview:
-        """A buffer of at least ``nbytes`` (waits for one); give it back with release()."""
+        """A buffer of at least ``nbytes`` (waits for one); give it back with release().
+        When none is free, ``evict`` (the state cache's) is asked to give one back first."""
+        while True:
+            with self._cond:
+                if self._free:
+                    return self._take(nbytes)
+            if self.evict is None or not self.evict():
+                break
         with self._cond:
             while not self._free:
                 self._cond.wait()
             return self._take(nbytes)
+
+    def spare(self) -> int:
+        """Buffers free now."""
+        with self._cond:
+            return len(self._free)
 
     @contextmanager
     def acquire(self, nbytes: int) -> Iterator[memoryview]:

@@ -17,6 +17,16 @@ daemon reads group g+1, steps g and writes g-1 at once. After each step it prefe
 the state of the group expected next (the order of the previous iteration; at first,
 the reverse of creation order, which is backward's), within the buffer budget.
 
+The state cache: where the buffers are more than one step's working set, a buffer
+stays with the group just stepped, holding its committed state (the step's own copy),
+as long as CACHE_RESERVE buffers stay free for the steps, read-aheads and FetchWeights
+of the other groups; the group's next step, and FetchWeights, then read nothing from
+the SSD (the write-back stays: every step commits its state). Kept buffers stay with
+their groups between iterations (the first groups to find one spare keep theirs: a
+cyclic order gains nothing from replacing them) and are given back when a step finds no
+buffer free (StateBuffers.evict), when the group is deleted, replaced or restored, or
+when its session ends. The bytes served so are counted (StepResult.cached_bytes).
+
 A group whose step does not fit one optimizer buffer (``Group.buffer_bytes`` above
 ``[optimizer] buffer_budget / buffers``) is created and stepped in chunks (chunks.py),
 with the same arithmetic and one atomic commit per step; its state is never read ahead
@@ -46,6 +56,7 @@ from fuyoud.storage.store import ReadItem, Store, WriteItem
 from fuyoud.units import align_up
 
 log = logging.getLogger(__name__)
+CACHE_RESERVE = 3  # buffers the state cache leaves free: a step, a read-ahead and a FetchWeights in backward
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -76,7 +87,8 @@ class Group:
     numel: int
     step: int
     lock: threading.Lock = field(default_factory=threading.Lock)
-    prefetched: memoryview | None = None  # the state, read ahead of its step
+    prefetched: memoryview | None = None  # the state, read ahead of its step or kept from the last (cached)
+    cached: bool = False  # prefetched is the state cache's: kept from the group's last step
     dead: bool = False  # forgotten (session ended, state deleted): nothing may be read ahead for it
 
     @property
@@ -101,6 +113,7 @@ class StepResult:
     compute_s: float
     write_s: float
     prefetched: bool
+    cached_bytes: int = 0  # state bytes not read from the SSD: the state cache had them
 
 
 def _tensor(view: memoryview, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -111,9 +124,11 @@ def _tensor(view: memoryview, dtype: torch.dtype, numel: int) -> torch.Tensor:
 
 
 class Optimizer:
-    def __init__(self, store: Store, buffers: StateBuffers):
+    def __init__(self, store: Store, buffers: StateBuffers, cache: bool = True):
         self.store = store
         self.buffers = buffers
+        self.cache = cache  # keep states in spare buffers between steps
+        buffers.evict = self._evict_one
         self._groups: dict[tuple[str, str], Group] = {}
         self._lock = threading.Lock()
         self._compute = threading.Lock()  # one kernel at a time: it is memory-bound and uses every core
@@ -209,7 +224,7 @@ class Optimizer:
             group.dead = True
             if group.prefetched is not None:
                 self.buffers.release(group.prefetched)
-                group.prefetched = None
+                group.prefetched, group.cached = None, False
 
     # -- stepping -----------------------------------------------------------------------------
     def step(self, group: Group, grads: memoryview, grad_dtype: str, out: memoryview | None, out_dtype: str,
@@ -238,11 +253,12 @@ class Optimizer:
         with group.lock:
             if group.dead:
                 raise NotFound(f"optimizer group {group.name!r} was deleted or replaced while this step waited")
-            buf, prefetched = group.prefetched, group.prefetched is not None
-            group.prefetched = None
+            buf, prefetched, cached = group.prefetched, group.prefetched is not None, group.cached
+            group.prefetched, group.cached = None, False
             if buf is None:
                 buf = self.buffers.acquire_blocking(group.buffer_bytes)
             t0 = time.perf_counter()  # after waiting for a buffer: read time is the read's own
+            keep = False
             try:
                 if out_t is None and weights_object:
                     out_t = _tensor(buf[group.nbytes:], DTYPES[out_dtype], group.numel)
@@ -251,10 +267,39 @@ class Optimizer:
                 if weights_object:
                     raw = memoryview(out_t.view(torch.uint8).numpy())
                     self.store.write([WriteItem(group.namespace, weights_object, raw, False, session_id)])
+                # The buffer holds the state just committed: the cache keeps it if enough stay free.
+                keep = self.cache and self.buffers.spare() >= CACHE_RESERVE
+                if keep:
+                    group.prefetched, group.cached = buf, True
             finally:
-                self.buffers.release(buf)
+                if not keep:
+                    self.buffers.release(buf)
+            if cached:
+                result.cached_bytes = group.nbytes
         self._prefetch_next(group)  # after our buffer is back: read-ahead needs a spare one
         return result
+
+    def _evict_one(self) -> bool:
+        """Give back one buffer the state cache keeps (for a step that found none free);
+        False if there is none to give (or each is in use by its group right now)."""
+        with self._lock:
+            kept = [g for g in self._groups.values() if g.cached]
+        for group in kept:
+            if not group.lock.acquire(blocking=False):
+                continue
+            try:
+                if group.cached and group.prefetched is not None:
+                    self.buffers.release(group.prefetched)
+                    group.prefetched, group.cached = None, False
+                    return True
+            finally:
+                group.lock.release()
+        return False
+
+    def cached_bytes(self) -> int:
+        """State bytes the cache holds now (for metrics)."""
+        with self._lock:
+            return sum(g.nbytes for g in self._groups.values() if g.cached)
 
     def _step_locked(self, group: Group, state: memoryview, grad: torch.Tensor, out: torch.Tensor | None,
                      lr: float, grad_scale: float, session_id: int, t0: float, prefetched: bool) -> StepResult:
