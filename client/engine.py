@@ -77,6 +77,10 @@ class _Optimizer(torch.optim.Optimizer):
         self._engine.zero_grad()
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 class Engine:
     def __init__(self, model: nn.Module, session: Session, optimizer: AdamW | SGD, groups: list[ParamGroup],
                  max_grad_norm: float | None, accumulation_steps: int, owns_session: bool,
@@ -97,7 +101,7 @@ class Engine:
         self.optimizer = _Optimizer(self, optimizer.lr)
         self.groups: list[LayerGroup] = []
         self._hooks = []
-        self._check_capacity(groups, optimizer)
+        self._check_capacity(groups, optimizer, offload)
         if not self.device.shares_host_memory:
             session.use_device(self.device)  # cudaHostRegister of every shared segment
         # Offloaded groups borrow gradient buffers from a pool, unless every gradient must
@@ -165,17 +169,25 @@ class Engine:
         self.zero_grad()
 
     # -- set-up ---------------------------------------------------------------------------
-    def _check_capacity(self, groups: list[ParamGroup], optimizer) -> None:
-        """Fail before any work starts when the SSD array cannot hold the state."""
-        slots = 3 if isinstance(optimizer, AdamW) else (2 if optimizer.momentum else 1)
-        need = sum(4096 + slots * -(-g.numel * 4 // 4096) * 4096 for g in groups)
+    def _check_capacity(self, groups: list[ParamGroup], optimizer, offload) -> None:
+        """Fail before any work starts when the SSD array cannot hold what training puts
+        there: every group's state (in its state dtype; after a resume it is there
+        already), the new versions of the steps in flight (a step writes its group's
+        new version before the old one is freed: the three largest groups, for the read
+        ahead, the step and the write-back at once), and offloaded weights other than
+        fp32 (fp32 ones are read from the state in place)."""
+        states = sorted(optimizer.state_bytes(g.numel) for g in groups)
+        need = (0 if self._resume else sum(states)) + sum(states[-3:])
+        if offload and offload != "host":
+            need += sum(g.numel * g.params[0][1].dtype.itemsize for g in groups
+                        if g.params and g.params[0][1].dtype != torch.float32)
         status = self.session.daemon_status
         free = sum(d.capacity_bytes - d.used_bytes for d in status.devices)
-        if need * 2 > free:  # a step writes a new version before the old one is freed
+        if need > free:
             raise RuntimeError(
-                f"the SSD array of fuyoud has {free / 2**30:.1f} GiB free but this model's optimizer state "
-                f"needs {need / 2**30:.1f} GiB (twice that while a group's new version is written); raise "
-                "[storage] capacity_per_device or add data_dirs")
+                f"the SSD array of fuyoud has {_size(free)} free but this model needs {_size(need)} there (its optimizer state, the new versions of the steps in flight and offloaded weights); raise "
+                "[storage] capacity_per_device, add data_dirs, or keep the state in fewer bytes "
+                "(AdamW(state_dtype='bf16' or 'int8'))")
 
     # -- the training loop ------------------------------------------------------------------
     @property

@@ -30,6 +30,15 @@ def check_number(owner: str, name: str, value, below: float | None = None) -> No
 
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
+# Bytes per parameter of each slot of the state object (fuyoud/optimizer/layout.py):
+# master weights, moments, and the int8 moments' scales (one fp32 per 256 parameters).
+_SLOTS = {"fp32": (4, 4, 4), "bf16": (4, 2, 2), "int8": (4, 1, 1, 4 / 256, 4 / 256)}
+
+
+def state_object_bytes(per_slot: tuple[float, ...], numel: int) -> int:
+    """The daemon's state object for ``numel`` parameters: a 4 KiB header, then each
+    slot 4 KiB aligned."""
+    return 4096 + sum(-(-math.ceil(numel * b) // 4096) * 4096 for b in per_slot)
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,10 @@ class AdamW:
         return pb.OptimizerSpec(kind="adamw", beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
                                 weight_decay=self.weight_decay, state_dtype=self.state_dtype)
 
+    def state_bytes(self, numel: int) -> int:
+        """Bytes of a group's state on the SSD array."""
+        return state_object_bytes(_SLOTS[self.state_dtype], numel)
+
 
 @dataclass(frozen=True)
 class SGD:
@@ -83,6 +96,10 @@ class SGD:
     def to_pb(self) -> pb.OptimizerSpec:
         return pb.OptimizerSpec(kind="sgd", momentum=self.momentum, dampening=self.dampening,
                                 weight_decay=self.weight_decay, nesterov=self.nesterov, state_dtype="fp32")
+
+    def state_bytes(self, numel: int) -> int:
+        """Bytes of a group's state on the SSD array."""
+        return state_object_bytes((4, 4) if self.momentum else (4,), numel)
 
 
 @dataclass(frozen=True)

@@ -296,7 +296,7 @@ def test_bad_models_and_daemons(daemon, short_tmp):
         fuyou_client.attach(MLP(), socket=str(short_tmp / "nobody.sock"))
     tiny = fuyou_client.start_daemon(short_tmp / "tiny", config=merge(SMALL, {"storage": {"capacity_per_device": "1MiB"}}))
     try:
-        with pytest.raises(RuntimeError, match="SSD array of fuyoud has 0.0 GiB free"):
+        with pytest.raises(RuntimeError, match=r"SSD array of fuyoud has 1\.0 MiB free but this model needs 2\d\.\d MiB"):
             fuyou_client.attach(gpt2(), socket=tiny.socket)
     finally:
         tiny.stop()

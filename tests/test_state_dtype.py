@@ -236,3 +236,32 @@ def test_a_state_dtype_is_checked_by_client_and_daemon(session):
     with pytest.raises(fuyou_client.InvalidArgument, match="SGD keeps its state in fp32"):
         _call(session._stub.CreateGroup, pb.CreateGroupRequest(name="x", optimizer=sgd, weights=w.ref, numel=1024),
               session._metadata)
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(512, 512) for _ in range(4))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return x
+
+
+def test_attach_counts_the_state_in_its_state_dtype(short_tmp):
+    """An SSD array too small for a model's fp32 state takes it in int8 (4 x 263k
+    parameters: 12.6 MB of fp32 state and 9.5 MB for the steps in flight, more than 16
+    MiB; int8 needs half), and the refusal says how much it needed and what to do."""
+    cfg = merge(SMALL, {"storage": {"capacity_per_device": "16MiB"}})
+    with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d:
+        with pytest.raises(RuntimeError, match=r"has 1\d\.\d MiB free but this model needs 2\d\.\d MiB there.*state_dtype='bf16' or 'int8'"):
+            fuyou_client.attach(Stack(), AdamW(), socket=d.socket)
+        model = Stack()
+        engine = fuyou_client.attach(model, AdamW(state_dtype="int8"), socket=d.socket)
+        model(torch.randn(2, 512)).sum().backward()
+        engine.step()
+        engine.zero_grad()
+        assert all(info.step == 1 for info in engine.last_step_infos)
+        engine.close()
