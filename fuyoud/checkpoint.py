@@ -45,6 +45,7 @@ from fuyoud.optimizer.groups import HEADER, Group
 from fuyoud.optimizer.kernels import OptimizerSpec
 from fuyoud.names import shown
 from fuyoud.storage.index import CheckpointRecord
+from fuyoud.storage.pending import PendingWrite, commit_all
 from fuyoud.units import format_size
 
 if TYPE_CHECKING:
@@ -340,7 +341,8 @@ def _restore_copies(daemon: "Daemon", session: "Session", d: CheckpointDir, mani
     try:
         for o in manifest.objects:
             with open(d.open_file(o.file, size=o.size), "rb", buffering=0) as f:
-                w = store.open_write(session.namespace, o.name, o.size, persistent=True, session_id=session.id)
+                w = PendingWrite.start(store, session.namespace, o.name, o.size, persistent=True,
+                                       session_id=session.id)
                 pending.append(w)
                 crc = 0
                 for off in range(0, o.size, COPY_CHUNK):
@@ -353,7 +355,7 @@ def _restore_copies(daemon: "Daemon", session: "Session", d: CheckpointDir, mani
             if crc != o.crc32:  # (no values in the message: they tell about bytes the caller may not read)
                 raise DataLoss(f"{o.file} of checkpoint {d.path} ({shown(o.name)}) is corrupt: it does not match the "
                                "checksum in its manifest; nothing was restored")
-        store.commit_writes(pending)
+        commit_all(store, pending)
     except BaseException:
         for w in pending:
             w.abort()

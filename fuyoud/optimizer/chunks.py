@@ -18,9 +18,9 @@ slot) took 1.4x the SSD bound, in three 1.2x.
 
 While the stepping thread runs the kernel on chunk c, a reader thread reads chunk c+1
 from the committed version (pinned for the whole step) and a writer thread writes
-chunk c-1 into the new version: a pending write (Store.open_write) committed once, at
+chunk c-1 into the new version: a pending write (storage/pending.py) committed once, at
 the end, with the header (the new step count) in it and with the weights object when
-there is one (Store.commit_writes: one index transaction). Until that commit nothing of
+there is one (pending.commit_all: one index transaction). Until that commit nothing of
 the step is visible in the store; a failure anywhere (a non-finite chunk, an I/O error)
 aborts the pending writes once the reader and writer have stopped.
 
@@ -46,7 +46,7 @@ import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -56,8 +56,10 @@ from fuyoud.io.engine import Op
 from fuyoud.memory.hugepages import HUGE
 from fuyoud.optimizer.layout import Layout
 from fuyoud.storage import checksums
-from fuyoud.storage.pending import PendingWrite
-from fuyoud.storage.store import ReadItem, Store, WriteItem, _Batch
+from fuyoud.storage.index import ObjectMeta
+from fuyoud.storage.pending import PendingWrite, commit_all
+from fuyoud.storage.store import ReadItem, Store
+from fuyoud.storage.transfer import Batch
 from fuyoud.units import align_up, format_size
 
 log = logging.getLogger(__name__)
@@ -207,45 +209,37 @@ class _Stage:
         return torch.frombuffer(self.out, dtype=dtype)[:m]
 
 
-class BatchedWrite(PendingWrite):
+class BatchedWrite:
     """A pending write that takes many pieces in one engine batch (PendingWrite.write
     takes one: a chunk's ranges of three slots, written one after the other, kept few
     requests in flight and wrote at a fraction of the disk's speed). With ``io`` (a
     thread) the batch runs there while the calling thread computes its checksums."""
 
-    io: ThreadPoolExecutor | None = None
+    def __init__(self, pending: PendingWrite, io: ThreadPoolExecutor | None = None):
+        self.pending, self.io = pending, io
 
-    @classmethod
-    def open(cls, store: Store, namespace: str, name: str, size: int, persistent: bool,
-             session_id: int, io: ThreadPoolExecutor | None = None) -> "BatchedWrite":
-        w = cls(store, store.open_write(namespace, name, size, persistent, session_id).meta)
-        w.io = io
-        return w
+    @property
+    def meta(self) -> ObjectMeta:
+        return self.pending.meta
 
     def write_many(self, pieces: list[tuple[int, memoryview]]) -> None:
         """Bytes [offset, offset + len(src)) for each (offset, src), each a run of whole
         checksum blocks (the object's last one may be short)."""
         if not pieces:
             return
-        batch = _Batch()
-        for i, (offset, src) in enumerate(pieces):
+        for offset, src in pieces:
             if offset % BLOCK or offset < 0 or offset + len(src) > self.meta.size or (
                     len(src) % BLOCK and offset + len(src) != self.meta.size):
                 raise AssertionError(f"piece [{offset}, {offset + len(src)}) of {self.meta.name!r} is not a run of "
                                      "whole checksum blocks")
-            self.store._plan(batch, i, self.meta.layout, offset, src, Op.WRITE)
-        items = [WriteItem(self.meta.namespace, self.meta.name, src) for _, src in pieces]
-        running = self.io.submit(self.store._execute, batch, Op.WRITE, items) if self.io is not None else None
-        sums = [checksums.block_checksums(src) for _, src in pieces] if self._sums is not None else []
-        errors = running.result() if running is not None else self.store._execute(batch, Op.WRITE, items)
-        if errors:
-            self.abort()
-            raise errors[min(errors)]
-        if sums:
-            for (offset, _), block_sums in zip(pieces, sums):
-                first = offset // BLOCK * 4
-                self._sums[first:first + len(block_sums)] = block_sums
-            self.meta = replace(self.meta, checksums=bytes(self._sums))
+        batch, items = self.pending.plan(pieces)
+        running = self.io.submit(self.pending.run, batch, items) if self.io is not None else None
+        sums = [checksums.block_checksums(src) for _, src in pieces] if self.pending.checksummed else []
+        errors = running.result() if running is not None else self.pending.run(batch, items)
+        self.pending.write_batch(pieces, sums, errors)
+
+    def abort(self) -> None:
+        self.pending.abort()
 
 
 class BlockWriter:
@@ -307,9 +301,7 @@ class Source:
 
     def __init__(self, store: Store, namespace: str, name: str):
         self.store = store
-        with store._lock:
-            self.entry = store._get(namespace, name)
-            self.entry.readers += 1
+        self.entry = store.pin_object(namespace, name)
         self.meta = self.entry.meta
 
     def close(self) -> None:
@@ -318,17 +310,17 @@ class Source:
     def read_raw(self, items: list[tuple[int, memoryview]]) -> dict[int, Exception]:
         """Bytes [offset, offset + len(dst)) into each dst, unchecked, in one batch; the
         items that failed, with their errors."""
-        batch = _Batch()
+        batch = Batch()
         for i, (offset, dst) in enumerate(items):
-            self.store._plan(batch, i, self.meta.layout, offset, dst, Op.READ)
-        return self.store._execute(batch, Op.READ, [ReadItem(self.meta.namespace, self.meta.name, dst, offset)
-                                                    for offset, dst in items])
+            self.store.io.plan(batch, i, self.meta.layout, offset, dst, Op.READ)
+        return self.store.io.execute(batch, Op.READ, [ReadItem(self.meta.namespace, self.meta.name, dst, offset)
+                                                      for offset, dst in items])
 
     def check(self, offset: int, dst: memoryview) -> Exception | None:
         """Whether bytes read raw match the object's checksums (None) or not (the error)."""
         if not self.meta.checksums:
             return None
-        return checksums.verify(self.meta, offset, dst, self.store._read_raw, self.store._where)
+        return self.store.io.verify(self.meta, offset, dst)
 
     def read(self, offset: int, dst: memoryview) -> None:
         """Checked, with Store's retry: for ranges whose raw read failed."""
@@ -508,12 +500,12 @@ def step(store: Store, bufs: list[memoryview], plan: ChunkPlan, namespace: str, 
 
     try:
         source = Source(store, namespace, name)
-        pending.append(BatchedWrite.open(store, namespace, name, plan.size, True, session_id, write_io))
+        pending.append(BatchedWrite(PendingWrite.start(store, namespace, name, plan.size, True, session_id), write_io))
         state = BlockWriter(pending[0], free)
         weights = None
         if weights_object:
-            pending.append(BatchedWrite.open(store, namespace, weights_object, plan.numel * wsize, False, session_id,
-                                             write_io))
+            pending.append(BatchedWrite(PendingWrite.start(store, namespace, weights_object, plan.numel * wsize, False,
+                                                           session_id), write_io))
             weights = BlockWriter(pending[1], free)
         read_futures = {c: reads.submit(read, c, None) for c in range(min(STAGES - 1, len(chunks)))}
         write_futures: dict[int, Future] = {}
@@ -536,7 +528,7 @@ def step(store: Store, bufs: list[memoryview], plan: ChunkPlan, namespace: str, 
         state.finish()
         if weights is not None:
             weights.finish()
-        store.commit_writes(pending)
+        commit_all(store, [w.pending for w in pending])
         timing.write_s = time.perf_counter() - t0
         return timing
     except BaseException as exc:
@@ -565,7 +557,7 @@ def create(store: Store, buf: memoryview, plan: ChunkPlan, namespace: str, name:
     blocks = plan.scratch([buf])
     area = buf[plan.scratch_bytes:plan.buffer_bytes(0)]
     piece = len(area) // 8192 * 8192
-    pending = BatchedWrite.open(store, namespace, name, plan.size, True, session_id)
+    pending = BatchedWrite(PendingWrite.start(store, namespace, name, plan.size, True, session_id))
     try:
         out = BlockWriter(pending, blocks)
         out.put(0, memoryview(header))
@@ -584,7 +576,7 @@ def create(store: Store, buf: memoryview, plan: ChunkPlan, namespace: str, name:
                 out.put(start + off, area[:min(piece, size - off)])
                 out.flush()
         out.finish()
-        store.commit_writes([pending])
+        commit_all(store, [pending.pending])
     except BaseException:
         pending.abort()
         raise

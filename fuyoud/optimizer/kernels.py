@@ -87,9 +87,8 @@ class OptimizerSpec:
         """(spec, numel, step) from a state object's header; ValueError if it is none."""
         magic = bytes(data[:8])
         if magic == cls._MAGIC:
-            fmt, state_dtype = cls._FORMAT, 0
+            state_dtype = 0
         elif magic == cls._MAGIC2:
-            fmt = cls._FORMAT2
             state_dtype = struct.unpack_from("<Q", data, struct.calcsize(cls._FORMAT))[0]
             if state_dtype >= len(STATE_DTYPES):
                 raise ValueError(f"unknown state dtype {state_dtype} in an optimizer state header")

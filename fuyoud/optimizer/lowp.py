@@ -43,7 +43,6 @@ TINY = torch.finfo(torch.float32).tiny
 
 def decode_signed(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
     """int8 codes (n) and their blocks' scales -> fp32 ``out`` (n)."""
-    n = codes.numel()
     y = out.copy_(codes).div_(127)
     y.mul_(y.abs())
     _scale(y, scales)
@@ -61,7 +60,6 @@ def encode_signed(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, tm
 
 def decode_unsigned(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
     """uint8 codes (n) and their blocks' scales -> fp32 ``out`` (n), fourth powers."""
-    n = codes.numel()
     y = out.copy_(codes).add_(1).div_(256)
     y.mul_(y)
     y.mul_(y)

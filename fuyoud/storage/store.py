@@ -1,41 +1,35 @@
-"""The store: named objects on the SSD array, moved by the I/O engine.
+"""The store: named objects on the SSD array, their versions, pins, quota and space.
 
 Writes go to freshly allocated extents and are committed only when every byte is on
 the device (see index.py for the crash-consistency argument); a failed or short
 transfer frees those extents and leaves the previous version in place. Readers pin
 the version they read, so an overwrite or delete never recycles extents under them.
+The bytes move through the transfer layer (transfer.py); objects written in pieces
+go through pending.py, which uses the public version API here (new_version,
+commit_versions, discard_versions).
 """
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from fuyoud.allocator import OutOfSpace
-from fuyoud.errors import DataLoss, InvalidArgument, NotFound, QuotaExceeded, StorageFull
-from fuyoud.io.engine import IOEngine, IORequest, IOResult, Op
-from fuyoud.memory.segment import buffer_address
+from fuyoud.errors import InvalidArgument, NotFound, QuotaExceeded, StorageFull
+from fuyoud.io.engine import IOEngine, Op
 from fuyoud.memory.staging import StagingPool
 from fuyoud.storage import checksums
 from fuyoud.storage.device import Device
 from fuyoud.storage.extents import ExtentRefs
 from fuyoud.storage.index import IndexDB, ObjectMeta
 from fuyoud.storage.layout import Extent, Layout, extent_lengths
-from fuyoud.units import align_down, align_up, format_size
+from fuyoud.storage.transfer import Batch, IOObserver, ReadItem, Transfers
+from fuyoud.units import format_size
 
-if TYPE_CHECKING:
-    from fuyoud.storage.pending import PendingWrite
-
+__all__ = ["Store", "WriteItem", "ReadItem", "Entry", "StoreUsage"]
 log = logging.getLogger(__name__)
-BLOCK = 4096
-READ_ATTEMPTS = 2
-
-# Called after each engine batch: (device, "read"|"write", bytes, operations, seconds).
-IOObserver = Callable[[int, str, int, int, float], None]
 
 
 @dataclass
@@ -48,27 +42,11 @@ class WriteItem:
 
 
 @dataclass
-class ReadItem:
-    namespace: str
-    name: str
-    dst: memoryview
-    object_offset: int = 0
-
-
-@dataclass
-class _Entry:
+class Entry:
+    """A version of an object as the store holds it; pinned while ``readers`` > 0."""
     meta: ObjectMeta
     readers: int = 0
     retired: bool = False
-
-
-@dataclass
-class _Batch:
-    """The engine requests of one batch and, per request, which item it serves."""
-    direct: list[IORequest] = field(default_factory=list)
-    direct_items: list[int] = field(default_factory=list)
-    # Ranges O_DIRECT cannot do in place: (item, device, device_offset, buffer view).
-    bounce: list[tuple[int, int, int, memoryview]] = field(default_factory=list)
 
 
 @dataclass
@@ -88,26 +66,20 @@ class Store:
                  staging: StagingPool, chunk_size: int = 1 << 20, stripe_size: int = 4 << 20,
                  observer: IOObserver | None = None, namespace_quota: int = 0):
         self.devices = list(devices)
-        self.engine = engine
-        self.staging = staging
-        self.chunk_size = chunk_size
+        self.io = Transfers(self.devices, engine, staging, chunk_size, observer)
         self.stripe_size = stripe_size
         self.index_db = index
-        self._observe = observer or (lambda *a: None)
         self._lock = threading.Lock()
-        self._objects: dict[tuple[str, str], _Entry] = {}
+        self._objects: dict[tuple[str, str], Entry] = {}
         self.namespace_quota = namespace_quota  # bytes per namespace on the array, 0: none
         self._reserved: dict[str, int] = defaultdict(int)  # bytes of writes in flight, per namespace
-        self._moved = {Op.READ: 0, Op.WRITE: 0}  # bytes since start
-        self._moved_dev: dict[tuple[int, str], int] = defaultdict(int)
-        self._in_flight = [0] * len(self.devices)
         self._lifetime_base = {(d.index, direction): int(self.index_db.get_meta(f"lifetime_{direction}:{d.index}") or 0)
                                for d in self.devices for direction in ("read", "write")}
         self._extents = ExtentRefs(self.devices)
         self._check_devices()
         for meta in index.load():
             self._extents.load(meta.layout)
-            self._objects[meta.key] = _Entry(meta)
+            self._objects[meta.key] = Entry(meta)
         self._next_version = 1 + max((m.meta.version for m in self._objects.values()), default=0)
         if self._objects:
             log.info("index: %d persistent objects restored", len(self._objects))
@@ -136,10 +108,10 @@ class Store:
             except BaseException:
                 self._free_layouts(m.layout for m in metas)
                 raise
-            batch = _Batch()
+            batch = Batch()
             for i, (it, meta) in enumerate(zip(items, metas)):
-                self._plan(batch, i, meta.layout, 0, it.src, Op.WRITE)
-            errors = self._execute(batch, Op.WRITE, items)
+                self.io.plan(batch, i, meta.layout, 0, it.src, Op.WRITE)
+            errors = self.io.execute(batch, Op.WRITE, items)
             done = [m for i, m in enumerate(metas) if i not in errors]
             self._free_layouts(m.layout for i, m in enumerate(metas) if i in errors)
             try:
@@ -211,27 +183,36 @@ class Store:
                 self.index_db.commit(persistent, delete=replaced)
             for m in metas:
                 old = self._objects.get(m.key)
-                self._objects[m.key] = _Entry(m)
+                self._objects[m.key] = Entry(m)
                 if old is not None:
                     self._retire(old)
 
-    def open_write(self, namespace: str, name: str, size: int, persistent: bool = True,
-                   session_id: int = 0) -> "PendingWrite":
-        """An object written in pieces (from a file, say) and committed at the end, as
-        ``write`` commits: the old version, if any, stays until then."""
-        from fuyoud.storage.pending import PendingWrite
+    # -- versions written in pieces (pending.py) ---------------------------------------------
+    def new_version(self, namespace: str, name: str, size: int, persistent: bool = True,
+                    session_id: int = 0) -> ObjectMeta:
+        """Extents for a new version of an object, reserved against the namespace's quota:
+        its bytes are written by the caller (through ``io``) and the version then
+        committed (``commit_versions``) or discarded (``discard_versions``), never both.
+        Until the commit the old version, if any, stays the object."""
+        return replace(self._allocate(namespace, name, size), persistent=persistent, session_id=session_id)
 
-        return PendingWrite(self, replace(self._allocate(namespace, name, size), persistent=persistent,
-                                          session_id=session_id))
-
-    def commit_writes(self, pending: Sequence[PendingWrite]) -> list[ObjectMeta]:
-        """Commit several pieced writes in one index transaction (all or none)."""
-        metas = [w.meta for w in pending]
-        self._commit(metas)
-        for w in pending:
-            w._open = False
-        self._unreserve(metas)
+    def commit_versions(self, metas: Sequence[ObjectMeta]) -> list[ObjectMeta]:
+        """Make new versions the objects, in one index transaction (all or none: on an
+        error they are discarded)."""
+        metas = list(metas)
+        try:
+            self._commit(metas)
+        except BaseException:
+            self._free_layouts(m.layout for m in metas)
+            raise
+        finally:
+            self._unreserve(metas)
         return metas
+
+    def discard_versions(self, metas: Sequence[ObjectMeta]) -> None:
+        """Give back the extents and reservations of versions never committed."""
+        self._free_layouts(m.layout for m in metas)
+        self._unreserve(metas)
 
     def link(self, src_namespace: str, namespace: str, pairs: Sequence[tuple[str, str]]) -> list[ObjectMeta]:
         """Make each ``namespace/dst`` a persistent object with the bytes of persistent
@@ -255,7 +236,7 @@ class Store:
             for m in metas:
                 self._extents.share(m.layout)
                 old = self._objects.get(m.key)
-                self._objects[m.key] = _Entry(m)
+                self._objects[m.key] = Entry(m)
                 if old is not None:
                     self._retire(old)
         return metas
@@ -274,12 +255,12 @@ class Store:
                             f"{it.namespace}/{it.name} of {entry.meta.size} bytes")
                     entry.readers += 1
                     entries.append(entry)
-            self._read_checked(items, [e.meta for e in entries])
+            self.io.read_checked(items, [e.meta for e in entries])
         finally:
             self.unpin(entries)
 
     # -- snapshots: versions held past a later overwrite -----------------------------------
-    def pin(self, namespace: str) -> list[_Entry]:
+    def pin(self, namespace: str) -> list[Entry]:
         """Hold the current version of every persistent object of a namespace: later
         overwrites and deletes do not recycle its extents until ``unpin``."""
         with self._lock:
@@ -288,150 +269,29 @@ class Store:
                 e.readers += 1
         return entries
 
-    def unpin(self, entries: Iterable[_Entry]) -> None:
+    def pin_object(self, namespace: str, name: str) -> Entry:
+        """Hold the current version of one object (as ``pin``); NotFound if there is none."""
+        with self._lock:
+            entry = self._get(namespace, name)
+            entry.readers += 1
+        return entry
+
+    def unpin(self, entries: Iterable[Entry]) -> None:
         with self._lock:
             for entry in entries:
                 entry.readers -= 1
                 if entry.retired and entry.readers == 0:
                     self._free_layouts([entry.meta.layout], locked=True)
 
-    def read_pinned(self, entry: _Entry, dst: memoryview, object_offset: int) -> None:
+    def read_pinned(self, entry: Entry, dst: memoryview, object_offset: int) -> None:
         """Read a range of the version ``pin`` returned (whatever was written since)."""
         meta = entry.meta
         if object_offset < 0 or object_offset + len(dst) > meta.size:
             raise InvalidArgument(f"range outside object {meta.namespace}/{meta.name} of {meta.size} bytes")
-        self._read_checked([ReadItem(meta.namespace, meta.name, dst, object_offset)], [meta])
-
-    def _read_checked(self, items: Sequence[ReadItem], metas: Sequence[ObjectMeta]) -> None:
-        """Read and verify the checksums; an item that fails (EIO, short read, checksum)
-        is read once more - reading is safe to repeat - before its error is raised."""
-        todo = list(range(len(items)))
-        for attempt in range(READ_ATTEMPTS):
-            batch = _Batch()
-            for i in todo:
-                self._plan(batch, i, metas[i].layout, items[i].object_offset, items[i].dst, Op.READ)
-            errors = self._execute(batch, Op.READ, items)
-            for i in todo:
-                if i not in errors and metas[i].checksums:
-                    exc = checksums.verify(metas[i], items[i].object_offset, items[i].dst, self._read_raw,
-                                           self._where)
-                    if exc is not None:
-                        errors[i] = exc
-            if not errors:
-                return
-            todo = sorted(errors)
-            if attempt + 1 < READ_ATTEMPTS:
-                log.warning("read of %d object(s) failed, retrying: %s", len(todo), errors[todo[0]])
-        raise errors[todo[0]]
-
-    def _read_raw(self, meta: ObjectMeta, object_offset: int, dst: memoryview) -> Exception | None:
-        """One range, unchecked (checksums.verify reads partly covered blocks with it)."""
-        batch = _Batch()
-        self._plan(batch, 0, meta.layout, object_offset, dst, Op.READ)
-        errors = self._execute(batch, Op.READ, [ReadItem(meta.namespace, meta.name, dst, object_offset)])
-        return errors.get(0)
-
-    def _where(self, meta: ObjectMeta, object_offset: int) -> str:
-        piece = next(iter(meta.layout.pieces(object_offset, 1, self.chunk_size)))
-        dev = self.devices[piece.device]
-        return f"device {dev.index} ({dev.path}) at device offset {piece.device_offset}"
-
-    # -- planning and running transfers --------------------------------------------------
-    def _plan(self, batch: _Batch, item: int, layout: Layout, start: int, buf: memoryview, op: Op) -> None:
-        base = buffer_address(buf) if len(buf) else 0
-        for p in layout.pieces(start, len(buf), self.chunk_size):
-            view = buf[p.object_offset - start:p.object_offset - start + p.length]
-            dev = self.devices[p.device]
-            aligned = ((base + p.object_offset - start) % BLOCK == 0 and p.length % BLOCK == 0
-                       and p.device_offset % BLOCK == 0)
-            if aligned or not dev.direct:
-                batch.direct.append(IORequest(op, dev.fd, p.device_offset, view, p.device))
-                batch.direct_items.append(item)
-            else:
-                batch.bounce.append((item, p.device, p.device_offset, view))
-
-    def _execute(self, batch: _Batch, op: Op, items: Sequence) -> dict[int, Exception]:
-        """Run a batch; returns {item index: error} for the items that failed."""
-        errors: dict[int, Exception] = {}
-        if batch.direct:
-            results = self._timed(batch.direct, op)
-            for req, item, res in zip(batch.direct, batch.direct_items, results):
-                self._check(res, len(req.buf), op, req.device, req.offset, items[item], item, errors)
-        if batch.bounce:
-            self._bounce(batch.bounce, op, items, errors)
-        return errors
-
-    def _bounce(self, pieces, op: Op, items, errors: dict[int, Exception]) -> None:
-        """Unaligned ranges go through a staging slab: aligned superset on the device side."""
-        pending = list(pieces)
-        while pending:
-            with self.staging.slab() as slab:
-                used, group = 0, []
-                while pending:
-                    item, dev, dev_off, view = pending[0]
-                    lo, hi = align_down(dev_off, BLOCK), align_up(dev_off + len(view), BLOCK)
-                    if used + hi - lo > len(slab):
-                        break
-                    pending.pop(0)
-                    group.append((item, dev, dev_off, view, lo, slab[used:used + hi - lo]))
-                    used += hi - lo
-                if not group:
-                    raise AssertionError("staging slab smaller than one chunk")
-                if op is Op.WRITE:  # writes start on a block boundary: pad the tail with zeros
-                    for _, _, _, view, _, space in group:
-                        space[:len(view)] = view
-                        space[len(view):] = bytes(len(space) - len(view))
-                reqs = [IORequest(op, self.devices[dev].fd, lo, space, dev) for _, dev, _, _, lo, space in group]
-                results = self._timed(reqs, op)
-                for (item, dev, dev_off, view, lo, space), res in zip(group, results):
-                    if self._check(res, len(space), op, dev, lo, items[item], item, errors) and op is Op.READ:
-                        view[:] = space[dev_off - lo:dev_off - lo + len(view)]
-
-    def _timed(self, reqs: list[IORequest], op: Op) -> list[IOResult]:
-        queued: dict[int, int] = defaultdict(int)
-        for req in reqs:
-            queued[req.device] += 1
-        self._count_in_flight(queued, 1)
-        t0 = time.perf_counter()
-        try:
-            results = self.engine.execute(reqs)
-        finally:
-            self._count_in_flight(queued, -1)
-        elapsed = time.perf_counter() - t0
-        per_dev: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-        for req, res in zip(reqs, results):
-            per_dev[req.device][0] += res.nbytes
-            per_dev[req.device][1] += 1
-        direction = "read" if op is Op.READ else "write"
-        with self._lock:
-            self._moved[op] += sum(r.nbytes for r in results)
-            for dev, (nbytes, _) in per_dev.items():
-                self._moved_dev[(dev, direction)] += nbytes
-        for dev, (nbytes, ops) in per_dev.items():
-            self._observe(dev, direction, nbytes, ops, elapsed)
-        return results
-
-    def _count_in_flight(self, queued: dict[int, int], sign: int) -> None:
-        with self._lock:
-            for dev, n in queued.items():
-                self._in_flight[dev] += sign * n
-
-    def _check(self, res: IOResult, want: int, op: Op, dev: int, offset: int, item, index: int,
-               errors: dict[int, Exception]) -> bool:
-        if res.ok and res.nbytes == want:
-            return True
-        verb = "reading" if op is Op.READ else "writing"
-        where = f"device {dev} ({self.devices[dev].path}) {verb} object {item.namespace}/{item.name} at device offset {offset}"
-        if res.errno:
-            cls = StorageFull if res.errno == 28 else DataLoss  # ENOSPC
-            err = cls(f"I/O error on {where}: {os.strerror(res.errno)} (errno {res.errno})")
-        else:
-            err = DataLoss(f"short {op.name.lower()} on {where}: {res.nbytes} of {want} bytes")
-        errors.setdefault(index, err)
-        return False
+        self.io.read_checked([ReadItem(meta.namespace, meta.name, dst, object_offset)], [meta])
 
     # -- the rest of the index ------------------------------------------------------------
-    def _get(self, namespace: str, name: str) -> _Entry:
+    def _get(self, namespace: str, name: str) -> Entry:
         entry = self._objects.get((namespace, name))
         if entry is None:
             raise NotFound(f"no object {name!r} in namespace {namespace!r}")
@@ -470,7 +330,7 @@ class Store:
                 self._retire(e)
             return len(gone)
 
-    def _retire(self, entry: _Entry) -> None:  # with self._lock held
+    def _retire(self, entry: Entry) -> None:  # with self._lock held
         entry.retired = True
         if entry.readers == 0:
             self._free_layouts([entry.meta.layout], locked=True)
@@ -493,18 +353,17 @@ class Store:
                 objects[e.meta.persistent] += 1
                 nbytes[e.meta.persistent] += e.meta.size
             devices = [(str(d.directory), d.capacity, d.allocator.used_bytes) for d in self.devices]
-            lifetime = self._lifetime_locked()
-            return StoreUsage(devices, objects, nbytes, self._moved[Op.READ], self._moved[Op.WRITE],
-                              list(self._in_flight), lifetime)
+        read, written = self.io.moved()
+        return StoreUsage(devices, objects, nbytes, read, written, self.io.in_flight(), self._lifetime())
 
-    def _lifetime_locked(self) -> dict[tuple[int, str], int]:
-        return {key: base + self._moved_dev.get(key, 0) for key, base in self._lifetime_base.items()}
+    def _lifetime(self) -> dict[tuple[int, str], int]:
+        moved = self.io.moved_by_device()
+        return {key: base + moved.get(key, 0) for key, base in self._lifetime_base.items()}
 
     def save_lifetime(self) -> None:
         """Record the lifetime byte counters in the index (every minute and at close: a
         crash loses at most a minute of them, never committed data)."""
-        with self._lock:
-            lifetime = self._lifetime_locked()
+        lifetime = self._lifetime()
         self.index_db.set_metas({f"lifetime_{direction}:{dev}": str(value)
                                  for (dev, direction), value in lifetime.items()})
 
