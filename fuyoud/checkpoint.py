@@ -33,6 +33,7 @@ import time
 import zlib
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fuyoud import __version__, failpoints
@@ -49,8 +50,9 @@ from fuyoud.storage.pending import PendingWrite, commit_all
 from fuyoud.units import format_size
 
 if TYPE_CHECKING:
-    from fuyoud.server import Daemon
-    from fuyoud.sessions import Session
+    from fuyoud.optimizer.groups import Optimizer
+    from fuyoud.sessions import Session, SessionRegistry
+    from fuyoud.storage.store import Store
 
 log = logging.getLogger(__name__)
 COPY_CHUNK = 8 << 20
@@ -69,167 +71,15 @@ class CheckpointResult:
     client_state: bytes = b""
 
 
-# -- where a session may read and write checkpoints -------------------------------------------
 def privileged(uid: int | None) -> bool:
     """Operators (``uid`` None), root and the daemon's own user act with the daemon's
     permissions anyway: they may name any absolute path and restore any checkpoint."""
     return uid is None or uid in (0, os.getuid())
 
 
-def location(daemon: "Daemon", directory: str, uid: int | None) -> Location:
-    """The checkpoint directory's location, if the caller may use it: other users only
-    paths inside ``[daemon] checkpoint_dirs`` (the daemon acts there with its own
-    permissions), checked on the real path of the opened parent directory."""
-    roots = None if privileged(uid) else [r.resolve() for r in daemon.config.checkpoint_dirs]
-    return Location(directory, roots)
-
-
-def _on_array(daemon: "Daemon", where: Location) -> bool:
-    devices = {os.stat(d.directory).st_dev for d in daemon.store.devices}
-    return where.device in devices
-
-
-# -- taking one ----------------------------------------------------------------------------------
-def _at_common_step(daemon: "Daemon", namespace: str, timeout: float, action):
-    """Run ``action()`` with every group of the namespace locked and at one step count;
-    returns (its result, that step)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        groups: list[Group] = daemon.optimizer.groups_of(namespace)
-        with ExitStack() as held:
-            all_locked = True
-            for g in groups:  # sorted by name: every checkpoint takes them in one order
-                if not g.lock.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
-                    all_locked = False
-                    break
-                held.callback(g.lock.release)
-            steps = {g.step for g in groups}
-            if all_locked and len(steps) <= 1:
-                return action(), max(steps, default=0)
-        if time.monotonic() > deadline:
-            raise FailedPrecondition(
-                f"namespace {namespace!r}: its optimizer groups did not reach a common step within "
-                f"{timeout:g} s (steps seen: {sorted(steps)}); retry between iterations or with a longer timeout")
-        time.sleep(0.01)
-
-
 def _group_entry(name: str, head: bytes) -> dict:
     spec, numel, step = OptimizerSpec.parse_header(head)
     return {"name": name[len("optim/"):], "numel": numel, "step": step, "optimizer": spec.to_dict()}
-
-
-def checkpoint(daemon: "Daemon", namespace: str, uid: int, where: Location, timeout: float = 60.0,
-               mode: str = "auto", client_state: bytes = b"") -> CheckpointResult:
-    """Checkpoint ``namespace`` (whose state belongs to ``uid``) into a new directory."""
-    if mode not in ("auto", "snapshot", "copy"):
-        raise InvalidArgument(f"checkpoint mode must be auto, snapshot or copy, not {shown(mode)}")
-    if len(client_state) > MAX_CLIENT_STATE:
-        raise InvalidArgument(f"client_state of {len(client_state)} bytes exceeds {MAX_CLIENT_STATE}")
-    if mode == "auto":
-        mode = "snapshot" if _on_array(daemon, where) else "copy"
-    t0 = time.perf_counter()
-    target = where.path
-    new = NewCheckpoint(where)
-    store = daemon.store
-    entries, links = [], []
-    # Until DIR exists the checkpoint is marked pending in the index: a crash in between
-    # leaves a partial directory and, for a snapshot, objects no manifest names; the next
-    # start removes both (recover()).
-    snap = f"{SNAPSHOTS}{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}/" if mode == "snapshot" else ""
-    pending = _pending_key(namespace, snap)
-    store.index_db.set_meta(pending, str(target))
-    try:
-        if mode == "snapshot":
-            def link():
-                names = [m.name for m in store.list(namespace) if m.persistent and not m.name.startswith(SNAPSHOTS)]
-                return store.link(namespace, namespace, [(n, snap + n) for n in names])
-
-            links, step = _at_common_step(daemon, namespace, timeout, link)
-            failpoints.hit("checkpoint.linked")
-            objects = [{"name": m.name[len(snap):], "snapshot": m.name, "size": m.size, "version": m.version}
-                       for m in links]
-            groups = _groups_from_headers(daemon, namespace, [m.name for m in links])
-        else:
-            entries, step = _at_common_step(daemon, namespace, timeout,
-                                            lambda: [e for e in store.pin(namespace)
-                                                     if not e.meta.name.startswith(SNAPSHOTS)])
-            objects, groups = _copy_all(daemon, entries, new)
-            failpoints.hit("checkpoint.copied")
-        manifest = {"format": FORMAT, "mode": mode, "fuyoud_version": __version__, "namespace": namespace,
-                    "step": step, "created": time.time(), "groups": groups, "objects": objects}
-        data = json.dumps(manifest, indent=1).encode()
-        new.write(CLIENT_STATE, client_state)
-        new.write(MANIFEST, data)
-        # Recorded before DIR appears: a checkpoint in place is always one the index knows.
-        store.index_db.record_checkpoint(CheckpointRecord(str(target), namespace, uid, mode, snap,
-                                                          hashlib.sha256(data).hexdigest()))
-        new.publish()
-    except BaseException as exc:
-        new.discard()
-        store.index_db.forget_checkpoint(str(target))
-        store.delete(namespace, [m.name for m in links], missing_ok=True)
-        if isinstance(exc, OSError):
-            raise FailedPrecondition(f"cannot write checkpoint {target}: {exc.strerror or exc}") from None
-        raise
-    finally:
-        store.index_db.delete_meta(pending)
-        store.unpin(entries)
-    total = sum(o["size"] for o in objects)
-    seconds = time.perf_counter() - t0
-    log.info("checkpoint of %s at step %d (%s): %d objects, %s in %.2f s to %s", namespace, step, mode,
-             len(objects), format_size(total), seconds, target)
-    return CheckpointResult(str(target), namespace, len(objects), total, step, seconds, mode)
-
-
-def _groups_from_headers(daemon: "Daemon", namespace: str, names: list[str]) -> list[dict]:
-    from fuyoud.storage.store import ReadItem
-
-    groups = []
-    with daemon.optimizer.buffers.acquire(HEADER) as buf:
-        for name in names:
-            base = name.split("/", 2)[-1]  # snapshots/<id>/optim/<g> -> optim/<g>
-            if base.startswith("optim/"):
-                daemon.store.read([ReadItem(namespace, name, buf[:HEADER])])
-                groups.append(_group_entry(base, bytes(buf[:HEADER])))
-    return groups
-
-
-def _copy_all(daemon: "Daemon", entries, new: NewCheckpoint) -> tuple[list[dict], list[dict]]:
-    mapping, buf = huge_page_buffer(COPY_CHUNK)
-    try:
-        objects, groups = [], []
-        for i, entry in enumerate(sorted(entries, key=lambda e: e.meta.name)):
-            meta = entry.meta
-            rel = object_file(i)
-            crc, head = _copy_out(daemon, entry, buf, new.create(rel))
-            if meta.name.startswith("optim/"):
-                groups.append(_group_entry(meta.name, head))
-            objects.append({"name": meta.name, "file": rel, "size": meta.size, "version": meta.version, "crc32": crc})
-        return objects, groups
-    finally:
-        buf.release()
-        mapping.close()
-
-
-def _copy_out(daemon: "Daemon", entry, buf: memoryview, fd: int) -> tuple[int, bytes]:
-    """One pinned object into a new file (``fd``, closed here); returns its crc32 and its
-    first 4 KiB."""
-    size, crc, head = entry.meta.size, 0, b""
-    try:
-        for off in range(0, size, COPY_CHUNK):
-            view = buf[:min(COPY_CHUNK, size - off)]
-            daemon.store.read_pinned(entry, view, off)
-            crc = zlib.crc32(view, crc)
-            if off == 0:
-                head = bytes(view[:HEADER])
-            written = 0
-            while written < len(view):
-                written += os.write(fd, view[written:])
-            view.release()
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return crc, head
 
 
 def _pending_key(namespace: str, snap: str) -> str:
@@ -261,7 +111,6 @@ def recover(store) -> None:
         index.delete_meta(key)
 
 
-# -- restoring and deleting ----------------------------------------------------------------------
 @dataclass
 class _Known:
     """What restore and delete go by: the daemon's record, or for a checkpoint it has no
@@ -272,108 +121,258 @@ class _Known:
     snapshot: str | None  # the prefix of a recorded snapshot's objects
 
 
-def _open(daemon: "Daemon", uid: int | None, where: Location) -> tuple[CheckpointDir, _Known]:
-    """The checkpoint directory, opened as the caller may, and what is known of it."""
-    record = daemon.store.index_db.checkpoint_record(str(where.path))
-    trusted = privileged(uid)
-    if record is not None:
-        if not trusted and record.uid != uid:
-            raise PermissionDenied(f"checkpoint {where.path} belongs to uid {record.uid}")
-        # The daemon wrote every file of it: a file of anyone else's was put there since.
-        d = where.open(owner=None if trusted else os.getuid(), single_links=not trusted)
+class Checkpointer:
+    """Checkpoints of a namespace: taking them (``checkpoint``), restoring and deleting
+    them, where a caller may (``location``). Works on the store, the optimizer's groups
+    (their locks give the consistent point) and the sessions (a restore claims the
+    namespace); ``dirs`` are ``[daemon] checkpoint_dirs``."""
+
+    def __init__(self, store: "Store", optimizer: "Optimizer", sessions: "SessionRegistry", dirs: list[Path]):
+        self.store, self.optimizer, self.sessions, self.dirs = store, optimizer, sessions, list(dirs)
+
+    def location(self, directory: str, uid: int | None) -> Location:
+        """The checkpoint directory's location, if the caller may use it: other users only
+        paths inside ``[daemon] checkpoint_dirs`` (the daemon acts there with its own
+        permissions), checked on the real path of the opened parent directory."""
+        roots = None if privileged(uid) else [r.resolve() for r in self.dirs]
+        return Location(directory, roots)
+
+    def _on_array(self, where: Location) -> bool:
+        devices = {os.stat(d.directory).st_dev for d in self.store.devices}
+        return where.device in devices
+
+    def _at_common_step(self, namespace: str, timeout: float, action):
+        """Run ``action()`` with every group of the namespace locked and at one step count;
+        returns (its result, that step)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            groups: list[Group] = self.optimizer.groups_of(namespace)
+            with ExitStack() as held:
+                all_locked = True
+                for g in groups:  # sorted by name: every checkpoint takes them in one order
+                    if not g.lock.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
+                        all_locked = False
+                        break
+                    held.callback(g.lock.release)
+                steps = {g.step for g in groups}
+                if all_locked and len(steps) <= 1:
+                    return action(), max(steps, default=0)
+            if time.monotonic() > deadline:
+                raise FailedPrecondition(
+                    f"namespace {namespace!r}: its optimizer groups did not reach a common step within "
+                    f"{timeout:g} s (steps seen: {sorted(steps)}); retry between iterations or with a longer timeout")
+            time.sleep(0.01)
+
+    def checkpoint(self, namespace: str, uid: int, where: Location, timeout: float = 60.0,
+                   mode: str = "auto", client_state: bytes = b"") -> CheckpointResult:
+        """Checkpoint ``namespace`` (whose state belongs to ``uid``) into a new directory."""
+        if mode not in ("auto", "snapshot", "copy"):
+            raise InvalidArgument(f"checkpoint mode must be auto, snapshot or copy, not {shown(mode)}")
+        if len(client_state) > MAX_CLIENT_STATE:
+            raise InvalidArgument(f"client_state of {len(client_state)} bytes exceeds {MAX_CLIENT_STATE}")
+        if mode == "auto":
+            mode = "snapshot" if self._on_array(where) else "copy"
+        t0 = time.perf_counter()
+        target = where.path
+        new = NewCheckpoint(where)
+        store = self.store
+        entries, links = [], []
+        # Until DIR exists the checkpoint is marked pending in the index: a crash in between
+        # leaves a partial directory and, for a snapshot, objects no manifest names; the next
+        # start removes both (recover()).
+        snap = f"{SNAPSHOTS}{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}/" if mode == "snapshot" else ""
+        pending = _pending_key(namespace, snap)
+        store.index_db.set_meta(pending, str(target))
         try:
-            data = d.read(MANIFEST, MAX_MANIFEST)
-            if hashlib.sha256(data).hexdigest() != record.manifest_sha256:
-                raise DataLoss(f"the manifest of checkpoint {where.path} changed since fuyoud wrote it; refusing "
-                               "the checkpoint")
-            manifest = parse_manifest(data)
+            if mode == "snapshot":
+                def link():
+                    names = [m.name for m in store.list(namespace)
+                             if m.persistent and not m.name.startswith(SNAPSHOTS)]
+                    return store.link(namespace, namespace, [(n, snap + n) for n in names])
+
+                links, step = self._at_common_step(namespace, timeout, link)
+                failpoints.hit("checkpoint.linked")
+                objects = [{"name": m.name[len(snap):], "snapshot": m.name, "size": m.size, "version": m.version}
+                           for m in links]
+                groups = self._groups_from_headers(namespace, [m.name for m in links])
+            else:
+                entries, step = self._at_common_step(namespace, timeout,
+                                                lambda: [e for e in store.pin(namespace)
+                                                         if not e.meta.name.startswith(SNAPSHOTS)])
+                objects, groups = self._copy_all(entries, new)
+                failpoints.hit("checkpoint.copied")
+            manifest = {"format": FORMAT, "mode": mode, "fuyoud_version": __version__, "namespace": namespace,
+                        "step": step, "created": time.time(), "groups": groups, "objects": objects}
+            data = json.dumps(manifest, indent=1).encode()
+            new.write(CLIENT_STATE, client_state)
+            new.write(MANIFEST, data)
+            # Recorded before DIR appears: a checkpoint in place is always one the index knows.
+            store.index_db.record_checkpoint(CheckpointRecord(str(target), namespace, uid, mode, snap,
+                                                              hashlib.sha256(data).hexdigest()))
+            new.publish()
+        except BaseException as exc:
+            new.discard()
+            store.index_db.forget_checkpoint(str(target))
+            store.delete(namespace, [m.name for m in links], missing_ok=True)
+            if isinstance(exc, OSError):
+                raise FailedPrecondition(f"cannot write checkpoint {target}: {exc.strerror or exc}") from None
+            raise
+        finally:
+            store.index_db.delete_meta(pending)
+            store.unpin(entries)
+        total = sum(o["size"] for o in objects)
+        seconds = time.perf_counter() - t0
+        log.info("checkpoint of %s at step %d (%s): %d objects, %s in %.2f s to %s", namespace, step, mode,
+                 len(objects), format_size(total), seconds, target)
+        return CheckpointResult(str(target), namespace, len(objects), total, step, seconds, mode)
+
+    def _groups_from_headers(self, namespace: str, names: list[str]) -> list[dict]:
+        from fuyoud.storage.store import ReadItem
+
+        groups = []
+        with self.optimizer.buffers.acquire(HEADER) as buf:
+            for name in names:
+                base = name.split("/", 2)[-1]  # snapshots/<id>/optim/<g> -> optim/<g>
+                if base.startswith("optim/"):
+                    self.store.read([ReadItem(namespace, name, buf[:HEADER])])
+                    groups.append(_group_entry(base, bytes(buf[:HEADER])))
+        return groups
+
+    def _copy_all(self, entries, new: NewCheckpoint) -> tuple[list[dict], list[dict]]:
+        mapping, buf = huge_page_buffer(COPY_CHUNK)
+        try:
+            objects, groups = [], []
+            for i, entry in enumerate(sorted(entries, key=lambda e: e.meta.name)):
+                meta = entry.meta
+                rel = object_file(i)
+                crc, head = self._copy_out(entry, buf, new.create(rel))
+                if meta.name.startswith("optim/"):
+                    groups.append(_group_entry(meta.name, head))
+                objects.append({"name": meta.name, "file": rel, "size": meta.size, "version": meta.version, "crc32": crc})
+            return objects, groups
+        finally:
+            buf.release()
+            mapping.close()
+
+    def _copy_out(self, entry, buf: memoryview, fd: int) -> tuple[int, bytes]:
+        """One pinned object into a new file (``fd``, closed here); returns its crc32 and its
+        first 4 KiB."""
+        size, crc, head = entry.meta.size, 0, b""
+        try:
+            for off in range(0, size, COPY_CHUNK):
+                view = buf[:min(COPY_CHUNK, size - off)]
+                self.store.read_pinned(entry, view, off)
+                crc = zlib.crc32(view, crc)
+                if off == 0:
+                    head = bytes(view[:HEADER])
+                written = 0
+                while written < len(view):
+                    written += os.write(fd, view[written:])
+                view.release()
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return crc, head
+
+    def _open(self, uid: int | None, where: Location) -> tuple[CheckpointDir, _Known]:
+        """The checkpoint directory, opened as the caller may, and what is known of it."""
+        record = self.store.index_db.checkpoint_record(str(where.path))
+        trusted = privileged(uid)
+        if record is not None:
+            if not trusted and record.uid != uid:
+                raise PermissionDenied(f"checkpoint {where.path} belongs to uid {record.uid}")
+            # The daemon wrote every file of it: a file of anyone else's was put there since.
+            d = where.open(owner=None if trusted else os.getuid(), single_links=not trusted)
+            try:
+                data = d.read(MANIFEST, MAX_MANIFEST)
+                if hashlib.sha256(data).hexdigest() != record.manifest_sha256:
+                    raise DataLoss(f"the manifest of checkpoint {where.path} changed since fuyoud wrote it; refusing "
+                                   "the checkpoint")
+                manifest = parse_manifest(data)
+            except BaseException:
+                d.close()
+                raise
+            return d, _Known(manifest, record.namespace, record.uid,
+                             record.snapshot if record.mode == "snapshot" else None)
+        d = where.open(owner=None if trusted else uid, single_links=not trusted)
+        try:
+            manifest = parse_manifest(d.read(MANIFEST, MAX_MANIFEST))
+            if manifest.mode == "snapshot" and not trusted:
+                raise PermissionDenied(f"checkpoint {where.path} is a snapshot this fuyoud has no record of (taken "
+                                       "by another daemon or an older version, or moved): only root or the daemon's "
+                                       "user may restore or delete it")
         except BaseException:
             d.close()
             raise
-        return d, _Known(manifest, record.namespace, record.uid,
-                         record.snapshot if record.mode == "snapshot" else None)
-    d = where.open(owner=None if trusted else uid, single_links=not trusted)
-    try:
-        manifest = parse_manifest(d.read(MANIFEST, MAX_MANIFEST))
-        if manifest.mode == "snapshot" and not trusted:
-            raise PermissionDenied(f"checkpoint {where.path} is a snapshot this fuyoud has no record of (taken "
-                                   "by another daemon or an older version, or moved): only root or the daemon's "
-                                   "user may restore or delete it")
-    except BaseException:
+        return d, _Known(manifest, manifest.namespace, os.fstat(d.fd).st_uid, None)
+
+    def restore(self, session: "Session", where: Location) -> CheckpointResult:
+        """The checkpoint's objects become the session's, under their own names, in one
+        index commit after every byte is written (copy) and checked."""
+        t0 = time.perf_counter()
+        store = self.store
+        d, known = self._open(session.uid, where)
+        with d:
+            manifest = known.manifest
+            self.sessions.claim_namespace(session)
+            if manifest.mode == "snapshot":
+                pairs = [(o.snapshot, o.name) for o in manifest.objects]
+                if known.snapshot is not None and any(s != known.snapshot + n for s, n in pairs):
+                    raise DataLoss(f"snapshot checkpoint {where.path} names objects outside its snapshot")
+                try:
+                    store.link(known.namespace, session.namespace, pairs)
+                except NotFound:
+                    raise DataLoss(f"snapshot checkpoint {where.path} lost its objects") from None
+            else:
+                self._restore_copies(session, d, manifest)
+            self.optimizer.forget(session.namespace)  # group headers (steps) come from the restored state
+            state = d.read(CLIENT_STATE, MAX_CLIENT_STATE, missing_ok=True)
+        seconds = time.perf_counter() - t0
+        total = sum(o.size for o in manifest.objects)
+        log.info("session %d restored %s (%s, step %d): %d objects, %s in %.2f s", session.id, where.path,
+                 manifest.mode, manifest.step, len(manifest.objects), format_size(total), seconds)
+        return CheckpointResult(str(where.path), known.namespace, len(manifest.objects), total, manifest.step,
+                                seconds, manifest.mode, state)
+
+    def _restore_copies(self, session: "Session", d: CheckpointDir, manifest: Manifest) -> None:
+        store = self.store
+        pending = []
+        mapping, buf = huge_page_buffer(COPY_CHUNK)
+        try:
+            for o in manifest.objects:
+                with open(d.open_file(o.file, size=o.size), "rb", buffering=0) as f:
+                    w = PendingWrite.start(store, session.namespace, o.name, o.size, persistent=True,
+                                           session_id=session.id)
+                    pending.append(w)
+                    crc = 0
+                    for off in range(0, o.size, COPY_CHUNK):
+                        view = buf[:min(COPY_CHUNK, o.size - off)]
+                        if f.readinto(view) != len(view):
+                            raise DataLoss(f"{o.file} of checkpoint {d.path} is shorter than its {o.size} bytes")
+                        crc = zlib.crc32(view, crc)
+                        w.write(off, view)
+                        view.release()
+                if crc != o.crc32:  # (no values in the message: they tell about bytes the caller may not read)
+                    raise DataLoss(f"{o.file} of checkpoint {d.path} ({shown(o.name)}) is corrupt: it does not match the "
+                                   "checksum in its manifest; nothing was restored")
+            commit_all(store, pending)
+        except BaseException:
+            for w in pending:
+                w.abort()
+            raise
+        finally:
+            buf.release()
+            mapping.close()
+
+    def delete(self, uid: int | None, where: Location) -> None:
+        d, known = self._open(uid, where)
         d.close()
-        raise
-    return d, _Known(manifest, manifest.namespace, os.fstat(d.fd).st_uid, None)
-
-
-def restore(daemon: "Daemon", session: "Session", where: Location) -> CheckpointResult:
-    """The checkpoint's objects become the session's, under their own names, in one
-    index commit after every byte is written (copy) and checked."""
-    t0 = time.perf_counter()
-    store = daemon.store
-    d, known = _open(daemon, session.uid, where)
-    with d:
-        manifest = known.manifest
-        daemon.sessions.claim_namespace(session)
-        if manifest.mode == "snapshot":
-            pairs = [(o.snapshot, o.name) for o in manifest.objects]
-            if known.snapshot is not None and any(s != known.snapshot + n for s, n in pairs):
-                raise DataLoss(f"snapshot checkpoint {where.path} names objects outside its snapshot")
-            try:
-                store.link(known.namespace, session.namespace, pairs)
-            except NotFound:
-                raise DataLoss(f"snapshot checkpoint {where.path} lost its objects") from None
-        else:
-            _restore_copies(daemon, session, d, manifest)
-        daemon.optimizer.forget(session.namespace)  # group headers (steps) come from the restored state
-        state = d.read(CLIENT_STATE, MAX_CLIENT_STATE, missing_ok=True)
-    seconds = time.perf_counter() - t0
-    total = sum(o.size for o in manifest.objects)
-    log.info("session %d restored %s (%s, step %d): %d objects, %s in %.2f s", session.id, where.path,
-             manifest.mode, manifest.step, len(manifest.objects), format_size(total), seconds)
-    return CheckpointResult(str(where.path), known.namespace, len(manifest.objects), total, manifest.step,
-                            seconds, manifest.mode, state)
-
-
-def _restore_copies(daemon: "Daemon", session: "Session", d: CheckpointDir, manifest: Manifest) -> None:
-    store = daemon.store
-    pending = []
-    mapping, buf = huge_page_buffer(COPY_CHUNK)
-    try:
-        for o in manifest.objects:
-            with open(d.open_file(o.file, size=o.size), "rb", buffering=0) as f:
-                w = PendingWrite.start(store, session.namespace, o.name, o.size, persistent=True,
-                                       session_id=session.id)
-                pending.append(w)
-                crc = 0
-                for off in range(0, o.size, COPY_CHUNK):
-                    view = buf[:min(COPY_CHUNK, o.size - off)]
-                    if f.readinto(view) != len(view):
-                        raise DataLoss(f"{o.file} of checkpoint {d.path} is shorter than its {o.size} bytes")
-                    crc = zlib.crc32(view, crc)
-                    w.write(off, view)
-                    view.release()
-            if crc != o.crc32:  # (no values in the message: they tell about bytes the caller may not read)
-                raise DataLoss(f"{o.file} of checkpoint {d.path} ({shown(o.name)}) is corrupt: it does not match the "
-                               "checksum in its manifest; nothing was restored")
-        commit_all(store, pending)
-    except BaseException:
-        for w in pending:
-            w.abort()
-        raise
-    finally:
-        buf.release()
-        mapping.close()
-
-
-def delete(daemon: "Daemon", uid: int | None, where: Location) -> None:
-    d, known = _open(daemon, uid, where)
-    d.close()
-    store = daemon.store
-    if known.snapshot is not None:  # recorded: its objects are those under its prefix
-        store.delete(known.namespace, [m.name for m in store.list(known.namespace, known.snapshot)],
-                     missing_ok=True)
-    elif known.manifest.mode == "snapshot":  # one it has no record of (privileged callers only)
-        store.delete(known.namespace, [o.snapshot for o in known.manifest.objects], missing_ok=True)
-    where.remove()
-    store.index_db.forget_checkpoint(str(where.path))
-    log.info("checkpoint %s deleted", where.path)
+        store = self.store
+        if known.snapshot is not None:  # recorded: its objects are those under its prefix
+            store.delete(known.namespace, [m.name for m in store.list(known.namespace, known.snapshot)],
+                         missing_ok=True)
+        elif known.manifest.mode == "snapshot":  # one it has no record of (privileged callers only)
+            store.delete(known.namespace, [o.snapshot for o in known.manifest.objects], missing_ok=True)
+        where.remove()
+        store.index_db.forget_checkpoint(str(where.path))
+        log.info("checkpoint %s deleted", where.path)

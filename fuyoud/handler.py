@@ -1,21 +1,30 @@
 """What every RPC method shares: the wrapper (failpoint, timing, counting, error
-translation) and the servicer base that authenticates sessions."""
+translation), the servicer base that authenticates sessions, and ``Services``: the
+parts of the daemon the RPC methods work on, handed over by server.py."""
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 
 from fuyoud import failpoints
-from fuyou_proto import SESSION_METADATA_KEY
+from fuyou_proto import ADMIN_METADATA_KEY, SESSION_METADATA_KEY
 from fuyoud.errors import FuyouError
-from fuyoud.sessions import Session
+from fuyoud.sessions import Session, SessionRegistry
 
 if TYPE_CHECKING:
-    from fuyoud.server import Daemon
+    from fuyoud.checkpoint import Checkpointer
+    from fuyoud.memory.pool import Pool
+    from fuyoud.metrics import Metrics
+    from fuyoud.optimizer.groups import Optimizer
+    from fuyoud.snapshot import Snapshot
+    from fuyoud.storage.store import Store
 
 log = logging.getLogger("fuyoud.service")
 # gRPC sends a status message in the trailers, whose size is limited (8 KiB by default): a
@@ -36,7 +45,7 @@ def handler(method):
     @functools.wraps(method)
     def wrapper(self, request, context: grpc.ServicerContext):
         t0 = time.perf_counter()
-        metrics = self.daemon.metrics
+        metrics = self.metrics
         try:
             failpoints.hit(f"rpc.{name}")
             return method(self, request, context)
@@ -54,11 +63,38 @@ def handler(method):
     return wrapper
 
 
+@dataclass(frozen=True)
+class AdminAuth:
+    """The operator's token (written to ``path``, readable by the daemon's user only)."""
+    token: str
+    path: Path
+
+    def allows(self, context: grpc.ServicerContext) -> bool:
+        given = dict(context.invocation_metadata()).get(ADMIN_METADATA_KEY)
+        return given is not None and hmac.compare_digest(given.encode(), self.token.encode())
+
+
+@dataclass(frozen=True)
+class Services:
+    """What the RPC methods work on."""
+    store: "Store"
+    pool: "Pool"
+    optimizer: "Optimizer"
+    sessions: SessionRegistry
+    metrics: "Metrics"
+    checkpointer: "Checkpointer"
+    admin: AdminAuth
+    snapshot: Callable[[], "Snapshot"]  # Status's reading of the daemon
+    set_draining: Callable[[bool], None]
+
+
 class ServicerBase:
-    def __init__(self, daemon: "Daemon"):
-        self.daemon = daemon
+    def __init__(self, services: Services):
+        self.store, self.pool, self.optimizer = services.store, services.pool, services.optimizer
+        self.sessions, self.metrics, self.checkpointer = services.sessions, services.metrics, services.checkpointer
+        self.admin, self.snapshot, self.set_draining = services.admin, services.snapshot, services.set_draining
 
     def _session(self, context: grpc.ServicerContext) -> Session:
         """The caller's session, from the x-fuyou-session metadata (UNAUTHENTICATED if none)."""
         token = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)
-        return self.daemon.sessions.authenticate(token)
+        return self.sessions.authenticate(token)

@@ -7,12 +7,8 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
-
+from fuyoud.storage.store import Store
 from fuyoud.watchdog import Watchdog
-
-if TYPE_CHECKING:
-    from fuyoud.server import Daemon
 
 log = logging.getLogger(__name__)
 TICK = 1.0
@@ -43,8 +39,8 @@ class RateMeter:
 
 
 class Housekeeping:
-    def __init__(self, daemon: "Daemon", watchdog: Watchdog | None):
-        self.daemon = daemon
+    def __init__(self, store: Store, watchdog: Watchdog | None):
+        self.store = store
         self.watchdog = watchdog
         self.throughput = RateMeter()
         self._stop = threading.Event()
@@ -64,13 +60,13 @@ class Housekeeping:
 
     def tick(self) -> None:
         now = time.monotonic()
-        usage = self.daemon.store.usage()
+        usage = self.store.usage()
         self.throughput.sample(now, usage.bytes_read, usage.bytes_written)
         if self.watchdog is not None:
             self.watchdog.tick(now)
         if now - self._last_save >= SAVE_EVERY:
             self._last_save = now
-            self.daemon.store.save_lifetime()
+            self.store.save_lifetime()
 
     def stop(self) -> None:
         self._stop.set()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import platform
 import threading
-from typing import TYPE_CHECKING
+from typing import Callable
 from wsgiref.simple_server import WSGIServer
 
 import torch
@@ -17,9 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from fuyoud import __version__
-
-if TYPE_CHECKING:
-    from fuyoud.server import Daemon
+from fuyoud.snapshot import Snapshot
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 CHECKPOINT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -101,8 +99,9 @@ class Metrics:
         self.activation_bytes.labels("host").inc(report.activation_bytes_to_host)
         self.activation_bytes.labels("ssd").inc(report.activation_bytes_to_ssd)
 
-    def attach(self, daemon: "Daemon") -> None:
-        self.registry.register(_DaemonCollector(daemon))
+    def attach(self, snapshot: Callable[[], Snapshot]) -> None:
+        """Export the daemon's state at each scrape, as ``snapshot()`` reads it."""
+        self.registry.register(_DaemonCollector(snapshot))
 
     def serve(self, listen: str) -> str:
         """Start the HTTP endpoint; returns its URL (port 0 picks a free one)."""
@@ -118,35 +117,35 @@ class Metrics:
 
 
 class _DaemonCollector:
-    def __init__(self, daemon: "Daemon"):
-        self.daemon = daemon
+    def __init__(self, snapshot: Callable[[], Snapshot]):
+        self.snapshot = snapshot
 
     def describe(self):
         return []
 
     def collect(self):
-        d = self.daemon
+        d = self.snapshot()
         info = InfoMetricFamily("fuyoud_build", "Versions of the running daemon and what it runs on")
         info.add_metric([], {"version": __version__, "python": platform.python_version(), "torch": torch.__version__})
         yield info
         yield GaugeMetricFamily("fuyoud_start_time_seconds", "Unix time the daemon started", value=d.started)
         yield GaugeMetricFamily("fuyoud_draining", "1 while the daemon refuses new sessions (fuyouctl drain)",
-                                value=int(d.sessions.draining))
+                                value=int(d.draining))
         engine = GaugeMetricFamily("fuyoud_io_engine", "The I/O engine in use (1 for the active one)",
                                    labels=["engine"])
-        engine.add_metric([d.engine.name], 1)
+        engine.add_metric([d.io_engine], 1)
         yield engine
 
-        pool = d.pool.usage()
+        pool = d.pool
         pinned = GaugeMetricFamily("fuyoud_pinned_bytes", "Shared pinned memory by state", labels=["state"])
         pinned.add_metric(["allocated"], pool.allocated)
         pinned.add_metric(["reserved"], pool.segments - pool.allocated)
-        pinned.add_metric(["staging"], d.staging.total_bytes)
-        pinned.add_metric(["optimizer"], d.optimizer.buffers.mapped_bytes)
+        pinned.add_metric(["staging"], d.staging_bytes)
+        pinned.add_metric(["optimizer"], d.optimizer_buffer_bytes)
         yield pinned
         yield GaugeMetricFamily("fuyoud_optimizer_cached_state_bytes",
                                 "Optimizer state kept in memory between steps by the state cache",
-                                value=d.optimizer.cached_bytes())
+                                value=d.optimizer_cached_bytes)
         pages = GaugeMetricFamily("fuyoud_shared_segment_bytes", "Shared segments by the pages behind them",
                                   labels=["pages"])
         for kind, nbytes in pool.by_pages.items():
@@ -154,14 +153,14 @@ class _DaemonCollector:
         yield pages
         yield GaugeMetricFamily("fuyoud_pinned_budget_bytes", "Pinned-memory budget of the daemon",
                                 value=pool.budget)
-        yield GaugeMetricFamily("fuyoud_sessions", "Live client sessions", value=len(d.sessions.all()))
+        yield GaugeMetricFamily("fuyoud_sessions", "Live client sessions", value=d.sessions)
         by_session = GaugeMetricFamily("fuyoud_session_pinned_bytes", "Shared memory held by each live session",
                                        labels=["session"])
         for sid, nbytes in pool.by_session.items():
             by_session.add_metric([str(sid)], nbytes)
         yield by_session
 
-        usage = d.store.usage()
+        usage = d.store
         objects = GaugeMetricFamily("fuyoud_objects", "Objects in the store", labels=["kind"])
         obj_bytes = GaugeMetricFamily("fuyoud_object_bytes", "Bytes of object data in the store", labels=["kind"])
         for persistent, kind in ((True, "persistent"), (False, "transient")):

@@ -1,9 +1,13 @@
 """The daemon: assembles memory, storage, I/O, sessions, gRPC and metrics, and stops
 them in the right order.
 
-Start-up: storage first (a full disk or a locked directory stops us before anything
-listens), then the admin token, the control socket, the session socket, metrics, the
-housekeeping thread (throughput, watchdog) and READY=1.
+Construction (each part gets only the parts it uses, built before it): metrics, the
+I/O engine, staging and pinned memory; the store (a full disk or a locked directory
+stops us before anything listens), then the recovery of checkpoints a crash
+interrupted (it needs only the store), the optimizer on the store, the session
+registry, the checkpointer on all three. Start-up: the admin token, the control
+socket (the RPC services), the session socket, metrics, the housekeeping thread
+(throughput, watchdog) and READY=1.
 Shutdown (SIGTERM): STOPPING=1, refuse new sessions and new RPCs, let in-flight RPCs
 (and so their I/O) finish within the grace period, end every session, sync the
 devices, close the index.
@@ -22,8 +26,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fuyou_proto import rpc
-from fuyoud import __version__, checkpoint
+from fuyoud import __version__
+from fuyoud.checkpoint import Checkpointer, recover
 from fuyoud.config import Config
+from fuyoud.handler import AdminAuth, Services
 from fuyoud.housekeeping import Housekeeping
 from fuyoud.io.engine import IOEngine
 from fuyoud.io.select import choose_engine
@@ -37,6 +43,7 @@ from fuyoud.sdnotify import notify
 from fuyoud.service import FuyouServicer
 from fuyoud.session_socket import SessionListener
 from fuyoud.sessions import Session, SessionRegistry
+from fuyoud.snapshot import Snapshot
 from fuyoud.storage.device import Device
 from fuyoud.storage.index import IndexDB
 from fuyoud.storage.store import Store
@@ -60,11 +67,12 @@ class Daemon:
         self.pool = Pool(config.memory.pinned_budget, config.session_budget, config.memory.segment_size,
                          lock=config.memory.lock != "no", pages=self.huge_pages.choose)
         self.store = self._open_store()
-        checkpoint.recover(self.store)
+        recover(self.store)
         self.optimizer = Optimizer(self.store, StateBuffers(config.optimizer.buffers, config.optimizer.buffer_budget),
                                    config.optimizer.state_cache)
         self.sessions = SessionRegistry(self._session_closed, self.store.index_db.namespace_owner,
                                         self.store.index_db.claim_namespace, config.daemon.admits)
+        self.checkpointer = Checkpointer(self.store, self.optimizer, self.sessions, config.checkpoint_dirs)
         self._grpc: grpc.Server | None = None
         self._health = health.HealthServicer()
         self._listener: SessionListener | None = None
@@ -106,7 +114,9 @@ class Daemon:
                 log.warning("cannot create checkpoint directory %s: %s", d, exc)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="grpc"),
                              options=[("grpc.so_reuseport", 0)])
-        rpc.add_FuyouServicer_to_server(FuyouServicer(self), server)
+        services = Services(self.store, self.pool, self.optimizer, self.sessions, self.metrics, self.checkpointer,
+                            AdminAuth(self.admin_token, self.admin_token_path), self.snapshot, self.set_draining)
+        rpc.add_FuyouServicer_to_server(FuyouServicer(services), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         control = cfg.control_path
         if control.exists() or control.is_symlink():
@@ -125,13 +135,13 @@ class Daemon:
         self._listener = SessionListener(cfg.session_path, cfg.socket_mode, self.sessions, cfg.socket_gid)
         self._listener.start()
         if self.config.metrics.enabled:
-            self.metrics.attach(self)
+            self.metrics.attach(self.snapshot)
             self.metrics_url = self.metrics.serve(self.config.metrics.listen)
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         interval = interval_from_env()
         watchdog = Watchdog(str(control), interval, self._self_check) if interval else None
-        self.housekeeping = Housekeeping(self, watchdog)
+        self.housekeeping = Housekeeping(self.store, watchdog)
         self.housekeeping.start()
         if watchdog is not None:
             log.info("systemd watchdog: probing and pinging every %.1f s", interval)
@@ -163,6 +173,15 @@ class Daemon:
             self.admin_token_path.unlink(missing_ok=True)
             self._stopped.set()
             log.info("stopped")
+
+    def snapshot(self) -> Snapshot:
+        """The daemon's state now, for Status and the metrics collector."""
+        rates = self.housekeeping.throughput.rates() if self.housekeeping else (0.0, 0.0)
+        return Snapshot(__version__, os.getpid(), self.started, self.engine.name, self.engine_reason,
+                        self.metrics_url, str(self.config.daemon.session_path), self.sessions.draining,
+                        len(self.sessions.all()), self.pool.usage(), self.staging.total_bytes,
+                        self.optimizer.buffers.mapped_bytes, self.optimizer.cached_bytes(), self.store.usage(),
+                        *rates)
 
     def set_draining(self, draining: bool) -> None:
         """Drain: refuse new sessions (the gRPC service reports NOT_SERVING) while the

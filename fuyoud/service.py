@@ -73,7 +73,7 @@ class FuyouServicer(AdminMethods, rpc.FuyouServicer):
     @_handler
     def Allocate(self, request, context):
         session = self._session(context)
-        ref, new_segment = self.daemon.pool.allocate(session.id, request.size)
+        ref, new_segment = self.pool.allocate(session.id, request.size)
         if new_segment is not None:
             # The client must hold the segment before it can use the handle.
             session.send_segment(new_segment.id, new_segment.size, new_segment.fd)
@@ -82,14 +82,14 @@ class FuyouServicer(AdminMethods, rpc.FuyouServicer):
     @_handler
     def Free(self, request, context):
         session = self._session(context)
-        self.daemon.pool.free(session.id, _ref(request))
+        self.pool.free(session.id, _ref(request))
         return pb.Empty()
 
     @_handler
     def SwapOut(self, request, context):
         session = self._session(context)
         self._items(request.items)
-        pool = self.daemon.pool
+        pool = self.pool
         items, seen = [], set()
         for it in request.items:
             name = _check_name(it.name)
@@ -100,17 +100,17 @@ class FuyouServicer(AdminMethods, rpc.FuyouServicer):
             src = pool.view(session.id, _ref(it.buffer), it.offset, it.length or None)
             items.append(WriteItem(self._namespace(session, it.namespace), name, src, it.persistent, session.id))
         if any(it.persistent for it in items):
-            self.daemon.sessions.claim_namespace(session)
-        metas = self.daemon.store.write(items)
+            self.sessions.claim_namespace(session)
+        metas = self.store.write(items)
         if session.closed:  # the client died while we wrote: none of its transient objects may outlive it
-            self.daemon.store.drop_transient(session.id)
+            self.store.drop_transient(session.id)
         return pb.SwapOutReply(objects=[object_info(m) for m in metas])
 
     @_handler
     def SwapIn(self, request, context):
         session = self._session(context)
         self._items(request.items)
-        store, pool = self.daemon.store, self.daemon.pool
+        store, pool = self.store, self.pool
         items = []
         for it in request.items:
             namespace, name = self._namespace(session, it.namespace), _check_name(it.name)
@@ -131,42 +131,42 @@ class FuyouServicer(AdminMethods, rpc.FuyouServicer):
         session = self._session(context)
         namespace = self._namespace(session, request.namespace)
         names = [_check_name(n) for n in request.names]
-        self.daemon.store.delete(namespace, names, request.missing_ok)
+        self.store.delete(namespace, names, request.missing_ok)
         for n in names:
             if n.startswith("optim/"):
-                self.daemon.optimizer.forget(namespace, n[len("optim/"):])
+                self.optimizer.forget(namespace, n[len("optim/"):])
         return pb.Empty()
 
     @_handler
     def Stat(self, request, context):
         session = self._session(context)
         namespace = self._namespace(session, request.namespace)
-        return object_info(self.daemon.store.stat(namespace, _check_name(request.name)))
+        return object_info(self.store.stat(namespace, _check_name(request.name)))
 
     @_handler
     def ListObjects(self, request, context):
         session = self._session(context)
-        metas = self.daemon.store.list(self._namespace(session, request.namespace), request.prefix)
+        metas = self.store.list(self._namespace(session, request.namespace), request.prefix)
         return pb.ListObjectsReply(objects=[object_info(m) for m in metas])
 
     @_handler
     def CreateGroup(self, request, context):
         session = self._session(context)
         name = _check_name(request.name)
-        weights = self.daemon.pool.view(session.id, _ref(request.weights), request.offset, request.numel * 4)
-        self.daemon.sessions.claim_namespace(session)
-        group = self.daemon.optimizer.create(session.namespace, session.id, name, _spec(request.optimizer), weights)
+        weights = self.pool.view(session.id, _ref(request.weights), request.offset, request.numel * 4)
+        self.sessions.claim_namespace(session)
+        group = self.optimizer.create(session.namespace, session.id, name, _spec(request.optimizer), weights)
         return group_info(group)
 
     @_handler
     def GetGroup(self, request, context):
         session = self._session(context)
-        return group_info(self.daemon.optimizer.get(session.namespace, _check_name(request.name)))
+        return group_info(self.optimizer.get(session.namespace, _check_name(request.name)))
 
     @_handler
     def StepGroup(self, request, context):
         session = self._session(context)
-        pool, opt = self.daemon.pool, self.daemon.optimizer
+        pool, opt = self.pool, self.optimizer
         group = opt.get(session.namespace, _check_name(request.name))
         grads = pool.view(session.id, _ref(request.grads), request.grads_offset,
                           group.numel * itemsize(request.grad_dtype))
@@ -180,7 +180,7 @@ class FuyouServicer(AdminMethods, rpc.FuyouServicer):
             weights_object = _check_writable(_check_name(request.weights_object))
         result = opt.step(group, grads, request.grad_dtype, out, request.out_dtype, request.lr, scale, session.id,
                           weights_object)
-        self.daemon.metrics.observe_step(result)
+        self.metrics.observe_step(result)
         return pb.StepGroupReply(step=result.step, read_seconds=result.read_s, compute_seconds=result.compute_s,
                                  write_seconds=result.write_s, prefetched=result.prefetched,
                                  cached_bytes=result.cached_bytes)
@@ -188,13 +188,13 @@ class FuyouServicer(AdminMethods, rpc.FuyouServicer):
     @_handler
     def FetchWeights(self, request, context):
         session = self._session(context)
-        group = self.daemon.optimizer.get(session.namespace, _check_name(request.name))
-        out = self.daemon.pool.view(session.id, _ref(request.out), request.out_offset,
+        group = self.optimizer.get(session.namespace, _check_name(request.name))
+        out = self.pool.view(session.id, _ref(request.out), request.out_offset,
                                     group.numel * itemsize(request.out_dtype))
-        return pb.FetchWeightsReply(served=self.daemon.optimizer.fetch_weights(group, out, request.out_dtype))
+        return pb.FetchWeightsReply(served=self.optimizer.fetch_weights(group, out, request.out_dtype))
 
     @_handler
     def CloseSession(self, request, context):
         session = self._session(context)
-        self.daemon.sessions.close(session, "closed by client")
+        self.sessions.close(session, "closed by client")
         return pb.Empty()
