@@ -6,13 +6,15 @@ from fuyou_client.buffers import SharedBuffer
 from fuyou_client.checkpoints import load_exported
 from fuyou_client.daemon import DaemonProcess, start_daemon
 from fuyou_client.engine import Engine, attach
-from fuyou_client.errors import (DaemonUnavailable, DataLoss, FuyouClientError, InvalidArgument, NamespaceBusy,
-                                 NonFinite, ObjectNotFound, PermissionDenied, ResourceExhausted, SessionClosed)
+from fuyou_client.errors import (DaemonUnavailable, DataLoss, FailedPrecondition, FuyouClientError, InternalError,
+                                 InvalidArgument, NamespaceBusy, NonFinite, ObjectNotFound, PermissionDenied,
+                                 ResourceExhausted, SessionClosed)
 from fuyou_client.optim import SGD, AdamW, GroupInfo, StepInfo
 from fuyou_client.session import In, ObjectInfo, Out, Session, connect
 
 __all__ = [
-    "attach", "Engine", "load_exported", "connect", "Session", "AdamW", "SGD", "GroupInfo", "StepInfo", "SharedBuffer", "ObjectInfo", "In", "Out", "start_daemon", "DaemonProcess",
-    "FuyouClientError", "DaemonUnavailable", "DataLoss", "InvalidArgument", "NamespaceBusy", "ObjectNotFound",
-    "NonFinite", "PermissionDenied", "ResourceExhausted", "SessionClosed",
+    "attach", "Engine", "load_exported", "connect", "Session", "AdamW", "SGD", "GroupInfo", "StepInfo",
+    "SharedBuffer", "ObjectInfo", "In", "Out", "start_daemon", "DaemonProcess",
+    "FuyouClientError", "DaemonUnavailable", "DataLoss", "FailedPrecondition", "InternalError", "InvalidArgument",
+    "NamespaceBusy", "ObjectNotFound", "NonFinite", "PermissionDenied", "ResourceExhausted", "SessionClosed",
 ]

@@ -37,8 +37,8 @@ import torch
 
 from fuyou_client.device import DONE, Device, HostDevice
 from fuyou_client.session import In, Session
+from fuyou_proto.contract import PAGE as ALIGN
 
-ALIGN = 4096
 MIN_BYTES = 16 << 10  # smaller saved tensors are not worth a round trip: kept
 UPLOAD_AHEAD = 2  # activations uploaded back to a GPU ahead of backward's use
 TREATMENTS = ("keep", "swap", "recompute")

@@ -33,7 +33,7 @@ class Segment:
 
     @property
     def address(self) -> int:
-        from fuyou_client.device import buffer_address
+        from fuyou_proto.contract import buffer_address
 
         return buffer_address(self.map)
 

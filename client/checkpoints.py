@@ -26,7 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 if TYPE_CHECKING:
-    from fuyou_client.engine import Engine
+    from fuyou_proto.contract import state_object
+from fuyou_client.engine import Engine
 
 CLIENT_STATE_FORMAT = 1
 INDEX_FILE = "model.safetensors.index.json"
@@ -73,7 +74,7 @@ def read_masters(engine: "Engine", name: str, numel: int):
         raise ValueError(f"group {name} has {info.numel} parameters in the daemon, {numel} in this model: "
                          "the checkpoint is of another model")
     buf = engine.session.allocate(numel * 4)
-    engine.session.swap_in(f"optim/{name}", buf, length=numel * 4, object_offset=info.weights_offset)
+    engine.session.swap_in(state_object(name), buf, length=numel * 4, object_offset=info.weights_offset)
     return buf, info
 
 

@@ -22,7 +22,6 @@ discrete accelerator whose copies run late on a worker thread, to prove the orde
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import threading
@@ -273,11 +272,6 @@ class CudaDevice(Device):
         self._helper.close()
         for address in list(self._registered):
             self.unregister(address)
-
-
-def buffer_address(buffer) -> int:
-    """The address of a writable buffer (an mmap), without keeping an export of it."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
 
 
 def resolve(device, model: torch.nn.Module) -> Device:

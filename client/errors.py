@@ -59,12 +59,25 @@ class SessionClosed(FuyouClientError):
     code = "UNAUTHENTICATED"
 
 
-_BY_CODE = {cls.code: cls for cls in (InvalidArgument, ObjectNotFound, PermissionDenied, NamespaceBusy,
-                                      ResourceExhausted, DataLoss, NonFinite, DaemonUnavailable, SessionClosed)}
+class FailedPrecondition(FuyouClientError):
+    """Well formed, but not now: e.g. a checkpoint whose groups did not reach a common
+    step within its timeout. Retrying later can succeed."""
+    code = "FAILED_PRECONDITION"
+
+
+class InternalError(FuyouClientError):
+    """A bug in fuyoud; its log has the traceback."""
+    code = "INTERNAL"
+
+
+# One class per status code the daemon sends (fuyou_proto.contract.ERROR_CODES).
+BY_CODE = {cls.code: cls for cls in (InvalidArgument, ObjectNotFound, PermissionDenied, NamespaceBusy,
+                                     ResourceExhausted, DataLoss, NonFinite, DaemonUnavailable, SessionClosed,
+                                     FailedPrecondition, InternalError)}
 
 
 def from_code(code: str, message: str) -> FuyouClientError:
-    return _BY_CODE.get(code, FuyouClientError)(message)
+    return BY_CODE.get(code, FuyouClientError)(message)
 
 
 def from_rpc_error(exc: grpc.RpcError) -> FuyouClientError:

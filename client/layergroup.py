@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fuyou_proto.contract import state_object
 from fuyou_client import checkpoints
 from fuyou_client.device import DONE, Device
 from fuyou_client.grouping import ParamGroup, flat_parts
@@ -167,7 +168,7 @@ def upload(engine, spec: ParamGroup, optimizer, offload: bool | str, index: int)
     grads = None if pooled else session.allocate(n * (4 if host_acc else dtype.itemsize))
     on_host = offload == "host"
     if offload and not on_host and dtype == torch.float32:  # the compute weights are the masters: read them in place
-        weights, source = None, (f"optim/{spec.name}", info.weights_offset)
+        weights, source = None, (state_object(spec.name), info.weights_offset)
     else:
         weights = session.allocate(n * dtype.itemsize)
         if offload or device.shares_host_memory:  # (a GPU's resident group: the step fills it, nothing reads it now)

@@ -15,6 +15,7 @@ import torch
 
 from fuyou_client.errors import InvalidArgument
 from fuyou_proto import pb
+from fuyou_proto.contract import STATE_DTYPES, state_object_bytes
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -29,16 +30,6 @@ def check_number(owner: str, name: str, value, below: float | None = None) -> No
         raise InvalidArgument(f"{owner}: {name} must be {bound}, got {value!r}")
 
 
-STATE_DTYPES = ("fp32", "bf16", "int8")
-# Bytes per parameter of each slot of the state object (fuyoud/optimizer/layout.py):
-# master weights, moments, and the int8 moments' scales (one fp32 per 256 parameters).
-_SLOTS = {"fp32": (4, 4, 4), "bf16": (4, 2, 2), "int8": (4, 1, 1, 4 / 256, 4 / 256)}
-
-
-def state_object_bytes(per_slot: tuple[float, ...], numel: int) -> int:
-    """The daemon's state object for ``numel`` parameters: a 4 KiB header, then each
-    slot 4 KiB aligned."""
-    return 4096 + sum(-(-math.ceil(numel * b) // 4096) * 4096 for b in per_slot)
 
 
 @dataclass(frozen=True)
@@ -75,7 +66,7 @@ class AdamW:
 
     def state_bytes(self, numel: int) -> int:
         """Bytes of a group's state on the SSD array."""
-        return state_object_bytes(_SLOTS[self.state_dtype], numel)
+        return state_object_bytes("adamw", self.state_dtype, numel)
 
 
 @dataclass(frozen=True)
@@ -99,7 +90,7 @@ class SGD:
 
     def state_bytes(self, numel: int) -> int:
         """Bytes of a group's state on the SSD array."""
-        return state_object_bytes((4, 4) if self.momentum else (4,), numel)
+        return state_object_bytes("sgd+momentum" if self.momentum else "sgd", "fp32", numel)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fuyou_proto.contract import SNAPSHOT_PREFIX, group_of
 from fuyoud import __version__, failpoints
 from fuyoud.checkpoint_files import (CLIENT_STATE, FORMAT, MANIFEST, MAX_CLIENT_STATE, MAX_MANIFEST,
                                      CheckpointDir, Location, Manifest, NewCheckpoint, object_file,
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 COPY_CHUNK = 8 << 20
-SNAPSHOTS = "snapshots/"
+SNAPSHOTS = SNAPSHOT_PREFIX
 
 
 @dataclass
@@ -79,7 +80,7 @@ def privileged(uid: int | None) -> bool:
 
 def _group_entry(name: str, head: bytes) -> dict:
     spec, numel, step = OptimizerSpec.parse_header(head)
-    return {"name": name[len("optim/"):], "numel": numel, "step": step, "optimizer": spec.to_dict()}
+    return {"name": group_of(name), "numel": numel, "step": step, "optimizer": spec.to_dict()}
 
 
 def _pending_key(namespace: str, snap: str) -> str:
@@ -232,10 +233,9 @@ class Checkpointer:
         groups = []
         with self.optimizer.buffers.acquire(HEADER) as buf:
             for name in names:
-                base = name.split("/", 2)[-1]  # snapshots/<id>/optim/<g> -> optim/<g>
-                if base.startswith("optim/"):
+                if group_of(name) is not None:  # snapshots/<id>/optim/<g>
                     self.store.read([ReadItem(namespace, name, buf[:HEADER])])
-                    groups.append(_group_entry(base, bytes(buf[:HEADER])))
+                    groups.append(_group_entry(name, bytes(buf[:HEADER])))
         return groups
 
     def _copy_all(self, entries, new: NewCheckpoint) -> tuple[list[dict], list[dict]]:
@@ -246,7 +246,7 @@ class Checkpointer:
                 meta = entry.meta
                 rel = object_file(i)
                 crc, head = self._copy_out(entry, buf, new.create(rel))
-                if meta.name.startswith("optim/"):
+                if group_of(meta.name) is not None:
                     groups.append(_group_entry(meta.name, head))
                 objects.append({"name": meta.name, "file": rel, "size": meta.size, "version": meta.version, "crc32": crc})
             return objects, groups

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fuyou_proto.contract import PAGE
 from fuyoud.units import parse_size
 
-PAGE = 4096
 
 
 class ConfigError(ValueError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from fuyou_proto import pb, rpc
+from fuyou_proto.contract import SNAPSHOT_PREFIX, STATE_PREFIX, group_of
 from fuyoud.admin import AdminMethods
 from fuyoud.errors import InvalidArgument, PermissionDenied
 from fuyoud.handler import handler as _handler
@@ -29,7 +30,7 @@ def _ref(msg: pb.BufferRef) -> BufferRef:
     return BufferRef(msg.segment, msg.offset, msg.length, msg.generation)
 
 
-RESERVED = {"optim/": "optimizer groups", "snapshots/": "checkpoint snapshots"}
+RESERVED = {STATE_PREFIX: "optimizer groups", SNAPSHOT_PREFIX: "checkpoint snapshots"}
 
 
 def _check_writable(name: str) -> str:
@@ -133,8 +134,8 @@ class FuyouServicer(AdminMethods, rpc.FuyouServicer):
         names = [_check_name(n) for n in request.names]
         self.store.delete(namespace, names, request.missing_ok)
         for n in names:
-            if n.startswith("optim/"):
-                self.optimizer.forget(namespace, n[len("optim/"):])
+            if n.startswith(STATE_PREFIX):
+                self.optimizer.forget(namespace, group_of(n))
         return pb.Empty()
 
     @_handler

@@ -12,7 +12,7 @@ import fuyou_client
 from conftest import SMALL, merge, private_daemon, scrape
 from fuyou_client import SGD, AdamW
 from fuyoud.errors import ResourceExhausted
-from fuyoud.memory.segment import buffer_address
+from fuyou_proto.contract import buffer_address
 from fuyoud.optimizer import chunks
 from fuyoud.optimizer.groups import HEADER, Group, slot_bytes
 from fuyoud.optimizer.kernels import OptimizerSpec

@@ -20,7 +20,7 @@ import os
 import re
 from pathlib import Path
 
-from fuyoud.memory.segment import buffer_address
+from fuyou_proto.contract import buffer_address
 
 log = logging.getLogger(__name__)
 

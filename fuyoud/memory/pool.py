@@ -12,13 +12,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from fuyou_proto.contract import PAGE
 from fuyoud.allocator import ExtentAllocator, OutOfSpace
 from fuyoud.errors import InvalidArgument, OutOfMemoryBudget
 from fuyoud.memory.hugepages import HUGE  # segments are whole huge pages, whatever backs them
 from fuyoud.memory.segment import Segment
 from fuyoud.units import align_up, format_size
 
-PAGE = 4096
 
 
 

@@ -13,18 +13,12 @@ import logging
 import mmap
 import os
 
-import numpy as np
 
 log = logging.getLogger(__name__)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.munlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-
-
-def buffer_address(buf) -> int:
-    """Address of the first byte of a buffer (mmap, bytearray, memoryview, read-only too)."""
-    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14; not in Python 3.11's mmap module

@@ -52,6 +52,7 @@ from fuyoud.optimizer.buffers import StateBuffers
 from fuyoud.optimizer import lowp
 from fuyoud.optimizer.kernels import OptimizerSpec, all_finite, step as run_kernel
 from fuyoud.optimizer.layout import HEADER
+from fuyou_proto.contract import STATE_PREFIX, group_of, state_object
 from fuyoud.storage.store import ReadItem, Store, WriteItem
 from fuyoud.units import align_up
 
@@ -68,7 +69,7 @@ def itemsize(dtype: str) -> int:
 
 
 def state_name(group: str) -> str:
-    return f"optim/{group}"
+    return state_object(group)
 
 
 def slot_bytes(numel: int) -> int:
@@ -196,7 +197,7 @@ class Optimizer:
 
     def groups_of(self, namespace: str) -> list[Group]:
         """Every group of a namespace, those only on SSD (after a restart) loaded too."""
-        names = [m.name[len("optim/"):] for m in self.store.list(namespace, "optim/")]
+        names = [group_of(m.name) for m in self.store.list(namespace, STATE_PREFIX)]
         return sorted((self.get(namespace, n) for n in names), key=lambda g: g.name)
 
     def loaded(self, namespace: str) -> list[Group]:

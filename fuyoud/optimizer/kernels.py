@@ -23,8 +23,7 @@ from fuyoud.errors import InvalidArgument
 from fuyoud.names import shown
 from fuyoud.optimizer import lowp
 from fuyoud.optimizer.layout import Layout, Slot, slots_for
-
-STATE_DTYPES = ("fp32", "bf16", "int8")
+from fuyou_proto.contract import STATE_DTYPES
 
 
 @dataclass(frozen=True)

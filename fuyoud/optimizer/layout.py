@@ -21,17 +21,20 @@ from functools import cached_property
 
 import torch
 
-from fuyoud.units import align_up
+from fuyou_proto.contract import HEADER, QBLOCK, STATE_SLOTS, slot_bytes
 
-HEADER = 4096
-QBLOCK = 256  # parameters per scale of the int8 moments
+__all__ = ["HEADER", "QBLOCK", "Slot", "Layout", "slots_for"]
 
 
 @dataclass(frozen=True)
 class Slot:
     name: str
-    dtype: torch.dtype
+    dtype_name: str  # "float32", "bfloat16", "int8", "uint8"
     per: int = 1  # parameters per element
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype_name)
 
     @property
     def itemsize(self) -> int:
@@ -42,22 +45,11 @@ class Slot:
         return -(-numel // self.per)
 
 
-_SLOTS = {
-    ("adamw", "fp32"): (Slot("weights", torch.float32), Slot("exp_avg", torch.float32),
-                        Slot("exp_avg_sq", torch.float32)),
-    ("adamw", "bf16"): (Slot("weights", torch.float32), Slot("exp_avg", torch.bfloat16),
-                        Slot("exp_avg_sq", torch.bfloat16)),
-    ("adamw", "int8"): (Slot("weights", torch.float32), Slot("exp_avg", torch.int8), Slot("exp_avg_sq", torch.uint8),
-                        Slot("exp_avg_scale", torch.float32, QBLOCK), Slot("exp_avg_sq_scale", torch.float32, QBLOCK)),
-    ("sgd", "fp32"): (Slot("weights", torch.float32),),
-    ("sgd+momentum", "fp32"): (Slot("weights", torch.float32), Slot("momentum", torch.float32)),
-}
-
-
 def slots_for(kind: str, state_dtype: str) -> tuple[Slot, ...] | None:
-    """The slots of an optimizer kind ("adamw", "sgd", "sgd+momentum") in a state dtype,
-    or None if that pair has no layout."""
-    return _SLOTS.get((kind, state_dtype))
+    """The slots of an optimizer kind ("adamw", "sgd", "sgd+momentum") in a state dtype
+    (fuyou_proto.contract.STATE_SLOTS), or None if that pair has no layout."""
+    slots = STATE_SLOTS.get((kind, state_dtype))
+    return None if slots is None else tuple(Slot(*slot) for slot in slots)
 
 
 @dataclass(frozen=True)
@@ -75,7 +67,7 @@ class Layout:
 
     def slot_bytes(self, slot: Slot) -> int:
         """A slot's bytes in the object, its padding included."""
-        return align_up(slot.count(self.numel) * slot.itemsize, 4096)
+        return slot_bytes(slot.dtype_name, slot.per, self.numel)
 
     @property
     def size(self) -> int:

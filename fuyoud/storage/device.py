@@ -13,12 +13,12 @@ from pathlib import Path
 
 from fuyoud.allocator import ExtentAllocator
 from fuyoud.units import format_size
+from fuyou_proto.contract import PAGE as BLOCK
 
 log = logging.getLogger(__name__)
 
 DATA_FILE = "fuyou.data"
 LOCK_FILE = "fuyou.lock"
-BLOCK = 4096
 
 
 class DeviceError(RuntimeError):

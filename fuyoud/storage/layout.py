@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-BLOCK = 4096
+from fuyou_proto.contract import PAGE as BLOCK
+
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,16 +21,15 @@ from typing import Callable, Protocol, Sequence
 
 from fuyoud.errors import DataLoss, StorageFull
 from fuyoud.io.engine import IOEngine, IORequest, IOResult, Op
-from fuyoud.memory.segment import buffer_address
 from fuyoud.memory.staging import StagingPool
 from fuyoud.storage import checksums
 from fuyoud.storage.device import Device
 from fuyoud.storage.index import ObjectMeta
 from fuyoud.storage.layout import Layout
 from fuyoud.units import align_down, align_up
+from fuyou_proto.contract import PAGE as BLOCK, buffer_address
 
 log = logging.getLogger(__name__)
-BLOCK = 4096
 READ_ATTEMPTS = 2
 
 # Called after each engine batch: (device, "read"|"write", bytes, operations, seconds).
