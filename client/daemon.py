@@ -59,7 +59,7 @@ class DaemonProcess:
         from fuyou_proto import pb, rpc
 
         with grpc.insecure_channel(f"unix:{self.socket}") as channel:
-            return rpc.FuyouStub(channel).Status(pb.StatusRequest(), timeout=timeout)
+            return rpc.FuyouAdminStub(channel).Status(pb.StatusRequest(), timeout=timeout)
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, wait; returns the exit code (SIGKILL after ``timeout``)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fuyou_client.errors import InvalidArgument
-from fuyou_proto import pb
+from fuyou_proto import pb, state_dtype_name, state_dtype_value
 from fuyou_proto.contract import STATE_DTYPES, state_object_bytes
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -62,7 +62,8 @@ class AdamW:
 
     def to_pb(self) -> pb.OptimizerSpec:
         return pb.OptimizerSpec(kind="adamw", beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
-                                weight_decay=self.weight_decay, state_dtype=self.state_dtype)
+                                weight_decay=self.weight_decay,
+                                state_dtype=state_dtype_value(self.state_dtype))
 
     def state_bytes(self, numel: int) -> int:
         """Bytes of a group's state on the SSD array."""
@@ -86,7 +87,7 @@ class SGD:
 
     def to_pb(self) -> pb.OptimizerSpec:
         return pb.OptimizerSpec(kind="sgd", momentum=self.momentum, dampening=self.dampening,
-                                weight_decay=self.weight_decay, nesterov=self.nesterov, state_dtype="fp32")
+                                weight_decay=self.weight_decay, nesterov=self.nesterov, state_dtype=pb.STATE_FP32)
 
     def state_bytes(self, numel: int) -> int:
         """Bytes of a group's state on the SSD array."""
@@ -106,7 +107,7 @@ class GroupInfo:
     def from_pb(cls, m: pb.GroupInfo) -> "GroupInfo":
         o = m.optimizer
         spec = (AdamW(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-                      state_dtype=o.state_dtype or "fp32") if o.kind == "adamw"
+                      state_dtype=state_dtype_name(o.state_dtype)) if o.kind == "adamw"
                 else SGD(momentum=o.momentum, dampening=o.dampening, weight_decay=o.weight_decay, nesterov=o.nesterov))
         return cls(m.name, m.numel, m.step, m.state_bytes, spec, m.weights_offset)
 

@@ -29,6 +29,7 @@ from fuyou_client import errors
 from fuyou_client.buffers import Segment, SharedBuffer
 from fuyou_client.optim import DTYPE_NAMES, AdamW, GroupInfo, SGD, StepInfo
 from fuyou_proto import SESSION_METADATA_KEY, pb, rpc
+from fuyou_proto import dtype_value
 
 MAX_MESSAGE = 64 * 1024
 
@@ -184,8 +185,9 @@ class Session:
         _reachable(self.socket_path, timeout)
         self._channel = grpc.insecure_channel(f"unix:{self.socket_path}")
         self._stub = rpc.FuyouStub(self._channel)
+        self._admin_stub = rpc.FuyouAdminStub(self._channel)
         try:
-            status = self._stub.Status(pb.StatusRequest(), timeout=timeout, wait_for_ready=True)
+            status = self._admin_stub.Status(pb.StatusRequest(), timeout=timeout, wait_for_ready=True)
         except grpc.RpcError as exc:
             self._channel.close()
             raise errors.DaemonUnavailable(
@@ -328,8 +330,8 @@ class Session:
     def _step_request(self, name, grads, lr, grads_offset, grad_dtype, out, out_offset, out_dtype, grad_scale,
                       weights_object):
         req = pb.StepGroupRequest(name=name, grads=grads.ref, grads_offset=grads_offset,
-                                  grad_dtype=DTYPE_NAMES[grad_dtype], lr=lr, weights_object=weights_object,
-                                  out_dtype=DTYPE_NAMES[out_dtype])
+                                  grad_dtype=dtype_value(DTYPE_NAMES[grad_dtype]), lr=lr, weights_object=weights_object,
+                                  out_dtype=dtype_value(DTYPE_NAMES[out_dtype]))
         if out is not None:
             req.weights_out.CopyFrom(out.ref)
             req.weights_out_offset = out_offset
@@ -359,12 +361,12 @@ class Session:
     def status(self) -> pb.StatusReply:
         """The daemon's Status (engine, devices, memory, SSD bytes moved; its session list
         holds this session only)."""
-        return _call(self._stub.Status, pb.StatusRequest(), self._metadata)
+        return _call(self._admin_stub.Status, pb.StatusRequest(), self._metadata)
 
     def fetch_weights_async(self, name: str, out: SharedBuffer, dtype) -> Future:
         """Ask the daemon for a group's weights from a read-ahead of its state (see the
         proto); the future's result says whether it served them."""
-        req = pb.FetchWeightsRequest(name=name, out=out.ref, out_dtype=DTYPE_NAMES[dtype])
+        req = pb.FetchWeightsRequest(name=name, out=out.ref, out_dtype=dtype_value(DTYPE_NAMES[dtype]))
         return _wrap_future(self._stub.FetchWeights.future(req, metadata=self._metadata), lambda r: r.served)
 
     def checkpoint(self, directory: str | os.PathLike, timeout: float = 60.0, mode: str = "auto",
@@ -402,6 +404,11 @@ class Session:
     def stub(self) -> rpc.FuyouStub:
         """The raw gRPC stub (with ``metadata`` below) for calls this class does not wrap."""
         return self._stub
+
+    @property
+    def admin_stub(self) -> rpc.FuyouAdminStub:
+        """The raw stub of the operator's service (Status, ListSessions, Drain)."""
+        return self._admin_stub
 
     @property
     def metadata(self) -> tuple:

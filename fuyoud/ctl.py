@@ -92,7 +92,8 @@ def sessions_table(sessions) -> str:
     return table(["ID", "UID", "PID", "NAMESPACE", "PARAMS", "GROUPS", "STEP", "PINNED", "ON SSD", "LAST ACTIVE"], rows)
 
 
-def cmd_status(args, stub) -> int:
+def cmd_status(args, channel) -> int:
+    stub = rpc.FuyouAdminStub(channel)
     metadata = _operator_metadata(args)
     reply = stub.Status(pb.StatusRequest(), metadata=metadata, timeout=args.timeout)
     if args.json:
@@ -116,7 +117,8 @@ def cmd_status(args, stub) -> int:
     return 0
 
 
-def cmd_sessions(args, stub) -> int:
+def cmd_sessions(args, channel) -> int:
+    stub = rpc.FuyouAdminStub(channel)
     metadata = _operator_metadata(args)
     reply = stub.ListSessions(pb.Empty(), metadata=metadata, timeout=args.timeout)
     if args.json:
@@ -126,7 +128,8 @@ def cmd_sessions(args, stub) -> int:
     return 0
 
 
-def cmd_drain(args, stub) -> int:
+def cmd_drain(args, channel) -> int:
+    stub = rpc.FuyouAdminStub(channel)
     metadata = _admin_metadata(args)
     reply = stub.Drain(pb.DrainRequest(cancel=args.cancel), metadata=metadata, timeout=args.timeout)
     deadline = time.monotonic() + args.wait_timeout
@@ -142,7 +145,8 @@ def cmd_drain(args, stub) -> int:
     return 1 if args.wait and reply.sessions else 0
 
 
-def cmd_checkpoint(args, stub) -> int:
+def cmd_checkpoint(args, channel) -> int:
+    stub = rpc.FuyouStub(channel)
     directory = Path(args.directory).absolute()
     req = pb.CheckpointRequest(session_id=args.session, directory=str(directory), timeout_seconds=args.step_timeout,
                                mode=args.mode)
@@ -190,7 +194,7 @@ def parser() -> argparse.ArgumentParser:
                    help="wait at most this long for a point between optimizer steps")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_checkpoint)
-    sub.add_parser("health", help="the grpc.health.v1 status").set_defaults(func=cmd_health, raw_channel=True)
+    sub.add_parser("health", help="the grpc.health.v1 status").set_defaults(func=cmd_health)
     return p
 
 
@@ -198,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         with grpc.insecure_channel(f"unix:{_socket(args)}") as channel:
-            target = channel if getattr(args, "raw_channel", False) else rpc.FuyouStub(channel)
-            return args.func(args, target)
+            return args.func(args, channel)
     except (ConfigError, CtlError) as exc:
         print(f"fuyouctl: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1

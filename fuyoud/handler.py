@@ -15,7 +15,7 @@ import grpc
 
 from fuyoud import failpoints
 from fuyou_proto import ADMIN_METADATA_KEY, SESSION_METADATA_KEY
-from fuyoud.errors import FuyouError
+from fuyoud.errors import FuyouError, PermissionDenied
 from fuyoud.sessions import Session, SessionRegistry
 
 if TYPE_CHECKING:
@@ -93,6 +93,15 @@ class ServicerBase:
         self.store, self.pool, self.optimizer = services.store, services.pool, services.optimizer
         self.sessions, self.metrics, self.checkpointer = services.sessions, services.metrics, services.checkpointer
         self.admin, self.snapshot, self.set_draining = services.admin, services.snapshot, services.set_draining
+
+    def _is_admin(self, context: grpc.ServicerContext) -> bool:
+        return self.admin.allows(context)
+
+    def _require_admin(self, context: grpc.ServicerContext, what: str) -> None:
+        if not self._is_admin(context):
+            raise PermissionDenied(
+                f"{what} needs the admin token ({self.admin.path}, readable by the daemon's user): "
+                "run fuyouctl as root or as that user")
 
     def _session(self, context: grpc.ServicerContext) -> Session:
         """The caller's session, from the x-fuyou-session metadata (UNAUTHENTICATED if none)."""

@@ -40,6 +40,7 @@ from fuyoud.metrics import Metrics
 from fuyoud.optimizer.buffers import StateBuffers
 from fuyoud.optimizer.groups import Optimizer
 from fuyoud.sdnotify import notify
+from fuyoud.admin import FuyouAdminServicer
 from fuyoud.service import FuyouServicer
 from fuyoud.session_socket import SessionListener
 from fuyoud.sessions import Session, SessionRegistry
@@ -117,6 +118,7 @@ class Daemon:
         services = Services(self.store, self.pool, self.optimizer, self.sessions, self.metrics, self.checkpointer,
                             AdminAuth(self.admin_token, self.admin_token_path), self.snapshot, self.set_draining)
         rpc.add_FuyouServicer_to_server(FuyouServicer(services), server)
+        rpc.add_FuyouAdminServicer_to_server(FuyouAdminServicer(services), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         control = cfg.control_path
         if control.exists() or control.is_symlink():

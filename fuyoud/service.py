@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 
 from fuyou_proto import pb, rpc
+from fuyou_proto import dtype_name, state_dtype_name, state_dtype_value
 from fuyou_proto.contract import SNAPSHOT_PREFIX, STATE_PREFIX, group_of
-from fuyoud.admin import AdminMethods
+from fuyoud.checkpoint_service import CheckpointMethods
 from fuyoud.errors import InvalidArgument, PermissionDenied
 from fuyoud.handler import handler as _handler
 from fuyoud.memory.pool import BufferRef
@@ -42,12 +43,29 @@ def _check_writable(name: str) -> str:
 
 
 def _spec(msg: pb.OptimizerSpec) -> OptimizerSpec:
+    try:
+        state_dtype = state_dtype_name(msg.state_dtype)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
     return OptimizerSpec(msg.kind, msg.beta1, msg.beta2, msg.eps, msg.weight_decay, msg.momentum,
-                         msg.dampening, msg.nesterov, msg.state_dtype or "fp32")
+                         msg.dampening, msg.nesterov, state_dtype)
+
+
+def _dtype(value: int, what: str, needed: bool = True) -> str:
+    """A request's DType as torch names it; "" for an unspecified one that is not
+    ``needed``."""
+    if not needed and value == pb.DTYPE_UNSPECIFIED:
+        return ""
+    try:
+        return dtype_name(value)
+    except ValueError as exc:
+        raise InvalidArgument(f"{what}: {exc}") from None
 
 
 def group_info(group: Group) -> pb.GroupInfo:
-    return pb.GroupInfo(name=group.name, optimizer=pb.OptimizerSpec(**group.spec.to_dict()), numel=group.numel,
+    spec = group.spec.to_dict()
+    spec["state_dtype"] = state_dtype_value(spec["state_dtype"])
+    return pb.GroupInfo(name=group.name, optimizer=pb.OptimizerSpec(**spec), numel=group.numel,
                         step=group.step, state_bytes=state_bytes(group.spec, group.numel), weights_offset=HEADER)
 
 
@@ -56,7 +74,7 @@ def object_info(meta: ObjectMeta) -> pb.ObjectInfo:
                          devices=len(meta.layout.extents), version=meta.version)
 
 
-class FuyouServicer(AdminMethods, rpc.FuyouServicer):
+class FuyouServicer(CheckpointMethods, rpc.FuyouServicer):
     @staticmethod
     def _namespace(session, requested: str) -> str:
         if requested and requested != session.namespace:
@@ -169,18 +187,19 @@ class FuyouServicer(AdminMethods, rpc.FuyouServicer):
         session = self._session(context)
         pool, opt = self.pool, self.optimizer
         group = opt.get(session.namespace, _check_name(request.name))
-        grads = pool.view(session.id, _ref(request.grads), request.grads_offset,
-                          group.numel * itemsize(request.grad_dtype))
+        grad_dtype = _dtype(request.grad_dtype, "grad_dtype")
+        out_dtype = _dtype(request.out_dtype, "out_dtype",
+                           needed=request.HasField("weights_out") or bool(request.weights_object))
+        grads = pool.view(session.id, _ref(request.grads), request.grads_offset, group.numel * itemsize(grad_dtype))
         out = None
         if request.HasField("weights_out"):
             out = pool.view(session.id, _ref(request.weights_out), request.weights_out_offset,
-                            group.numel * itemsize(request.out_dtype))
+                            group.numel * itemsize(out_dtype))
         scale = request.grad_scale if request.HasField("grad_scale") else 1.0
         weights_object = ""
         if request.weights_object:
             weights_object = _check_writable(_check_name(request.weights_object))
-        result = opt.step(group, grads, request.grad_dtype, out, request.out_dtype, request.lr, scale, session.id,
-                          weights_object)
+        result = opt.step(group, grads, grad_dtype, out, out_dtype, request.lr, scale, session.id, weights_object)
         self.metrics.observe_step(result)
         return pb.StepGroupReply(step=result.step, read_seconds=result.read_s, compute_seconds=result.compute_s,
                                  write_seconds=result.write_s, prefetched=result.prefetched,
@@ -190,9 +209,9 @@ class FuyouServicer(AdminMethods, rpc.FuyouServicer):
     def FetchWeights(self, request, context):
         session = self._session(context)
         group = self.optimizer.get(session.namespace, _check_name(request.name))
-        out = self.pool.view(session.id, _ref(request.out), request.out_offset,
-                                    group.numel * itemsize(request.out_dtype))
-        return pb.FetchWeightsReply(served=self.optimizer.fetch_weights(group, out, request.out_dtype))
+        out_dtype = _dtype(request.out_dtype, "out_dtype")
+        out = self.pool.view(session.id, _ref(request.out), request.out_offset, group.numel * itemsize(out_dtype))
+        return pb.FetchWeightsReply(served=self.optimizer.fetch_weights(group, out, out_dtype))
 
     @_handler
     def CloseSession(self, request, context):

@@ -1,10 +1,31 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+
+class StateDType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STATE_FP32: _ClassVar[StateDType]
+    STATE_BF16: _ClassVar[StateDType]
+    STATE_INT8: _ClassVar[StateDType]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+BFLOAT16: DType
+FLOAT16: DType
+STATE_FP32: StateDType
+STATE_BF16: StateDType
+STATE_INT8: StateDType
 
 class Empty(_message.Message):
     __slots__ = ()
@@ -145,8 +166,8 @@ class OptimizerSpec(_message.Message):
     momentum: float
     dampening: float
     nesterov: bool
-    state_dtype: str
-    def __init__(self, kind: _Optional[str] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., nesterov: _Optional[bool] = ..., state_dtype: _Optional[str] = ...) -> None: ...
+    state_dtype: StateDType
+    def __init__(self, kind: _Optional[str] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., nesterov: _Optional[bool] = ..., state_dtype: _Optional[_Union[StateDType, str]] = ...) -> None: ...
 
 class CreateGroupRequest(_message.Message):
     __slots__ = ("name", "optimizer", "weights", "offset", "numel")
@@ -199,14 +220,14 @@ class StepGroupRequest(_message.Message):
     name: str
     grads: BufferRef
     grads_offset: int
-    grad_dtype: str
+    grad_dtype: DType
     weights_out: BufferRef
     weights_out_offset: int
-    out_dtype: str
+    out_dtype: DType
     lr: float
     grad_scale: float
     weights_object: str
-    def __init__(self, name: _Optional[str] = ..., grads: _Optional[_Union[BufferRef, _Mapping]] = ..., grads_offset: _Optional[int] = ..., grad_dtype: _Optional[str] = ..., weights_out: _Optional[_Union[BufferRef, _Mapping]] = ..., weights_out_offset: _Optional[int] = ..., out_dtype: _Optional[str] = ..., lr: _Optional[float] = ..., grad_scale: _Optional[float] = ..., weights_object: _Optional[str] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., grads: _Optional[_Union[BufferRef, _Mapping]] = ..., grads_offset: _Optional[int] = ..., grad_dtype: _Optional[_Union[DType, str]] = ..., weights_out: _Optional[_Union[BufferRef, _Mapping]] = ..., weights_out_offset: _Optional[int] = ..., out_dtype: _Optional[_Union[DType, str]] = ..., lr: _Optional[float] = ..., grad_scale: _Optional[float] = ..., weights_object: _Optional[str] = ...) -> None: ...
 
 class FetchWeightsRequest(_message.Message):
     __slots__ = ("name", "out", "out_offset", "out_dtype")
@@ -217,8 +238,8 @@ class FetchWeightsRequest(_message.Message):
     name: str
     out: BufferRef
     out_offset: int
-    out_dtype: str
-    def __init__(self, name: _Optional[str] = ..., out: _Optional[_Union[BufferRef, _Mapping]] = ..., out_offset: _Optional[int] = ..., out_dtype: _Optional[str] = ...) -> None: ...
+    out_dtype: DType
+    def __init__(self, name: _Optional[str] = ..., out: _Optional[_Union[BufferRef, _Mapping]] = ..., out_offset: _Optional[int] = ..., out_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class FetchWeightsReply(_message.Message):
     __slots__ = ("served",)

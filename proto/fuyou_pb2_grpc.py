@@ -34,11 +34,6 @@ class FuyouStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Status = channel.unary_unary(
-                '/fuyou.v1.Fuyou/Status',
-                request_serializer=fuyou__proto_dot_fuyou__pb2.StatusRequest.SerializeToString,
-                response_deserializer=fuyou__proto_dot_fuyou__pb2.StatusReply.FromString,
-                _registered_method=True)
         self.Allocate = channel.unary_unary(
                 '/fuyou.v1.Fuyou/Allocate',
                 request_serializer=fuyou__proto_dot_fuyou__pb2.AllocateRequest.SerializeToString,
@@ -104,16 +99,6 @@ class FuyouStub:
                 request_serializer=fuyou__proto_dot_fuyou__pb2.ReportRequest.SerializeToString,
                 response_deserializer=fuyou__proto_dot_fuyou__pb2.Empty.FromString,
                 _registered_method=True)
-        self.ListSessions = channel.unary_unary(
-                '/fuyou.v1.Fuyou/ListSessions',
-                request_serializer=fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
-                response_deserializer=fuyou__proto_dot_fuyou__pb2.ListSessionsReply.FromString,
-                _registered_method=True)
-        self.Drain = channel.unary_unary(
-                '/fuyou.v1.Fuyou/Drain',
-                request_serializer=fuyou__proto_dot_fuyou__pb2.DrainRequest.SerializeToString,
-                response_deserializer=fuyou__proto_dot_fuyou__pb2.DrainReply.FromString,
-                _registered_method=True)
         self.Checkpoint = channel.unary_unary(
                 '/fuyou.v1.Fuyou/Checkpoint',
                 request_serializer=fuyou__proto_dot_fuyou__pb2.CheckpointRequest.SerializeToString,
@@ -133,13 +118,6 @@ class FuyouStub:
 
 class FuyouServicer:
     """Missing associated documentation comment in .proto file."""
-
-    def Status(self, request, context):
-        """Daemon-wide facts: version, I/O engine, devices, memory. No session needed.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
     def Allocate(self, request, context):
         """Shared buffers: allocate a range of pinned shared memory for this session, free it.
@@ -237,24 +215,6 @@ class FuyouServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ListSessions(self, request, context):
-        """Operators (fuyouctl). ListSessions needs only access to the control socket, but
-        lists every session only to the operator (admin token), the caller's own session
-        to a session (its token), and none otherwise; Status's session_list likewise.
-        Drain and Checkpoint need the admin token (x-fuyou-admin metadata), which the
-        daemon writes to <runtime_dir>/admin.token readable by its own user only.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Drain(self, request, context):
-        """Stop (or, with cancel, resume) accepting new sessions; current ones go on.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Checkpoint(self, request, context):
         """Copy a namespace's persistent objects (optimizer state included) to a directory on
         the daemon's host, taken at a point where every optimizer group of the namespace
@@ -287,11 +247,6 @@ class FuyouServicer:
 
 def add_FuyouServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Status': grpc.unary_unary_rpc_method_handler(
-                    servicer.Status,
-                    request_deserializer=fuyou__proto_dot_fuyou__pb2.StatusRequest.FromString,
-                    response_serializer=fuyou__proto_dot_fuyou__pb2.StatusReply.SerializeToString,
-            ),
             'Allocate': grpc.unary_unary_rpc_method_handler(
                     servicer.Allocate,
                     request_deserializer=fuyou__proto_dot_fuyou__pb2.AllocateRequest.FromString,
@@ -357,16 +312,6 @@ def add_FuyouServicer_to_server(servicer, server):
                     request_deserializer=fuyou__proto_dot_fuyou__pb2.ReportRequest.FromString,
                     response_serializer=fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
             ),
-            'ListSessions': grpc.unary_unary_rpc_method_handler(
-                    servicer.ListSessions,
-                    request_deserializer=fuyou__proto_dot_fuyou__pb2.Empty.FromString,
-                    response_serializer=fuyou__proto_dot_fuyou__pb2.ListSessionsReply.SerializeToString,
-            ),
-            'Drain': grpc.unary_unary_rpc_method_handler(
-                    servicer.Drain,
-                    request_deserializer=fuyou__proto_dot_fuyou__pb2.DrainRequest.FromString,
-                    response_serializer=fuyou__proto_dot_fuyou__pb2.DrainReply.SerializeToString,
-            ),
             'Checkpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.Checkpoint,
                     request_deserializer=fuyou__proto_dot_fuyou__pb2.CheckpointRequest.FromString,
@@ -392,33 +337,6 @@ def add_FuyouServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Fuyou:
     """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Status(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/fuyou.v1.Fuyou/Status',
-            fuyou__proto_dot_fuyou__pb2.StatusRequest.SerializeToString,
-            fuyou__proto_dot_fuyou__pb2.StatusReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def Allocate(request,
@@ -772,60 +690,6 @@ class Fuyou:
             _registered_method=True)
 
     @staticmethod
-    def ListSessions(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/fuyou.v1.Fuyou/ListSessions',
-            fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
-            fuyou__proto_dot_fuyou__pb2.ListSessionsReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Drain(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/fuyou.v1.Fuyou/Drain',
-            fuyou__proto_dot_fuyou__pb2.DrainRequest.SerializeToString,
-            fuyou__proto_dot_fuyou__pb2.DrainReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def Checkpoint(request,
             target,
             options=(),
@@ -896,6 +760,178 @@ class Fuyou:
             '/fuyou.v1.Fuyou/DeleteCheckpoint',
             fuyou__proto_dot_fuyou__pb2.DeleteCheckpointRequest.SerializeToString,
             fuyou__proto_dot_fuyou__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class FuyouAdminStub:
+    """The operator's service (fuyouctl, monitoring). Status and ListSessions need only
+    access to the control socket (its mode and group decide who has it), but list every
+    session only to the operator (admin token), the caller's own session to a session
+    (its token), and none otherwise. Drain needs the admin token.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Status = channel.unary_unary(
+                '/fuyou.v1.FuyouAdmin/Status',
+                request_serializer=fuyou__proto_dot_fuyou__pb2.StatusRequest.SerializeToString,
+                response_deserializer=fuyou__proto_dot_fuyou__pb2.StatusReply.FromString,
+                _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/fuyou.v1.FuyouAdmin/ListSessions',
+                request_serializer=fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
+                response_deserializer=fuyou__proto_dot_fuyou__pb2.ListSessionsReply.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/fuyou.v1.FuyouAdmin/Drain',
+                request_serializer=fuyou__proto_dot_fuyou__pb2.DrainRequest.SerializeToString,
+                response_deserializer=fuyou__proto_dot_fuyou__pb2.DrainReply.FromString,
+                _registered_method=True)
+
+
+class FuyouAdminServicer:
+    """The operator's service (fuyouctl, monitoring). Status and ListSessions need only
+    access to the control socket (its mode and group decide who has it), but list every
+    session only to the operator (admin token), the caller's own session to a session
+    (its token), and none otherwise. Drain needs the admin token.
+    """
+
+    def Status(self, request, context):
+        """Daemon-wide facts: version, I/O engine, devices, memory, SSD traffic.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSessions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Stop (or, with cancel, resume) accepting new sessions; current ones go on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_FuyouAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=fuyou__proto_dot_fuyou__pb2.StatusRequest.FromString,
+                    response_serializer=fuyou__proto_dot_fuyou__pb2.StatusReply.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=fuyou__proto_dot_fuyou__pb2.Empty.FromString,
+                    response_serializer=fuyou__proto_dot_fuyou__pb2.ListSessionsReply.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=fuyou__proto_dot_fuyou__pb2.DrainRequest.FromString,
+                    response_serializer=fuyou__proto_dot_fuyou__pb2.DrainReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'fuyou.v1.FuyouAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('fuyou.v1.FuyouAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class FuyouAdmin:
+    """The operator's service (fuyouctl, monitoring). Status and ListSessions need only
+    access to the control socket (its mode and group decide who has it), but list every
+    session only to the operator (admin token), the caller's own session to a session
+    (its token), and none otherwise. Drain needs the admin token.
+    """
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuyou.v1.FuyouAdmin/Status',
+            fuyou__proto_dot_fuyou__pb2.StatusRequest.SerializeToString,
+            fuyou__proto_dot_fuyou__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuyou.v1.FuyouAdmin/ListSessions',
+            fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
+            fuyou__proto_dot_fuyou__pb2.ListSessionsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuyou.v1.FuyouAdmin/Drain',
+            fuyou__proto_dot_fuyou__pb2.DrainRequest.SerializeToString,
+            fuyou__proto_dot_fuyou__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -153,13 +153,13 @@ def test_a_killed_client_is_reclaimed(daemon, session):
     session.swap_out("mine", survivor)
     child = subprocess.Popen([sys.executable, "-c", CHILD, daemon.socket], stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "ready"
-    status = session.stub.Status(pb.StatusRequest())
+    status = session.admin_stub.Status(pb.StatusRequest())
     assert status.sessions == 2 and status.pinned_used_bytes >= 20 * MiB
     child.send_signal(signal.SIGKILL)
     child.wait()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        status = session.stub.Status(pb.StatusRequest())
+        status = session.admin_stub.Status(pb.StatusRequest())
         if status.sessions == 1:
             break
         time.sleep(0.05)
@@ -177,7 +177,7 @@ def test_metrics_endpoint_and_health(session):
     buf = session.allocate(2 * MiB)
     session.swap_out("m", buf)
     session.swap_in("m", buf)
-    status = session.stub.Status(pb.StatusRequest())
+    status = session.admin_stub.Status(pb.StatusRequest())
     m = scrape(status.metrics_url)
     written = sum(v for k, v in m.items() if k.startswith('fuyoud_io_bytes_total{') and 'direction="write"' in k)
     read = sum(v for k, v in m.items() if k.startswith('fuyoud_io_bytes_total{') and 'direction="read"' in k)

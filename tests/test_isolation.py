@@ -55,14 +55,14 @@ CLIENT = textwrap.dedent("""
     probe("forged_handle", forged)
     probe("checkpoint_outside", lambda: s.checkpoint(root_dir + "/mine"))
     probe("restore_roots", lambda: s.restore(ckpt))
-    probe("drain", lambda: s.stub.Drain(pb.DrainRequest(), metadata=s.metadata))
+    probe("drain", lambda: s.admin_stub.Drain(pb.DrainRequest(), metadata=s.metadata))
     probe("admin_token", lambda: open(token_path).read())
     probe("read_their_manifest", lambda: open(ckpt + "/manifest.json").read())
     probe("read_index", lambda: open(state + "/index.sqlite", "rb").read())
     def seen(reply):
         return sorted((x.uid, x.namespace) for x in reply)
-    out["list_sessions"] = seen(s.stub.ListSessions(pb.Empty(), metadata=s.metadata).sessions)
-    out["status_sessions"] = seen(s.stub.Status(pb.StatusRequest()).session_list)
+    out["list_sessions"] = seen(s.admin_stub.ListSessions(pb.Empty(), metadata=s.metadata).sessions)
+    out["status_sessions"] = seen(s.admin_stub.Status(pb.StatusRequest()).session_list)
     # Checkpoints of its own making, in the directory it may write under checkpoint_dirs:
     # file entries that leave the directory, a symlink, and another user's namespace.
     def crafted(name, objects, mode="copy", namespace=s.namespace, links=()):

@@ -98,8 +98,8 @@ def test_the_daemon_refuses_non_finite_learning_rates_and_scales(session):
     before, weights = state_bytes(session, "h.0"), w.tensor(torch.float32).clone()
     for lr, scale, what in [(INF, None, "learning rate"), (NAN, None, "learning rate"), (-1.0, None, "learning rate"),
                             (1e-2, NAN, "grad_scale"), (1e-2, INF, "grad_scale"), (1e-2, -1.0, "grad_scale")]:
-        req = pb.StepGroupRequest(name="h.0", grads=g.ref, grad_dtype="float32", lr=lr, weights_out=w.ref,
-                                  out_dtype="float32")
+        req = pb.StepGroupRequest(name="h.0", grads=g.ref, grad_dtype=pb.FLOAT32, lr=lr, weights_out=w.ref,
+                                  out_dtype=pb.FLOAT32)
         if scale is not None:
             req.grad_scale = scale
         err = raw(session, "StepGroup", req)

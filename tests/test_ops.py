@@ -239,7 +239,7 @@ def test_watchdog_pings_while_serving_and_stops_when_stuck(short_tmp):
         from fuyou_proto import rpc
 
         channel = grpc.insecure_channel(f"unix:{sock}")
-        stub = rpc.FuyouStub(channel)
+        stub = rpc.FuyouAdminStub(channel)
         stuck = [stub.Status.future(pb.StatusRequest(), timeout=30) for _ in range(2)]
         time.sleep(0.5)
         assert pings(listener, 2.0) == 0

@@ -65,7 +65,7 @@ def test_adamw_matches_torch(session, fused):
         else:  # torch's default single-tensor path rounds differently in the last bit
             assert (got - p.data).abs().max().item() <= 1e-6
     assert [session.group(f"g{i}").step for i in range(3)] == [10, 10, 10]
-    m = scrape(session.stub.Status(pb.StatusRequest()).metrics_url)
+    m = scrape(session.admin_stub.Status(pb.StatusRequest()).metrics_url)
     assert m["fuyoud_optimizer_group_steps_total"] == 30
     # Optimizer memory is bounded by its buffers, whatever the model size.
     assert 0 < m['fuyoud_pinned_bytes{state="optimizer"}'] <= 3 * (2 << 20)
@@ -82,7 +82,7 @@ def test_the_next_group_is_read_ahead(short_tmp):
             for i in reversed(range(3)):
                 infos.append(session.step_group(f"g{i}", grads[i], 1e-3, out=weights[i]))
         assert [i.prefetched for i in infos[3:]] == [False, True, True] * 2  # the first of each iteration is not
-        m = scrape(session.stub.Status(pb.StatusRequest()).metrics_url)
+        m = scrape(session.admin_stub.Status(pb.StatusRequest()).metrics_url)
         assert m["fuyoud_optimizer_cache_bytes_total"] == 0
 
 
@@ -101,7 +101,7 @@ def test_the_state_cache_serves_steps_from_memory(short_tmp, buffers, cached):
     with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d, fuyou_client.connect(d.socket) as session:
         spec = AdamW(betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
         init, weights, grads = make_groups(session, sizes, spec)
-        url = session.stub.Status(pb.StatusRequest()).metrics_url
+        url = session.admin_stub.Status(pb.StatusRequest()).metrics_url
         before = state_reads(scrape(url))
         ref = [torch.nn.Parameter(w.clone()) for w in init]
         opt = torch.optim.AdamW(ref, lr=LRS[0], betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, fused=True)

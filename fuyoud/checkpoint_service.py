@@ -1,0 +1,64 @@
+"""The checkpoint RPCs of service Fuyou (Checkpoint, Restore, DeleteCheckpoint) and the
+clients' Report; mixed into the servicer (service.py). A session acts on its own
+namespace; with the admin token an operator checkpoints any session (fuyouctl
+checkpoint) and deletes any checkpoint."""
+from __future__ import annotations
+
+from fuyou_proto import pb
+from fuyoud.errors import InvalidArgument, PermissionDenied
+from fuyoud.handler import ServicerBase, handler
+
+DEFAULT_CHECKPOINT_TIMEOUT = 60.0
+MAX_CHECKPOINT_TIMEOUT = 7 * 86400.0
+
+
+class CheckpointMethods(ServicerBase):
+    @handler
+    def Checkpoint(self, request, context):
+        if self._is_admin(context):
+            if not request.session_id:
+                raise InvalidArgument("an operator's checkpoint names its session (session_id)")
+            session, caller = self.sessions.by_id(request.session_id), None
+        else:
+            session = caller = self._session(context)
+            if request.session_id not in (0, session.id):
+                raise PermissionDenied(
+                    f"session {session.id} may checkpoint only itself, not session {request.session_id} "
+                    "(operators: fuyouctl checkpoint, with the admin token)")
+        if request.timeout_seconds < 0:
+            raise InvalidArgument(f"timeout_seconds must not be negative, got {request.timeout_seconds}")
+        if not request.timeout_seconds <= MAX_CHECKPOINT_TIMEOUT:  # (also refuses NaN)
+            raise InvalidArgument(f"timeout_seconds must be at most {MAX_CHECKPOINT_TIMEOUT:g}, "
+                                  f"got {request.timeout_seconds}")
+        with self.checkpointer.location(request.directory, caller and caller.uid) as where:
+            result = self.checkpointer.checkpoint(session.namespace, session.uid, where,
+                                     request.timeout_seconds or DEFAULT_CHECKPOINT_TIMEOUT, request.mode or "auto",
+                                     request.client_state)
+        self.metrics.observe_checkpoint(result.mode, result.seconds, result.bytes)
+        return pb.CheckpointReply(directory=result.directory, namespace=result.namespace, objects=result.objects,
+                                  bytes=result.bytes, step=result.step, seconds=result.seconds, mode=result.mode)
+
+    @handler
+    def Restore(self, request, context):
+        session = self._session(context)
+        with self.checkpointer.location(request.directory, session.uid) as where:
+            result = self.checkpointer.restore(session, where)
+        return pb.RestoreReply(namespace=result.namespace, step=result.step, objects=result.objects,
+                               bytes=result.bytes, mode=result.mode, client_state=result.client_state,
+                               seconds=result.seconds)
+
+    @handler
+    def DeleteCheckpoint(self, request, context):
+        uid = None if self._is_admin(context) else self._session(context).uid
+        with self.checkpointer.location(request.directory, uid) as where:
+            self.checkpointer.delete(uid, where)
+        return pb.Empty()
+
+    @handler
+    def Report(self, request, context):
+        self._session(context)
+        numbers = (request.iteration_seconds, request.exposed_optimizer_seconds)
+        if not all(0 <= x < 1e9 for x in numbers):  # also refuses NaN
+            raise InvalidArgument(f"report figures must be non-negative seconds, got {numbers}")
+        self.metrics.observe_report(request)
+        return pb.Empty()
