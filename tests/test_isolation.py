@@ -17,13 +17,20 @@ from conftest import SMALL, merge
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
 
-# Starts as root (the interpreter may live where nobody can read), imports, then drops
-# to uid/gid 65534 before it connects: SO_PEERCRED sees nobody. Each probe records what
-# it got ("OK", or the error's class and message).
+# Starts as root (the interpreter may live where nobody can read: a clone in a 0700 home
+# directory), imports everything it will need (modules imported later, as grpc imports
+# its channel module, would not be found once nobody), then drops to uid/gid 65534
+# before it connects: SO_PEERCRED sees nobody. Each probe records what it got ("OK",
+# or the error's class and message).
 CLIENT = textwrap.dedent("""
-    import json, os, sys
-    import fuyou_client
+    import importlib, json, os, pkgutil, sys
+    import grpc, grpc._channel
+    import fuyou_client, fuyou_proto
     from fuyou_proto import pb
+    for pkg in (fuyou_client, fuyou_proto):
+        for mod in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+            if mod.name != "fuyou_proto.generate":
+                importlib.import_module(mod.name)
     os.setgroups([])
     os.setgid(65534)
     os.setuid(65534)
