@@ -10,10 +10,11 @@ from fuyou_client.errors import (DaemonUnavailable, DataLoss, FailedPrecondition
                                  InvalidArgument, NamespaceBusy, NonFinite, ObjectNotFound, PermissionDenied,
                                  ResourceExhausted, SessionClosed)
 from fuyou_client.optim import SGD, AdamW, GroupInfo, StepInfo
+from fuyou_client.options import AttachOptions
 from fuyou_client.session import In, ObjectInfo, Out, Session, connect
 
 __all__ = [
-    "attach", "Engine", "load_exported", "connect", "Session", "AdamW", "SGD", "GroupInfo", "StepInfo",
+    "attach", "AttachOptions", "Engine", "load_exported", "connect", "Session", "AdamW", "SGD", "GroupInfo", "StepInfo",
     "SharedBuffer", "ObjectInfo", "In", "Out", "start_daemon", "DaemonProcess",
     "FuyouClientError", "DaemonUnavailable", "DataLoss", "FailedPrecondition", "InternalError", "InvalidArgument",
     "NamespaceBusy", "ObjectNotFound", "NonFinite", "PermissionDenied", "ResourceExhausted", "SessionClosed",

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from fuyou_proto.contract import state_object
+
 if TYPE_CHECKING:
-    from fuyou_proto.contract import state_object
-from fuyou_client.engine import Engine
+    from fuyou_client.engine import Engine
 
 CLIENT_STATE_FORMAT = 1
 INDEX_FILE = "model.safetensors.index.json"

@@ -24,9 +24,8 @@ resident. Gradients of every group stay in shared memory (they accumulate there)
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-import numbers
-import os
 import time
 
 import torch
@@ -43,6 +42,7 @@ from fuyou_client.hostgrads import HostAccumulation
 from fuyou_client.layergroup import LayerGroup
 from fuyou_client.offload import Offloader, Saved
 from fuyou_client.optim import AdamW, SGD, StepInfo
+from fuyou_client.options import AttachOptions
 from fuyou_client.session import Session, connect
 
 
@@ -83,18 +83,20 @@ def _size(nbytes: int) -> str:
 
 class Engine:
     def __init__(self, model: nn.Module, session: Session, optimizer: AdamW | SGD, groups: list[ParamGroup],
-                 max_grad_norm: float | None, accumulation_steps: int, owns_session: bool,
-                 offload: bool | str = True, prefetch: int = 2, keep: int = 0, resume: bool = False,
-                 activations="keep", host_budget: int = 256 << 20, device_budget: int | None = None,
-                 device: Device | None = None, grad_accumulation: str = "device", materializer=None):
+                 options: AttachOptions, device: Device, owns_session: bool, resume: bool = False,
+                 materializer=None):
+        options = options.for_device(device.shares_host_memory)
+        self.options = options
         self.model = model
-        self.device = device or resolve(None, model)
+        self.device = device
         self._resume = resume  # the groups exist in the daemon (restored): take their weights
         self.checkpoint_extra = None  # what save_checkpoint(extra=...) kept, after a resume
         self._checkpoint_lr: dict = {}
         self.session = session
-        self.max_grad_norm = max_grad_norm
-        self.accumulation_steps = accumulation_steps
+        self.max_grad_norm = options.max_grad_norm
+        self.accumulation_steps = accumulation_steps = options.accumulation_steps
+        max_grad_norm, offload, prefetch, keep = options.max_grad_norm, options.offload, options.prefetch, options.keep
+        activations, host_budget, device_budget = options.activations, options.host_budget, options.device_budget
         self._owns_session = owns_session
         self.last_step_infos: list[StepInfo] = []
         self._last_step_end: float | None = None  # for the iteration times reported to the daemon
@@ -106,11 +108,9 @@ class Engine:
             session.use_device(self.device)  # cudaHostRegister of every shared segment
         # Offloaded groups borrow gradient buffers from a pool, unless every gradient must
         # be kept until the step (accumulation over micro-batches, exact clipping).
-        if offload == "host" and self.device.shares_host_memory:
-            offload = False  # on the CPU weights in shared memory are simply resident
         self._pool_grads = bool(offload) and accumulation_steps == 1 and max_grad_norm is None
         # Those kept gradients accumulate in host memory instead of on the device.
-        self._host_accumulation = grad_accumulation == "host" and not self.device.shares_host_memory
+        self._host_accumulation = options.grad_accumulation == "host"
         originals = [(p, p.data, p.grad) for spec in groups for _, p in spec.params]
         try:
             for spec in groups:
@@ -531,88 +531,33 @@ class Engine:
         self.close()
 
 
-def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: Session | None = None,
-           socket: str | None = None, namespace: str | None = None, blocks: list[nn.Module] | None = None,
-           max_grad_norm: float | None = None, accumulation_steps: int = 1, offload: bool | str = True,
-           prefetch: int = 2, keep: int = 0, resume: str | os.PathLike | None = None,
-           activations: str | dict[str, str] = "keep", host_budget: int = 256 << 20,
-           device_budget: int | None = None, device=None, grad_accumulation: str = "device",
-           weights: str | os.PathLike | None = None) -> Engine:
-    """Hook ``model`` up to fuyoud: its optimizer state moves to the SSD array, each layer
-    group is stepped by the daemon as soon as backward has finished it, and (``offload``)
-    the blocks' weights are fetched ahead of use, ``prefetch`` blocks deep; the last
-    ``keep`` blocks stay in memory from forward to backward instead of being fetched twice.
-    ``offload="host"``: the blocks' weights stay in shared host memory (each step writes
-    them there) and are uploaded to the device ahead of each use, as prefetched as from
-    the SSD array but with no SSD reads (on the CPU the same as ``offload=False``).
-    ``max_grad_norm``: clip the global gradient norm to it, exactly as
-    ``torch.nn.utils.clip_grad_norm_`` (the steps then wait for every gradient); every
-    gradient is then also checked before any group steps, and a non-finite norm steps
-    nothing and raises ``fuyou_client.errors.NonFinite`` (``float("inf")``: that check
-    without clipping). Without it each group steps as soon as backward has finished it,
-    and the daemon refuses (keeping its state) the step of a group whose gradients are
-    not finite while the others step; ``engine.step()`` then raises NonFinite naming it.
-    ``resume``: a directory written by ``engine.save_checkpoint``; the model's weights,
-    the optimizer state, step counts and learning rate continue from it.
-    ``activations``: what happens to the blocks' activations saved for backward: "keep"
-    (on the compute device), "swap" (to a host arena of ``host_budget`` bytes of shared
-    memory, then to the SSD array) or "recompute" (only block inputs kept, the block run
-    again in backward), for all blocks or as a dict by group name; or "auto": the planner
-    chooses per block after profiling the first iteration, fastest within
-    ``device_budget`` bytes of activations on the compute device (None: no limit).
-    ``device``: where the model computes (default: where its parameters are; the CPU or
-    a CUDA device; on CUDA the shared buffers are registered with cudaHostRegister and
-    every copy runs on a side stream).
-    ``grad_accumulation``: where gradients kept until the step (``accumulation_steps > 1``,
-    ``max_grad_norm``, resident groups) live on a device with its own memory: "device"
-    (in ``.grad``, as torch keeps them) or "host" (each backward's gradients leave the
-    device at once and are summed in fp32 in shared host memory: no device memory for
-    them between backward passes). On the CPU the two are the same.
-    ``weights``: for a model built on the meta device (``with torch.device("meta"):``, or
-    accelerate's ``init_empty_weights``), where its values come from, one layer group at
-    a time, so that the model never exists whole in this process: the path of a
-    safetensors checkpoint (a ``from_pretrained`` directory, sharded with
-    ``model.safetensors.index.json`` or not, or one ``.safetensors`` file; tied weights
-    missing from it are found under their other name, tensors are cast to the
-    parameters' dtype, a missing or mis-shaped tensor is refused, named), or ``"init"``
-    (the model's own initialisation, replayed group by group: bitwise the values the same
-    model built on the CPU gets from the same ``torch.manual_seed``, for Hugging Face
-    models and plain ones made of torch's layers; see materialize.py). Required for a
-    model whose parameters are on the meta device (unless ``resume`` gives the weights),
-    refused for one whose parameters hold values. Meta buffers come from the checkpoint
-    or are recomputed by their module's init. With ``offload=True`` only the rest group
-    (embeddings, final norm, head), frozen parameters and buffers are then resident; each
-    block is made real on the CPU just before its upload and emptied after it. With
-    ``offload=False`` or ``"host"`` every group stays resident (in shared memory): the
-    model is then materialised, though never twice. Pass ``device="cuda"`` for a GPU (a
-    meta model's parameters are on no device: the default is the CPU)."""
-    if accumulation_steps < 1:
-        raise ValueError("accumulation_steps must be at least 1")
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real)
-                                      or not max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm must be a number > 0 (float('inf') to check the gradients for NaN and inf "
-                         f"without clipping) or None, not {max_grad_norm!r}")
-    if offload not in (True, False, "host"):
-        raise ValueError(f"offload must be True, False or 'host', not {offload!r}")
-    if grad_accumulation not in ("device", "host"):
-        raise ValueError(f"grad_accumulation must be 'device' or 'host', not {grad_accumulation!r}")
+def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) -> Engine:
+    """Hook ``model`` up to fuyoud: its optimizer state (``optimizer``, default
+    ``AdamW()``) moves to the SSD array, each layer group is stepped by the daemon as soon
+    as backward has finished it, and the blocks' weights are fetched ahead of use. The
+    options (``socket=``, ``max_grad_norm=``, ``offload=``, ``resume=``, ``weights=``,
+    ``activations=``...) are the fields of ``fuyou_client.AttachOptions``, which
+    documents each one; a misspelt or invalid one is refused before anything starts."""
+    base = options.pop("options", None)  # attach(model, opt, options=AttachOptions(...), **overrides) too
+    opts = dataclasses.replace(base, **options) if base is not None else AttachOptions(**options)
+    blocks, weights, resume, session = opts.blocks, opts.weights, opts.resume, opts.session
     materializer = materialize.prepare(model, weights, resume is not None)  # (a meta model: CPU stand-ins now)
     try:
         groups = split(model, blocks)
         if not groups:
             raise ValueError("the model has no trainable parameters")
-        if offload and hf_checkpointing(model):
+        if opts.offload and hf_checkpointing(model):
             raise ValueError(GRADIENT_CHECKPOINTING)
         if materializer is not None:
             materializer.bind(block_list(model, blocks))
-        device = resolve(device, model)
+        device = resolve(opts.device, model)
     except BaseException:
         if materializer is not None:
             materializer.undo()
         raise
     owns = session is None
     try:
-        session = session or connect(socket, namespace=namespace)
+        session = session or connect(opts.socket, namespace=opts.namespace)
     except BaseException:
         if materializer is not None:
             materializer.undo()
@@ -621,10 +566,8 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, *, session: S
         state = None
         if resume is not None:
             state = checkpoints.load_client_state(session.restore(resume).client_state)
-        engine = Engine(model, session, optimizer or AdamW(), groups, max_grad_norm, accumulation_steps, owns,
-                        offload, prefetch, keep, resume=state is not None, activations=activations,
-                        host_budget=host_budget, device_budget=device_budget, device=device,
-                        grad_accumulation=grad_accumulation, materializer=materializer)
+        engine = Engine(model, session, optimizer or AdamW(), groups, opts, device, owns, resume=state is not None,
+                        materializer=materializer)
         if state is not None:
             engine._checkpoint_lr = state["lr"] or {}
             engine.resume_lr()

@@ -397,3 +397,33 @@ def test_a_block_whose_input_needs_no_gradient(daemon):
         opt.zero_grad()
     engine.close()
     assert_same(ours, ref)
+
+
+def test_options_are_checked_once_before_anything_starts(short_tmp):
+    """Every option of attach is a field of AttachOptions, validated before a daemon is
+    even looked for: a misspelt or invalid one is refused by name."""
+    nowhere = str(short_tmp / "no.sock")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'ofload'"):
+        fuyou_client.attach(MLP(), socket=nowhere, ofload=True)
+    for bad, match in [({"accumulation_steps": 0}, "accumulation_steps must be an integer >= 1"),
+                       ({"prefetch": -1}, "prefetch must be an integer >= 0"),
+                       ({"max_grad_norm": float("nan")}, "max_grad_norm must be a number > 0"),
+                       ({"offload": "ssd"}, "offload must be True, False or 'host'"),
+                       ({"offload": 1.0}, "offload must be True, False or 'host'"),
+                       ({"grad_accumulation": "gpu"}, "grad_accumulation must be 'device' or 'host'"),
+                       ({"activations": "swapp"}, "activations='swapp': expected one of"),
+                       ({"activations": {"block0000": "drop"}}, "activations treatments must be one of"),
+                       ({"host_budget": 0}, "host_budget must be an integer >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            fuyou_client.attach(MLP(), socket=nowhere, **bad)
+    opts = fuyou_client.AttachOptions(offload="host", grad_accumulation="host", prefetch=1)
+    assert opts.for_device(shares_host_memory=True) == fuyou_client.AttachOptions(prefetch=1, offload=False)
+    assert opts.for_device(shares_host_memory=False) == opts
+
+
+def test_options_can_be_given_as_one_object(daemon):
+    opts = fuyou_client.AttachOptions(socket=daemon.socket, offload="host", max_grad_norm=1.0)
+    model = MLP()
+    with fuyou_client.attach(model, fuyou_client.AdamW(), options=opts, accumulation_steps=2) as engine:
+        assert engine.options.offload is False  # "host" is resident weights on the CPU
+        assert (engine.max_grad_norm, engine.accumulation_steps) == (1.0, 2)

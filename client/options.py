@@ -1,0 +1,128 @@
+"""The options of ``attach(model, optimizer, **options)``, in one frozen dataclass,
+validated once: every refusal names the option and what it accepts."""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from fuyou_client.activations import TREATMENTS, WORDS
+
+
+def _count(name: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, not {value!r}")
+
+
+@dataclass(frozen=True)
+class AttachOptions:
+    """How ``attach`` hooks a model up to fuyoud.
+
+    Where the daemon is:
+      ``session``: an open ``fuyou_client.Session`` to use (the engine leaves it open);
+      ``socket``: the daemon's control socket (default: ``$FUYOUD_SOCKET``, else the
+      current user's); ``namespace``: the session's namespace (default: a fresh one).
+
+    The model:
+      ``blocks``: the modules that become layer groups (default: the repeated blocks
+      found: GPT-2's ``transformer.h``, Llama's ``model.layers``, any ``ModuleList`` of
+      one module type); everything else is one more group, "rest".
+      ``weights``: for a model built on the meta device, where its values come from, one
+      group at a time: a safetensors checkpoint (a ``from_pretrained`` directory, sharded
+      or not, or one ``.safetensors`` file) or ``"init"`` (the model's own
+      initialisation, bitwise what the same model built on the CPU gets from the same
+      seed). Required for a meta model (unless ``resume`` gives the weights), refused for
+      one whose parameters hold values.
+      ``device``: where the model computes (default: where its parameters are, the CPU
+      or a CUDA device; a meta model's default is the CPU).
+      ``resume``: a directory written by ``engine.save_checkpoint``: weights, optimizer
+      state, step counts and learning rate continue from it.
+
+    The step:
+      ``max_grad_norm``: clip the global gradient norm to it, exactly as
+      ``torch.nn.utils.clip_grad_norm_`` (the steps then wait for every gradient); every
+      gradient is then checked before any group steps, and a non-finite norm steps
+      nothing and raises ``NonFinite`` (``float("inf")``: that check without clipping).
+      Without it each group steps as soon as backward has finished it, and the daemon
+      refuses (keeping its state) the step of a group whose gradients are not finite.
+      ``accumulation_steps``: backward passes per step (as with torch: call
+      ``engine.step()`` after the n-th).
+      ``grad_accumulation``: where gradients kept until the step live on a device with its
+      own memory: "device" (in ``.grad``, as torch) or "host" (each backward's gradients
+      leave the device at once and are summed in fp32 in shared host memory). On the CPU
+      (a device that shares host memory) both are the same: ``for_device`` makes it
+      "device".
+
+    Memory:
+      ``offload``: True (the default): the blocks' weights are on the SSD array and in
+      memory only while they compute, fetched ``prefetch`` blocks ahead; the last ``keep``
+      blocks stay from forward to backward instead of being fetched twice. "host": the
+      blocks' weights stay in shared host memory (each step writes them there) and are
+      uploaded to the device ahead of each use; on the CPU that is simply resident, so
+      ``for_device`` makes it False there. False: every group resident.
+      ``activations``: what happens to the blocks' activations saved for backward: "keep",
+      "swap" (to a host arena of ``host_budget`` bytes of shared memory, then to the SSD
+      array), "recompute" (only block inputs kept, the block run again in backward), or a
+      dict of those by group name; or "auto": the planner chooses per block after
+      profiling the first iteration, fastest within ``device_budget`` bytes of
+      activations on the compute device (None: no limit).
+    """
+    session: Any = None
+    socket: str | None = None
+    namespace: str | None = None
+    blocks: list[nn.Module] | None = None
+    weights: str | os.PathLike | None = None
+    device: Any = None
+    resume: str | os.PathLike | None = None
+    max_grad_norm: float | None = None
+    accumulation_steps: int = 1
+    grad_accumulation: str = "device"
+    offload: bool | str = True
+    prefetch: int = 2
+    keep: int = 0
+    activations: str | dict[str, str] = "keep"
+    host_budget: int = 256 << 20
+    device_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        _count("accumulation_steps", self.accumulation_steps, 1)
+        _count("prefetch", self.prefetch, 0)
+        _count("keep", self.keep, 0)
+        _count("host_budget", self.host_budget, 1)
+        if self.device_budget is not None:
+            _count("device_budget", self.device_budget, 1)
+        mgn = self.max_grad_norm
+        if mgn is not None and (isinstance(mgn, bool) or not isinstance(mgn, numbers.Real) or not mgn > 0):
+            raise ValueError(f"max_grad_norm must be a number > 0 (float('inf') to check the gradients for NaN and "
+                             f"inf without clipping) or None, not {mgn!r}")
+        if not (self.offload is True or self.offload is False or self.offload == "host"):
+            raise ValueError(f"offload must be True, False or 'host', not {self.offload!r}")
+        if self.grad_accumulation not in ("device", "host"):
+            raise ValueError(f"grad_accumulation must be 'device' or 'host', not {self.grad_accumulation!r}")
+        acts = self.activations
+        if isinstance(acts, str):
+            if acts not in WORDS:
+                raise ValueError(f"activations={acts!r}: expected one of {WORDS} or a dict by group name")
+        elif isinstance(acts, dict):
+            bad = {k: v for k, v in acts.items() if v not in TREATMENTS}
+            if bad:
+                raise ValueError(f"activations treatments must be one of {TREATMENTS}, got {bad}")
+        else:
+            raise ValueError(f"activations must be one of {WORDS} or a dict by group name, not {acts!r}")
+        for name in ("socket", "namespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ValueError(f"{name} must be a string, not {value!r}")
+
+    def for_device(self, shares_host_memory: bool) -> "AttachOptions":
+        """The options as they apply on a device: where it shares host memory (the CPU)
+        ``offload="host"`` is resident weights and host gradient accumulation is the
+        ordinary kind."""
+        if not shares_host_memory:
+            return self
+        return dataclasses.replace(self, offload=False if self.offload == "host" else self.offload,
+                                   grad_accumulation="device")
