@@ -29,6 +29,7 @@ from fuyou_proto.contract import state_object
 
 if TYPE_CHECKING:
     from fuyou_client.engine import Engine
+    from fuyou_client.session import Session
 
 CLIENT_STATE_FORMAT = 1
 INDEX_FILE = "model.safetensors.index.json"
@@ -67,15 +68,15 @@ def load_client_state(data: bytes) -> dict:
     return {"lr": lr, "extra": state.get("extra")}
 
 
-def read_masters(engine: "Engine", name: str, numel: int):
+def read_masters(session: "Session", name: str, numel: int):
     """A group's fp32 master weights, from its state object on the SSD array, into a new
     shared buffer (the caller frees it)."""
-    info = engine.session.group(name)
+    info = session.group(name)
     if info.numel != numel:
         raise ValueError(f"group {name} has {info.numel} parameters in the daemon, {numel} in this model: "
                          "the checkpoint is of another model")
-    buf = engine.session.allocate(numel * 4)
-    engine.session.swap_in(state_object(name), buf, length=numel * 4, object_offset=info.weights_offset)
+    buf = session.allocate(numel * 4)
+    session.swap_in(state_object(name), buf, length=numel * 4, object_offset=info.weights_offset)
     return buf, info
 
 
@@ -95,7 +96,7 @@ def export(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | 
     weight_map, total = {}, 0
     for i, g in enumerate(engine.groups):
         n = g.spec.numel
-        buf, _ = read_masters(engine, g.spec.name, n)
+        buf, _ = read_masters(engine.session, g.spec.name, n)
         try:
             flat = buf.tensor(torch.float32)[:n]
             tensors, offset = {}, 0

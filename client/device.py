@@ -291,3 +291,20 @@ def resolve(device, model: torch.nn.Module) -> Device:
     if device.type == "cuda":
         return CudaDevice(device.index)
     raise ValueError(f"fuyou computes on the CPU or on CUDA devices, not {device}")
+
+
+def after(device: Device, event, start) -> Future:
+    """A future of the future that ``start()`` returns, called once ``event`` happened
+    (on the device's helper thread): how a step is submitted after its gradients'
+    download without blocking the training thread."""
+    outer: Future = Future()
+
+    def relay(inner: Future) -> None:
+        exc = inner.exception()
+        outer.set_exception(exc) if exc is not None else outer.set_result(inner.result())
+
+    def go():
+        start().add_done_callback(relay)
+
+    device.then(event, go).add_done_callback(lambda f: f.exception() is not None and outer.set_exception(f.exception()))
+    return outer

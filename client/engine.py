@@ -36,9 +36,8 @@ from fuyou_client.activations import ActivationSwapper, treatments
 from fuyou_client.autoplan import AutoPlanner
 from fuyou_client.device import Device, resolve
 from fuyou_client.errors import NonFinite
-from fuyou_client.gradients import GradientPool
+from fuyou_client.gradstrategy import GradientStrategy, HostAccumulated, Pooled, Resident
 from fuyou_client.grouping import ParamGroup, block_list, split
-from fuyou_client.hostgrads import HostAccumulation
 from fuyou_client.layergroup import LayerGroup
 from fuyou_client.offload import Offloader, Saved
 from fuyou_client.optim import AdamW, SGD, StepInfo
@@ -106,11 +105,17 @@ class Engine:
         self._check_capacity(groups, optimizer, offload)
         if not self.device.shares_host_memory:
             session.use_device(self.device)  # cudaHostRegister of every shared segment
-        # Offloaded groups borrow gradient buffers from a pool, unless every gradient must
-        # be kept until the step (accumulation over micro-batches, exact clipping).
-        self._pool_grads = bool(offload) and accumulation_steps == 1 and max_grad_norm is None
-        # Those kept gradients accumulate in host memory instead of on the device.
-        self._host_accumulation = options.grad_accumulation == "host"
+        # Where each group's gradients live until its step (gradstrategy.py): offloaded
+        # groups borrow buffers from a pool, unless every gradient must be kept until the
+        # step (accumulation over micro-batches, exact clipping); kept gradients are in
+        # each group's own buffer, or accumulate in host memory instead of on the device.
+        resident, pooled, host = Resident(self.device), Pooled(), HostAccumulated()
+        pool_grads = bool(offload) and accumulation_steps == 1 and max_grad_norm is None
+
+        def strategy_for(mode) -> GradientStrategy:
+            if mode and pool_grads:
+                return pooled
+            return host if options.grad_accumulation == "host" else resident
         originals = [(p, p.data, p.grad) for spec in groups for _, p in spec.params]
         try:
             for spec in groups:
@@ -118,7 +123,8 @@ class Engine:
                 mode = offload if spec.module is not None else False  # (the rest group stays resident)
                 if materializer is not None:  # a model on the meta device: this group's values, now
                     materializer.fill(spec, self.device.torch_device)
-                self.groups.append(layergroup.upload(self, spec, optimizer, mode, index))
+                self.groups.append(layergroup.upload(session, self.device, spec, optimizer, mode, index,
+                                                     strategy_for(mode), self._resume))
             if materializer is not None:
                 materializer.finish(self.device.torch_device)
         except BaseException:  # leave the user's model as it was
@@ -131,14 +137,15 @@ class Engine:
         del originals
         offloaded = [g.offloaded for g in self.groups if g.offloaded is not None]
         self.offloader = Offloader(session, self.device, offloaded, prefetch, keep) if offloaded else None
+        accumulated = [g for g in self.groups if g.strategy is host]
+        self.host_grads = host.bind(session, self.device, max(g.numel for g in accumulated) * 4) \
+            if accumulated else None
         self.gradients = None
-        host = [g for g in self.groups if g.host_acc]
-        self.host_grads = HostAccumulation(session, self.device, max(g.numel for g in host) * 4) if host else None
-        if offloaded and self._pool_grads:
+        if any(g.strategy is pooled for g in self.groups):
             by_name = {g.spec.name: g for g in self.groups}
-            nbytes = max(g.nbytes for g in offloaded)
-            self.gradients = GradientPool(session, self.device, prefetch + 3, nbytes)
+            self.gradients = pooled.bind(session, self.device, prefetch + 3, max(g.nbytes for g in offloaded))
             self.offloader.on_backward = lambda og: self.gradients.assign(by_name[og.name])
+        self._strategies = [st for st in (resident, pooled, host) if any(g.strategy is st for g in self.groups)]
         grouped = {id(p) for g in self.groups for _, p in g.spec.params}
         self._frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in grouped]  # (at attach)
         self._hooks.append(model.register_load_state_dict_pre_hook(self._refuse_load))
@@ -244,10 +251,7 @@ class Engine:
                 f"group {g.spec.name} got gradients from {g.backwards} backward passes since the last "
                 f"engine.step(), but accumulation_steps={self.accumulation_steps}: its step may already be "
                 "reading them; call engine.step() after each backward or attach with accumulation_steps=N")
-        if g.pooled:
-            self.gradients.collect(g)  # (before the weights go: views need the parameters' shapes)
-        elif g.host_acc:
-            self.host_grads.add(g, first=g.backwards == 1)  # off the device, into the host accumulator
+        g.strategy.on_backward(g, first=g.backwards == 1)  # (before the weights go: views need their shapes)
         if g.offloaded is not None:
             g.offloaded.busy = False
             self.offloader.release(g.offloaded)  # backward is done with these weights
@@ -265,12 +269,7 @@ class Engine:
                 weights_object=f"weights/{name}" if offloaded_bf else "")
 
         g.submitted = True
-        if g.pooled:
-            self.gradients.submit(g, start)  # the pool owns the step's future
-        elif g.host_acc:
-            g.future = self.host_grads.submit(g, start)
-        else:
-            g.future = layergroup.submit(self, g, start)
+        g.strategy.submit(g, start)
 
     @property
     def plan(self):
@@ -350,10 +349,9 @@ class Engine:
         t_start = time.perf_counter()
         self.optimizer._opt_called = True  # tells torch's LR schedulers that a step happened
         scale = None
-        if self.host_grads is not None:  # gradients of a backward that left some parameters without one
-            for g in self.groups:
-                if g.host_acc and g.pending != len(g.spec.params):
-                    self.host_grads.add(g, first=g.backwards == 0)
+        for g in self.groups:  # gradients of a backward that left some parameters without one
+            if g.pending != len(g.spec.params):
+                g.strategy.before_step(g)
         if self.max_grad_norm is not None:
             try:
                 scale = self._clip_coefficient()
@@ -382,14 +380,14 @@ class Engine:
                     except Exception as exc:  # noqa: BLE001 - re-raised below
                         errors.append(exc)
                 g.future, g.submitted, g.backwards = None, False, 0
-            if self.gradients is not None:
-                pooled, pool_errors = self.gradients.reclaim_all()
-                infos.update(pooled)
-                errors.extend(pool_errors)
+            for strategy in self._strategies:  # steps whose futures a strategy kept
+                kept, kept_errors = strategy.reclaim()
+                infos.update(kept)
+                errors.extend(kept_errors)
         self.last_step_infos = [infos[g.spec.name] for g in self.groups if g.spec.name in infos]  # group order
         if errors:
-            if self.host_grads is not None:  # additions of groups never stepped must not land in the next sum
-                self.host_grads.discard()
+            for strategy in self._strategies:  # (additions of groups never stepped must not land in the next sum)
+                strategy.discard()
             if all(isinstance(e, NonFinite) for e in errors):  # the daemon refused these groups' steps
                 raise NonFinite(
                     f"{len(errors)} of {len(errors) + len(infos)} groups refused by fuyoud, the others stepped: "
@@ -417,11 +415,10 @@ class Engine:
         # In model.parameters() order, as torch.nn.utils.clip_grad_norm_(model.parameters()) sums.
         params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [p.grad for p in params]
-        if self.host_grads is not None:  # the accumulated gradients, where they are
-            self.host_grads.wait()
-            accumulated = {id(p): v for g in self.groups if g.host_acc
-                           for (_, p), v in zip(g.spec.params, self.host_grads.views(g))}
-            grads = [accumulated.get(id(p), p.grad) for p in params]
+        elsewhere = {id(p): v for g in self.groups for views in [g.strategy.norm_grads(g)] if views is not None
+                     for (_, p), v in zip(g.spec.params, views)}  # (gradients accumulated on the host)
+        if elsewhere:
+            grads = [elsewhere.get(id(p), p.grad) for p in params]
         params, grads = [p for p, t in zip(params, grads) if t is not None], [t for t in grads if t is not None]
         norms = torch._foreach_norm(grads, 2.0)
         total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
@@ -450,11 +447,10 @@ class Engine:
         accumulation it discards what they accumulated so far."""
         if getattr(self, "activations", None) is not None:
             self.activations.reset()  # what a forward without backward parked
-        if getattr(self, "host_grads", None) is not None:  # gradients discarded mid-accumulation: their additions land first
-            self.host_grads.discard()
+        for strategy in getattr(self, "_strategies", []):  # (additions discarded mid-accumulation land first)
+            strategy.discard()
         for g in self.groups:
-            if not g.pooled:
-                g.zero_grads(self.device)
+            g.strategy.zero(g, self.device)
             g.pending, g.backwards = len(g.spec.params), 0
 
     def require_idle(self, what: str) -> None:
@@ -500,8 +496,8 @@ class Engine:
             for g in self.groups:  # steps in flight still write into shared buffers: let them land
                 if g.future is not None and g.future.exception() is None:
                     layergroup.upload_weights(self.device, g)  # (GPU: into the parameters)
-            if self.gradients is not None:
-                self.gradients.reclaim_all()
+            for strategy in self._strategies:
+                strategy.reclaim()
             if self.offloader is not None:
                 self.offloader.release_all()
             with torch.no_grad():

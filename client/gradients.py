@@ -22,8 +22,7 @@ from concurrent.futures import Future
 
 import torch
 
-from fuyou_client.device import Device
-from fuyou_client.layergroup import after
+from fuyou_client.device import Device, after
 from fuyou_client.session import Session
 
 

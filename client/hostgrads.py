@@ -30,8 +30,7 @@ from concurrent.futures import Future
 
 import torch
 
-from fuyou_client.device import DONE, Device
-from fuyou_client.layergroup import after
+from fuyou_client.device import DONE, Device, after
 from fuyou_client.session import Session
 
 

@@ -25,7 +25,9 @@ from fuyou_proto.contract import state_object
 from fuyou_client import checkpoints
 from fuyou_client.device import DONE, Device
 from fuyou_client.grouping import ParamGroup, flat_parts
+from fuyou_client.gradstrategy import GradientStrategy
 from fuyou_client.offload import OffloadedGroup
+from fuyou_client.session import Session
 
 
 @dataclass(eq=False)
@@ -41,8 +43,7 @@ class LayerGroup:
     backwards: int = 0  # backward passes completed since the last step (gradient accumulation)
     future: Future | None = None
     submitted: bool = False  # this iteration's step was sent
-    pooled: bool = False  # gradients live in the shared GradientPool (only during backward and step)
-    host_acc: bool = False  # gradients accumulate in fp32 in ``grads`` on the host (hostgrads.py)
+    strategy: GradientStrategy | None = None  # where the gradients live until the step (gradstrategy.py)
     uploaded: object = DONE  # event: the last upload of new weights into device_weights
     downloaded: object = DONE  # event: the last download of device_grads
 
@@ -91,20 +92,11 @@ class LayerGroup:
     @property
     def grad_dtype(self) -> torch.dtype:
         """The dtype of the gradients the step reads."""
-        return torch.float32 if self.host_acc else self.dtype
+        return self.strategy.grad_dtype(self.dtype)
 
     @property
     def shapes(self) -> list[torch.Size]:
         return self.offloaded.shapes if self.offloaded is not None else [p.shape for _, p in self.spec.params]
-
-    def zero_grads(self, device: Device) -> None:
-        if self.host_acc:  # the first backward overwrites the accumulator
-            self.point_grads(None)
-        elif self.device_grads is not None:
-            device.wait(self.downloaded)  # the last download of these gradients has run
-            self.device_grads.zero_()
-        elif self.grads is not None:
-            self.grads.tensor(torch.uint8).zero_()
 
 
 def set_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
@@ -127,13 +119,13 @@ def flat_copy(params, out: torch.Tensor) -> None:
         out.copy_(torch.cat([p.detach().reshape(-1).to(out.dtype) for p in params]))
 
 
-def upload(engine, spec: ParamGroup, optimizer, offload: bool | str, index: int) -> LayerGroup:
-    """Create the group's optimizer state in the daemon from the parameters (or take a
-    restored one's weights); then the parameters become views of shared memory or of one
-    device allocation (resident) or empty (offloaded: to the SSD array, or with
-    ``offload="host"`` in a shared host buffer the step writes, uploaded per use), and
-    their gradients views of a gradient buffer (unless pooled)."""
-    session, device = engine.session, engine.device
+def upload(session: Session, device: Device, spec: ParamGroup, optimizer, offload: bool | str, index: int,
+           strategy: GradientStrategy, resume: bool) -> LayerGroup:
+    """Create the group's optimizer state in the daemon from the parameters (or, with
+    ``resume``, take the restored group's weights); then the parameters become views of
+    shared memory or of one device allocation (resident) or empty (offloaded: to the SSD
+    array, or with ``offload="host"`` in a shared host buffer the step writes, uploaded
+    per use), and their gradients views of the buffer ``strategy`` keeps (if any)."""
     dtypes = {p.dtype for _, p in spec.params}
     if len(dtypes) != 1:
         raise TypeError(f"group {spec.name} mixes parameter dtypes {sorted(map(str, dtypes))}; "
@@ -142,8 +134,8 @@ def upload(engine, spec: ParamGroup, optimizer, offload: bool | str, index: int)
     n = spec.numel
     params = [p for _, p in spec.params]
     shapes = [p.shape for p in params]
-    if engine._resume:  # the parameters take the checkpoint's masters, cast as each step casts them
-        master, info = checkpoints.read_masters(engine, spec.name, n)
+    if resume:  # the parameters take the checkpoint's masters, cast as each step casts them
+        master, info = checkpoints.read_masters(session, spec.name, n)
         if info.optimizer.to_pb() != optimizer.to_pb():
             master.free()
             was, now = (getattr(o, "state_dtype", "fp32") for o in (info.optimizer, optimizer))
@@ -163,9 +155,8 @@ def upload(engine, spec: ParamGroup, optimizer, offload: bool | str, index: int)
         master = session.allocate(n * 4)
         flat_copy(params, master.tensor(torch.float32)[:n])
         info = session.create_group(spec.name, master, optimizer, numel=n)
-    pooled = bool(offload) and engine._pool_grads
-    host_acc = engine._host_accumulation and not pooled
-    grads = None if pooled else session.allocate(n * (4 if host_acc else dtype.itemsize))
+    grad_bytes = strategy.host_buffer_bytes(n, dtype)
+    grads = session.allocate(grad_bytes) if grad_bytes else None
     on_host = offload == "host"
     if offload and not on_host and dtype == torch.float32:  # the compute weights are the masters: read them in place
         weights, source = None, (state_object(spec.name), info.weights_offset)
@@ -179,7 +170,7 @@ def upload(engine, spec: ParamGroup, optimizer, offload: bool | str, index: int)
             weights.free()
             weights = None
     master.free()
-    group = LayerGroup(spec, weights, grads, dtype, pooled=pooled, host_acc=host_acc)
+    group = LayerGroup(spec, weights, grads, dtype, strategy=strategy)
     if device.shares_host_memory:  # (offload="host" does not come here: on the CPU it is resident)
         flat_w = weights.tensor(dtype)[:n] if weights is not None else None
         flat_g = grads.tensor(dtype)[:n] if grads is not None else None
@@ -189,7 +180,7 @@ def upload(engine, spec: ParamGroup, optimizer, offload: bool | str, index: int)
             flat_w = group.device_weights = device.empty(n * dtype.itemsize).view(dtype)
             flat_copy(params, flat_w)
         flat_g = group.device_grads = device.empty(n * dtype.itemsize).view(dtype) \
-            if grads is not None and not host_acc else None
+            if grads is not None and strategy.keeps_device_grads() else None
     grad_parts = flat_parts(flat_g, shapes) if flat_g is not None else [None] * len(params)
     weight_parts = flat_parts(flat_w, shapes) if flat_w is not None else [None] * len(params)
     with torch.no_grad():
@@ -203,35 +194,6 @@ def upload(engine, spec: ParamGroup, optimizer, offload: bool | str, index: int)
         group.offloaded = OffloadedGroup(index, spec.name, spec.module, params, dtype, source, n, shapes=shapes,
                                          host=weights if on_host else None)
     return group
-
-
-def after(device: Device, event, start) -> Future:
-    """A future of the future that ``start()`` returns, called once ``event`` happened
-    (on the device's helper thread): how a step is submitted after its gradients'
-    download without blocking the training thread."""
-    outer: Future = Future()
-
-    def relay(inner: Future) -> None:
-        exc = inner.exception()
-        outer.set_exception(exc) if exc is not None else outer.set_result(inner.result())
-
-    def go():
-        start().add_done_callback(relay)
-
-    device.then(event, go).add_done_callback(lambda f: f.exception() is not None and outer.set_exception(f.exception()))
-    return outer
-
-
-def submit(engine, g: LayerGroup, start) -> Future:
-    """Send a resident-gradient group's step: ``start(grads_buffer)`` issues it. On a
-    device with its own memory the gradients are downloaded first and the step goes when
-    the copy is done."""
-    g.adopt_grads()
-    if g.device_grads is None:
-        return start(g.grads)
-    device = engine.device
-    g.downloaded = device.download(g.grads.tensor(g.dtype)[:g.numel], g.device_grads)
-    return after(device, g.downloaded, lambda: start(g.grads))
 
 
 def upload_weights(device: Device, g: LayerGroup) -> None:
