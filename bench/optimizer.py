@@ -2,9 +2,9 @@
 
     python bench/optimizer.py --json optimizer.json [--params 500M] [--groups 16] [--rounds 3]
                               [--warmup 2] [--dir DIR] [--out bf16|fp32|none] [--ssd-size 2GiB]
-                              [--inmem-steps 3] [--keep]
+                              [--inmem-steps 3] [--state-dtypes fp32,bf16,int8] [--keep]
 
-Four cases on the same machine, interleaved round by round (case order rotated per round):
+Four kinds of cases on the same machine, interleaved round by round (case order rotated per round):
 
 * fuyou:             a private fuyoud (``fuyou_client.start_daemon``) holding ``--groups`` AdamW
                      groups of ``--params`` fp32 parameters in all, their state (master weights,
@@ -17,6 +17,17 @@ Four cases on the same machine, interleaved round by round (case order rotated p
                      was prefetched are recorded too. ``--warmup`` untimed steps first (fresh
                      preallocated extents are slow to write the first time; the daemon learns
                      the group order for prefetching from the first iteration).
+                     One such case per AdamW state dtype of ``--state-dtypes`` (``fuyou`` for
+                     fp32, ``fuyou_bf16``, ``fuyou_int8``), each on its own private daemon, all
+                     in every round: the moments on SSD in fp32 (12 bytes of state per
+                     parameter), bf16 (8) or block-wise int8 (6 + 8/256; fuyoud/optimizer/
+                     layout.py). After each step (untimed) the script waits until that daemon is
+                     quiet, so that no case's read-ahead spills into another's timing, and
+                     takes the daemon's bytes_read / bytes_written deltas: the SSD bytes per
+                     parameter per step, measured (their mean over the timed rounds; a step's
+                     read-ahead of the next one's first group may fall in either window). The
+                     daemons run without their state cache (``state_cache = false``), so every
+                     step reads and writes its whole state.
 * ssd_bound:         the disk's sequential write and read bandwidth on the same file system,
                      measured as bench/io.py's ``limit`` case does: fuyoud's io_uring engine
                      called directly over a private huge-page buffer, O_DIRECT, 1 MiB requests,
@@ -31,6 +42,10 @@ Four cases on the same machine, interleaved round by round (case order rotated p
                      tensors) in memory: the compute floor. Allocated per round and freed after
                      (8 GB at 500M parameters); one untimed step, then ``--inmem-steps`` timed
                      steps, their median is the round's figure.
+* kernel_<dtype>:    the daemon's own step kernel (``fuyoud.optimizer.kernels.step``, one call per
+                     group, as the daemon runs it) on each dtype's state in memory: what the
+                     CPU arithmetic alone costs, against torch_inmem (for fp32 it is the same
+                     fused kernel; bf16 and int8 add decoding and encoding the moments).
 * deepspeed_cpuadam: ``deepspeed.ops.adam.DeepSpeedCPUAdam`` likewise (skipped with a note when
                      DeepSpeed does not import or its cpu_adam op does not build; it builds on
                      first use, about a minute, cached in $TORCH_EXTENSIONS_DIR, by default
@@ -38,7 +53,10 @@ Four cases on the same machine, interleaved round by round (case order rotated p
 
 Reported: median, min, max and per-round seconds; the disk's bandwidths; the ratio
 fuyou_step_s / ssd_bound_s (of the medians, and the median of the per-round paired ratios)
-against the target ``fuyou_step_s <= 1.15 x ssd_bound_s``; the daemon's phase breakdown; memory
+against the target ``fuyou_step_s <= 1.15 x ssd_bound_s``. The top-level keys are the fp32
+case's (or, without fp32 in ``--state-dtypes``, the first dtype's; ``state_dtype`` says which);
+``by_state_dtype`` maps each dtype to the same figures, each against its own SSD bound (its own
+state bytes over the same rounds' measured bandwidths); the daemon's phase breakdown; memory
 peaks (this process, the daemon, the whole host). After the timed rounds a second session steps
 two small groups for a few iterations and compares the weights with ``torch.optim.AdamW(fused=
 True)`` on the same initial weights, gradients and learning rates (expected: bitwise equal).
@@ -64,7 +82,14 @@ from pathlib import Path
 import torch
 
 import fuyou_client
+from fuyoud.optimizer import kernels, lowp
 from fuyoud.units import parse_size
+
+try:
+    from fuyoud.config import OptimizerSection
+    OPTIMIZER_KEYS = set(OptimizerSection.__dataclass_fields__)
+except ImportError:  # pragma: no cover
+    OPTIMIZER_KEYS = set()
 from common import BareLoop, gbps, host_info, summarize
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,6 +100,23 @@ HEADER = 4096  # the daemon's per-group state header (fuyoud/optimizer/groups.py
 TARGET = 1.15
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.01
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "none": None}
+STATE_DTYPES = ("fp32", "bf16", "int8")
+
+
+def parse_state_dtypes(text: str) -> list[str]:
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in out if t not in STATE_DTYPES]
+    if not out or bad or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"want a comma-separated subset of {','.join(STATE_DTYPES)}, got {text!r}")
+    return sorted(out, key=STATE_DTYPES.index)
+
+
+def spec_of(state_dtype: str) -> kernels.OptimizerSpec:
+    return kernels.OptimizerSpec("adamw", BETAS[0], BETAS[1], EPS, WD, state_dtype=state_dtype)
+
+
+def case_name(state_dtype: str) -> str:
+    return "fuyou" if state_dtype == "fp32" else f"fuyou_{state_dtype}"
 
 
 def align_up(n: int, a: int) -> int:
@@ -90,9 +132,10 @@ def parse_count(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
-def state_bytes_of(numel: int) -> int:
-    """An AdamW group's state object: header + weights, exp_avg, exp_avg_sq (4 KiB-aligned slots)."""
-    return HEADER + 3 * align_up(numel * 4, 4096)
+def state_bytes_of(numel: int, state_dtype: str = "fp32") -> int:
+    """An AdamW group's state object: header + weights, exp_avg, exp_avg_sq (+ the int8 moments'
+    scales), 4 KiB-aligned slots (fuyoud/optimizer/layout.py)."""
+    return spec_of(state_dtype).layout(numel).size
 
 
 def meminfo() -> dict[str, int]:
@@ -120,7 +163,7 @@ class MemoryWatch:
 
     def __init__(self, interval: float = 0.2):
         self.interval = interval
-        self.daemon_pid: int | None = None
+        self.daemon_pids: list[int] = []
         self.host_peak = 0
         self.daemon_rss_peak = 0
         self.baseline = meminfo()["MemTotal"] - meminfo()["MemAvailable"]
@@ -131,8 +174,9 @@ class MemoryWatch:
     def sample(self) -> None:
         m = meminfo()
         self.host_peak = max(self.host_peak, m["MemTotal"] - m["MemAvailable"])
-        if self.daemon_pid is not None:
-            self.daemon_rss_peak = max(self.daemon_rss_peak, proc_status(self.daemon_pid).get("VmRSS", 0))
+        if self.daemon_pids:  # the daemons together
+            rss = sum(proc_status(pid).get("VmRSS", 0) for pid in self.daemon_pids)
+            self.daemon_rss_peak = max(self.daemon_rss_peak, rss)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -149,28 +193,31 @@ class Skip(Exception):
 
 
 class Fuyou:
-    name = "fuyou"
-
-    def __init__(self, args, workdir: Path, numel: int, memwatch: MemoryWatch):
-        self.args, self.numel, self.groups = args, numel, args.groups
-        self.group_state = state_bytes_of(numel)
+    def __init__(self, args, workdir: Path, numel: int, memwatch: MemoryWatch, state_dtype: str = "fp32"):
+        self.args, self.numel, self.groups, self.state_dtype = args, numel, args.groups, state_dtype
+        self.name = case_name(state_dtype)
+        self.group_state = state_bytes_of(numel, state_dtype)
+        self.layout_bytes_per_param = spec_of(state_dtype).layout(numel).bytes_per_param
         self.state_bytes = self.groups * self.group_state
         self.out_dtype = OUT_DTYPES[args.out]
         self.out_width = self.out_dtype.itemsize if self.out_dtype is not None else 0
-        capacity = align_up(int(self.state_bytes * args.capacity_factor), 4096)
+        capacity = align_up(int(self.state_bytes * args.capacity_factor) + 64 * MiB, 4096)  # + room for verify()
         # Three buffers, each room for one group's state plus one fp32 weights slot (newer daemons
         # keep the new weights next to the state in the step's buffer; older ones map only the
         # state, so the slack costs them nothing: buffers are mapped at the size a step needs).
-        per_buffer = align_up(self.group_state + align_up(numel * 4, 4096), HUGE)
+        # (at least 20 MiB: verify()'s 1M-parameter group steps whole)
+        per_buffer = align_up(max(self.group_state + align_up(numel * 4, 4096), 20 * MiB), HUGE)
         buffer_budget = align_up(int(3 * per_buffer * 1.1), HUGE)
         shared = align_up(numel * 4, HUGE) * 2 + align_up(self.groups * numel * self.out_width, HUGE)
         self.config = {
-            "storage": {"data_dirs": [str(workdir / "fuyou-data")], "capacity_per_device": capacity},
+            "storage": {"data_dirs": [str(workdir / f"{self.name}-data")], "capacity_per_device": capacity},
             "memory": {"pinned_budget": align_up(shared + 256 * MiB, 4096), "segment_size": "64MiB"},
-            "optimizer": {"buffer_budget": buffer_budget, "buffers": 3},
+            # No state cache (daemons that have one): every step reads and writes its whole state.
+            "optimizer": {"buffer_budget": buffer_budget, "buffers": 3,
+                          **({"state_cache": False} if "state_cache" in OPTIMIZER_KEYS else {})},
         }
-        self.daemon = fuyou_client.start_daemon(workdir / "fuyou-state", config=self.config)
-        memwatch.daemon_pid = self.daemon.pid
+        self.daemon = fuyou_client.start_daemon(workdir / f"{self.name}-state", config=self.config)
+        memwatch.daemon_pids.append(self.daemon.pid)
         self.session = None
         try:
             self.session = fuyou_client.connect(self.daemon.socket, namespace="bench")
@@ -183,7 +230,7 @@ class Fuyou:
             wt.normal_(generator=gen)
             for i in range(self.groups):  # the same initial weights for every group: timing only
                 self.session.create_group(f"g{i}", w, fuyou_client.AdamW(lr=LR, betas=BETAS, eps=EPS,
-                                                                         weight_decay=WD))
+                                                                         weight_decay=WD, state_dtype=state_dtype))
             self.create_s = time.perf_counter() - t
             del wt
             w.free()
@@ -191,6 +238,7 @@ class Fuyou:
             self.grads.tensor(torch.float32).normal_(generator=gen)
             self.out = self.session.allocate(self.groups * numel * self.out_width) if self.out_dtype else None
             self.steps_taken = 0
+            self.last = self.counters()
         except BaseException:
             self.close()
             raise
@@ -207,6 +255,9 @@ class Fuyou:
             futs.append(s.step_group_async(f"g{i}", self.grads, LR, **kw))
         infos = [f.result(timeout=1800) for f in futs]
         dt = time.perf_counter() - t
+        cur = self.counters()  # untimed: waits for the daemon's trailing read-ahead too
+        rd, wr = cur[0] - self.last[0], cur[1] - self.last[1]
+        self.last = cur
         self.steps_taken += 1
         if any(i.step != self.steps_taken for i in infos):
             raise RuntimeError(f"unexpected step counts {[i.step for i in infos]} (wanted {self.steps_taken})")
@@ -215,11 +266,25 @@ class Fuyou:
             "compute_s_sum": sum(i.compute_seconds for i in infos),
             "write_s_sum": sum(i.write_seconds for i in infos),
             "prefetched": sum(bool(i.prefetched) for i in infos),
+            "bytes_read": rd, "bytes_written": wr, "ssd_bytes_per_param": (rd + wr) / (n * self.groups),
             "per_group": [{"group": f"g{self.groups - 1 - k}", "read_s": round(i.read_seconds, 4),
                            "compute_s": round(i.compute_seconds, 4), "write_s": round(i.write_seconds, 4),
                            "prefetched": bool(i.prefetched)} for k, i in enumerate(infos)],
         }
         return dt, detail
+
+    def counters(self) -> tuple[int, int]:
+        """The daemon's (bytes_read, bytes_written) once it is quiet: unchanged over three 0.1 s waits."""
+        prev, same = None, 0
+        for _ in range(100):
+            st = self.session.status()
+            cur = (st.bytes_read, st.bytes_written)
+            same = same + 1 if cur == prev else 0
+            if same == 3:
+                break
+            prev = cur
+            time.sleep(0.1)
+        return cur
 
     def daemon_memory(self) -> dict[str, int]:
         return proc_status(self.daemon.pid)
@@ -317,6 +382,42 @@ class TorchInMem(InMemory):
         return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
 
 
+class Kernel(InMemory):
+    """The daemon's step kernel alone, one call per group, on a dtype's state in memory."""
+
+    def __init__(self, args, numel: int, state_dtype: str):
+        super().__init__(args, numel)
+        self.state_dtype, self.spec = state_dtype, spec_of(state_dtype)
+        self.name = f"kernel_{state_dtype}"
+
+    def round(self) -> tuple[float, dict]:
+        t = time.perf_counter()
+        gen = torch.Generator().manual_seed(2)
+        layout = self.spec.layout(self.numel)
+        states, slots, grads = [], [], []
+        for _ in range(self.args.groups):
+            buf = torch.zeros(layout.size, dtype=torch.uint8)
+            states.append(buf)
+            ts = layout.tensors(memoryview(buf.numpy()))
+            ts[0].normal_(generator=gen)
+            slots.append(ts)
+            grads.append(torch.empty(self.numel).normal_(generator=gen))
+        setup_s = time.perf_counter() - t
+        scratch = lowp.Scratch()
+        try:
+            times = []
+            for k in range(self.args.inmem_steps + 1):  # the first untimed: faults the state in
+                t = time.perf_counter()
+                for ts, g in zip(slots, grads):
+                    kernels.step(self.spec, k, ts, g, LR, scratch)
+                times.append(time.perf_counter() - t)
+            first = times.pop(0)
+        finally:
+            del states, slots, grads
+            gc.collect()
+        return statistics.median(times), {"steps_s": times, "first_step_s": first, "alloc_fill_s": setup_s}
+
+
 class DeepSpeedCPUAdam(InMemory):
     name = "deepspeed_cpuadam"
 
@@ -396,7 +497,9 @@ def main(argv=None) -> int:
     ap.add_argument("--inmem-steps", default=3, type=int, help="timed in-memory steps per round (default 3)")
     ap.add_argument("--capacity-factor", default=2.3, type=float,
                     help="daemon data file size / total state bytes (default 2.3)")
-    ap.add_argument("--no-peers", action="store_true", help="skip the in-memory torch and DeepSpeed cases")
+    ap.add_argument("--no-peers", action="store_true", help="skip the in-memory torch, kernel and DeepSpeed cases")
+    ap.add_argument("--state-dtypes", default="fp32,bf16,int8", type=parse_state_dtypes,
+                    help="AdamW state dtypes to run side by side, comma-separated (default fp32,bf16,int8)")
     ap.add_argument("--keep", action="store_true", help="keep the files it wrote")
     args = ap.parse_args(argv)
     if args.groups < 1 or args.params < args.groups:
@@ -408,16 +511,21 @@ def main(argv=None) -> int:
 
     numel = align_up(-(-args.params // args.groups), 1024)  # per group; 4 KiB-aligned fp32 slots
     total_params = numel * args.groups
-    state_bytes = args.groups * state_bytes_of(numel)
+    dtypes = args.state_dtypes
+    sbytes = {dt: args.groups * state_bytes_of(numel, dt) for dt in dtypes}
+    primary = dtypes[0]  # fp32 whenever it runs: the top-level keys
+    state_bytes = sbytes[primary]
     parent = (args.dir or REPO / ".fuyou" / "bench").resolve()
     workdir = parent / f"optimizer-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     workdir.mkdir(parents=True)
     print(f"bench dir {workdir}; {total_params / 1e6:.1f}M fp32 params in {args.groups} groups of "
-          f"{numel / 1e6:.2f}M; state {state_bytes / 1e9:.2f} GB read + written per step; "
-          f"{args.warmup} warm-up steps + {args.rounds} rounds; torch threads {torch.get_num_threads()}", flush=True)
+          f"{numel / 1e6:.2f}M; state read + written per step: "
+          + ", ".join(f"{dt} {sbytes[dt] / 1e9:.2f} GB" for dt in dtypes)
+          + f"; {args.warmup} warm-up steps + {args.rounds} rounds; torch threads {torch.get_num_threads()}", flush=True)
 
     memwatch = MemoryWatch()
-    fuyou = ssd = None
+    fuyous: dict[str, Fuyou] = {}
+    ssd = None
     cases: list = []
     notes: dict[str, str] = {}
     times: dict[str, list[float]] = {}
@@ -425,33 +533,39 @@ def main(argv=None) -> int:
     ssd_w: list[float] = []
     ssd_r: list[float] = []
     ssd_mixed: list[float] = []
-    mixed_bounds: list[float] = []
-    warmups: list[dict] = []
+    bounds: dict[str, list[float]] = {dt: [] for dt in dtypes}
+    mixed_bounds: dict[str, list[float]] = {dt: [] for dt in dtypes}
+    warmups: dict[str, list[dict]] = {dt: [] for dt in dtypes}
     order_log: list[list[str]] = []
     check: dict | None = None
-    daemon_mem: dict[str, int] = {}
-    daemon_log_tail = ""
-    daemon_info: dict = {}
+    daemon_mem: dict[str, dict[str, int]] = {}
+    daemon_log_tail: dict[str, str] = {}
+    daemon_info: dict[str, dict] = {}
     t_start = time.perf_counter()
     try:
-        fuyou = Fuyou(args, workdir, numel, memwatch)
-        daemon_info = {"io_engine": fuyou.engine, "io_engine_reason": fuyou.engine_reason, "config": fuyou.config,
-                       "create_groups_s": fuyou.create_s}
-        print(f"[fuyou] daemon up, {args.groups} groups created in {fuyou.create_s:.1f} s "
-              f"({gbps(state_bytes, fuyou.create_s):.2f} GB/s); engine {fuyou.engine}", flush=True)
+        for dt in dtypes:
+            fy = fuyous[dt] = Fuyou(args, workdir, numel, memwatch, dt)
+            daemon_info[dt] = {"io_engine": fy.engine, "io_engine_reason": fy.engine_reason, "config": fy.config,
+                               "create_groups_s": fy.create_s}
+            print(f"[{fy.name}] daemon up, {args.groups} groups of {dt} state created in {fy.create_s:.1f} s "
+                  f"({gbps(sbytes[dt], fy.create_s):.2f} GB/s); engine {fy.engine}", flush=True)
         for k in range(args.warmup):
-            dt, d = fuyou.step()
-            warmups.append({"step_s": dt, **{key: v for key, v in d.items() if key != "per_group"}})
-            print(f"[fuyou] warm-up step {k + 1}/{args.warmup}: {dt:.2f} s (read {d['read_s_sum']:.2f} / compute "
-                  f"{d['compute_s_sum']:.2f} / write {d['write_s_sum']:.2f} s summed over groups, "
-                  f"{d['prefetched']} prefetched)", flush=True)
+            for dt, fy in fuyous.items():
+                dt_s, d = fy.step()
+                warmups[dt].append({"step_s": dt_s, **{key: v for key, v in d.items() if key != "per_group"}})
+                print(f"[{fy.name}] warm-up step {k + 1}/{args.warmup}: {dt_s:.2f} s (read {d['read_s_sum']:.2f} / "
+                      f"compute {d['compute_s_sum']:.2f} / write {d['write_s_sum']:.2f} s summed over groups, "
+                      f"{d['prefetched']} prefetched, {d['ssd_bytes_per_param']:.2f} B/param)", flush=True)
         ssd = SsdBound(args, workdir)
         print(f"[ssd_bound] ready ({ssd.engine_name}, {args.ssd_size / 2**30:g} GiB file)", flush=True)
-        cases = [fuyou, ssd]
+        cases = [*fuyous.values(), ssd]
         if args.no_peers:
             notes["torch_inmem"] = notes["deepspeed_cpuadam"] = "--no-peers"
+            for dt in dtypes:
+                notes[f"kernel_{dt}"] = "--no-peers"
         else:
             cases.append(TorchInMem(args, numel))
+            cases.extend(Kernel(args, numel, dt) for dt in dtypes)
             try:
                 cases.append(DeepSpeedCPUAdam(args, numel))
                 print(f"[deepspeed_cpuadam] ready (op loaded in {cases[-1].load_s:.1f} s)", flush=True)
@@ -474,34 +588,38 @@ def main(argv=None) -> int:
                     ssd_mixed.append(mx)
                     parts.append(f"ssd w {w:.2f} r {rd:.2f} r+w {mx:.2f} GB/s")
                     continue
-                dt, d = case.step() if case is fuyou else case.round()
-                times[case.name].append(dt)
+                is_fuyou = isinstance(case, Fuyou)
+                dt_s, d = case.step() if is_fuyou else case.round()
+                times[case.name].append(dt_s)
                 details[case.name].append(d)
-                if case is fuyou:
-                    parts.append(f"fuyou {dt:.2f} s (r/c/w {d['read_s_sum']:.1f}/{d['compute_s_sum']:.1f}/"
-                                 f"{d['write_s_sum']:.1f}, {d['prefetched']} pf)")
+                if is_fuyou:
+                    parts.append(f"{case.name} {dt_s:.2f} s (r/c/w {d['read_s_sum']:.1f}/{d['compute_s_sum']:.1f}/"
+                                 f"{d['write_s_sum']:.1f}, {d['prefetched']} pf, {d['ssd_bytes_per_param']:.2f} B/p)")
                 else:
-                    parts.append(f"{case.name} {dt:.3f} s")
-            bound = state_bytes / (ssd_r[-1] * 1e9) + state_bytes / (ssd_w[-1] * 1e9)
-            times["ssd_bound"].append(bound)
-            mixed_bounds.append(2 * state_bytes / (ssd_mixed[-1] * 1e9))
-            print(f"round {r + 1}/{args.rounds}: " + " | ".join(parts) + f" | bound {bound:.2f} s", flush=True)
+                    parts.append(f"{case.name} {dt_s:.3f} s")
+            for dt in dtypes:
+                bounds[dt].append(sbytes[dt] / (ssd_r[-1] * 1e9) + sbytes[dt] / (ssd_w[-1] * 1e9))
+                mixed_bounds[dt].append(2 * sbytes[dt] / (ssd_mixed[-1] * 1e9))
+            times["ssd_bound"].append(bounds[primary][-1])
+            print(f"round {r + 1}/{args.rounds}: " + " | ".join(parts) + " | bound "
+                  + " ".join(f"{dt} {bounds[dt][-1]:.2f}" for dt in dtypes) + " s", flush=True)
 
-        daemon_mem = fuyou.daemon_memory()
-        check = verify(fuyou.daemon.socket)
+        daemon_mem = {dt: fy.daemon_memory() for dt, fy in fuyous.items()}
+        check = verify(fuyous[primary].daemon.socket)
         print(f"[check] {check}", flush=True)
-        final_step = fuyou.session.group("g0").step
-        if final_step != args.warmup + args.rounds:
-            raise SystemExit(f"FAIL: group g0 is at step {final_step}, expected {args.warmup + args.rounds}")
+        for fy in fuyous.values():
+            final_step = fy.session.group("g0").step
+            if final_step != args.warmup + args.rounds:
+                raise SystemExit(f"FAIL: {fy.name} group g0 is at step {final_step}, expected {args.warmup + args.rounds}")
     finally:
-        for case in ([ssd] if ssd else []) + ([fuyou] if fuyou else []) + [c for c in cases if c not in (fuyou, ssd)]:
+        for case in ([ssd] if ssd else []) + list(fuyous.values()) + [c for c in cases if not isinstance(c, (Fuyou, SsdBound))]:
             try:
                 case.close()
             except Exception as exc:  # noqa: BLE001 - report, keep cleaning up
                 print(f"[{case.name}] close failed: {exc!r}", flush=True)
-        if fuyou is not None:
+        for dt, fy in fuyous.items():
             try:
-                daemon_log_tail = fuyou.daemon.log()[-3000:]
+                daemon_log_tail[dt] = fy.daemon.log()[-3000:]
             except OSError:
                 pass
         memwatch.stop()
@@ -511,18 +629,49 @@ def main(argv=None) -> int:
 
     stats = {name: summarize(v) for name, v in times.items() if v}
     ssd_stats = {"write": summarize(ssd_w), "read": summarize(ssd_r), "read_write_concurrent": summarize(ssd_mixed)}
-    fy = stats["fuyou"]
-    mixed_bound = summarize(mixed_bounds)
-    mixed_ratio = fy["median"] / mixed_bound["median"]
-    bound_of_medians = state_bytes / (ssd_stats["read"]["median"] * 1e9) + state_bytes / (ssd_stats["write"]["median"] * 1e9)
-    ratio = fy["median"] / stats["ssd_bound"]["median"]
-    paired = statistics.median(a / b for a, b in zip(fy["rounds"], stats["ssd_bound"]["rounds"]))
-    met = ratio <= TARGET
-    phases = {key: statistics.median(d[key] for d in details["fuyou"])
-              for key in ("read_s_sum", "compute_s_sum", "write_s_sum", "prefetched")}
+
+    def med(name: str):
+        return stats[name]["median"] if name in stats else None
+
+    def figures(dt: str) -> dict:
+        """One state dtype's figures, against its own SSD bound (its bytes, the rounds' bandwidths)."""
+        name, sb = case_name(dt), sbytes[dt]
+        fy_stats, bound, mixed = stats[name], summarize(bounds[dt]), summarize(mixed_bounds[dt])
+        ratio = fy_stats["median"] / bound["median"]
+        per_step = [d["ssd_bytes_per_param"] for d in details[name]]
+        moved = sum(d["bytes_read"] + d["bytes_written"] for d in details[name])
+        phases = {key: statistics.median(d[key] for d in details[name])
+                  for key in ("read_s_sum", "compute_s_sum", "write_s_sum", "prefetched")}
+        kernel = med(f"kernel_{dt}")
+        return {
+            "state_dtype": dt, "fuyou_step_s": fy_stats["median"], "ssd_bound_s": bound["median"],
+            "fuyou_over_ssd_bound": ratio,
+            "fuyou_over_ssd_bound_paired": statistics.median(a / b for a, b in zip(fy_stats["rounds"], bounds[dt])),
+            "ssd_bound_of_median_bw_s": sb / (ssd_stats["read"]["median"] * 1e9) + sb / (ssd_stats["write"]["median"] * 1e9),
+            "target": TARGET, "target_met": ratio <= TARGET,
+            "state_bytes": sb, "bytes_read_per_step": sb, "bytes_written_per_step": sb,
+            "state_bytes_per_param": fuyous[dt].layout_bytes_per_param,
+            "expected_ssd_bytes_per_param_per_step": 2 * sb / total_params,
+            "ssd_bytes_per_param_per_step": moved / total_params / len(per_step),
+            "ssd_bytes_per_param_per_step_rounds": per_step,
+            "ssd_concurrent_bound_s": mixed["median"], "fuyou_over_ssd_concurrent_bound": fy_stats["median"] / mixed["median"],
+            "fuyou_phases_median": phases, "kernel_step_s": kernel,
+            "kernel_over_torch_inmem": kernel / med("torch_inmem") if kernel and med("torch_inmem") else None,
+            "fuyou_over_fp32": (fy_stats["median"] / med("fuyou")) if "fuyou" in stats else None,
+            "fuyou_over_fp32_paired": (statistics.median(a / b for a, b in zip(fy_stats["rounds"], stats["fuyou"]["rounds"]))
+                                       if "fuyou" in stats else None),
+            "stats": {"fuyou": fy_stats, "ssd_bound": bound, "ssd_concurrent_bound": mixed},
+            "fuyou_warmup": warmups[dt],
+        }
+
+    by_dtype = {dt: figures(dt) for dt in dtypes}
+    top = by_dtype[primary]
+    fy, ratio, paired, met = stats[case_name(primary)], top["fuyou_over_ssd_bound"], top["fuyou_over_ssd_bound_paired"], top["target_met"]
+    phases = top["fuyou_phases_median"]
 
     print(f"\n{'case':<18} {'median s':>9} {'min':>7} {'max':>7}  per-round s")
-    for name in ("fuyou", "ssd_bound", "torch_inmem", "deepspeed_cpuadam"):
+    names = [case_name(dt) for dt in dtypes] + ["ssd_bound", "torch_inmem"] + [f"kernel_{dt}" for dt in dtypes] + ["deepspeed_cpuadam"]
+    for name in names:
         if name not in stats:
             print(f"{name:<18} {'skipped':>9}  {notes.get(name, '')}")
             continue
@@ -533,47 +682,59 @@ def main(argv=None) -> int:
           f"per round w {' '.join(f'{v:.2f}' for v in ssd_w)}, r {' '.join(f'{v:.2f}' for v in ssd_r)})")
     print(f"ssd read+write at once (half the file each way): {ssd_stats['read_write_concurrent']['median']:.2f} GB/s "
           f"aggregate (per round {' '.join(f'{v:.2f}' for v in ssd_mixed)}); a stricter bound for a step that overlaps "
-          f"them: {mixed_bound['median']:.3f} s, fuyou at {mixed_ratio:.3f}x of it (informative, not the target)")
-    print(f"fuyou moves {state_bytes / 1e9:.2f} GB read + {state_bytes / 1e9:.2f} GB written per step: "
-          f"{gbps(2 * state_bytes, fy['median']):.2f} GB/s both ways together")
-    print(f"fuyou daemon phases (median over rounds, summed over {args.groups} groups): read {phases['read_s_sum']:.2f} s, "
-          f"compute {phases['compute_s_sum']:.2f} s, write {phases['write_s_sum']:.2f} s; "
-          f"{phases['prefetched']:.0f}/{args.groups} groups prefetched")
+          f"them: {top['ssd_concurrent_bound_s']:.3f} s, {case_name(primary)} at {top['fuyou_over_ssd_concurrent_bound']:.3f}x "
+          f"of it (informative, not the target)")
+    print(f"\n{'state dtype':<11} {'step s':>7} {'bound s':>7} {'ratio':>6} {'paired':>6} {'B/param':>7} {'expect':>6} "
+          f"{'read s':>6} {'comp s':>6} {'write s':>7} {'kernel s':>8} {'vs fp32':>7}")
+    for dt, f in by_dtype.items():
+        ph = f["fuyou_phases_median"]
+        print(f"{dt:<11} {f['fuyou_step_s']:7.3f} {f['ssd_bound_s']:7.3f} {f['fuyou_over_ssd_bound']:6.3f} "
+              f"{f['fuyou_over_ssd_bound_paired']:6.3f} {f['ssd_bytes_per_param_per_step']:7.2f} "
+              f"{f['expected_ssd_bytes_per_param_per_step']:6.2f} {ph['read_s_sum']:6.2f} {ph['compute_s_sum']:6.2f} "
+              f"{ph['write_s_sum']:7.2f} " + (f"{f['kernel_step_s']:8.3f}" if f["kernel_step_s"] else f"{'-':>8}")
+              + (f" {f['fuyou_over_fp32_paired']:7.3f}" if f["fuyou_over_fp32_paired"] else f" {'-':>7}"))
+    print("(medians over rounds; B/param = the daemon's bytes read + written per parameter per step, measured; "
+          "expect = 2 x state bytes / params; phases summed over groups; kernel = kernels.step in memory; "
+          "vs fp32 = median of paired per-round step-time ratios)")
     if "torch_inmem" in stats:
-        print(f"fuyou / torch_inmem = {fy['median'] / stats['torch_inmem']['median']:.1f}x")
-    print(f"\nfuyou_over_ssd_bound = {ratio:.3f} (median of paired per-round ratios {paired:.3f}); "
-          f"target fuyou_step_s <= {TARGET} x ssd_bound_s: {'MET' if met else 'NOT met'}")
+        print(f"{case_name(primary)} / torch_inmem = {fy['median'] / stats['torch_inmem']['median']:.1f}x")
+    for dt, f in by_dtype.items():
+        print(f"{case_name(dt)}_over_ssd_bound = {f['fuyou_over_ssd_bound']:.3f} (paired {f['fuyou_over_ssd_bound_paired']:.3f}); "
+              f"target <= {TARGET}: {'MET' if f['target_met'] else 'NOT met'}")
     print(f"correctness vs torch.optim.AdamW(fused=True): bitwise_equal={check['bitwise_equal']} "
           f"max_abs_diff={check['max_abs_diff']:.3g} ({'ok' if check['ok'] else 'FAIL'})")
     peak = {"client_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KiB,
-            "daemon_vmhwm_bytes": daemon_mem.get("VmHWM"), "daemon_rss_peak_sampled_bytes": memwatch.daemon_rss_peak,
+            "daemon_vmhwm_bytes": daemon_mem.get(primary, {}).get("VmHWM"),
+            "daemons_vmhwm_bytes": {dt: m.get("VmHWM") for dt, m in daemon_mem.items()},
+            "daemon_rss_peak_sampled_bytes": memwatch.daemon_rss_peak,
             "host_used_peak_bytes": memwatch.host_peak, "host_used_before_bytes": memwatch.baseline}
-    print(f"memory peaks: this process {peak['client_maxrss_bytes'] / 2**30:.2f} GiB, daemon "
-          f"{(peak['daemon_vmhwm_bytes'] or 0) / 2**30:.2f} GiB (VmHWM), host used {peak['host_used_peak_bytes'] / 2**30:.2f} "
+    print(f"memory peaks: this process {peak['client_maxrss_bytes'] / 2**30:.2f} GiB, daemons "
+          + ", ".join(f"{dt} {(v or 0) / 2**30:.2f}" for dt, v in peak["daemons_vmhwm_bytes"].items())
+          + f" GiB (VmHWM), host used {peak['host_used_peak_bytes'] / 2**30:.2f} "
           f"GiB (was {peak['host_used_before_bytes'] / 2**30:.2f}); wall {wall:.0f} s")
-
-    def med(name: str):
-        return stats[name]["median"] if name in stats else None
 
     ds = next((c for c in cases if c.name == "deepspeed_cpuadam"), None)
     result = {
-        "fuyou_step_s": med("fuyou"), "ssd_bound_s": med("ssd_bound"), "torch_inmem_step_s": med("torch_inmem"),
+        "fuyou_step_s": top["fuyou_step_s"], "ssd_bound_s": top["ssd_bound_s"], "torch_inmem_step_s": med("torch_inmem"),
         "deepspeed_cpuadam_step_s": med("deepspeed_cpuadam"), "fuyou_over_ssd_bound": ratio,
-        "fuyou_over_ssd_bound_paired": paired, "ssd_bound_of_median_bw_s": bound_of_medians,
+        "fuyou_over_ssd_bound_paired": paired, "ssd_bound_of_median_bw_s": top["ssd_bound_of_median_bw_s"],
         "target": TARGET, "target_met": met,
         "params": total_params, "params_requested": args.params, "groups": args.groups, "group_numel": numel,
         "rounds": args.rounds, "warmup_steps": args.warmup, "state_bytes": state_bytes,
         "bytes_read_per_step": state_bytes, "bytes_written_per_step": state_bytes,
+        "ssd_bytes_per_param_per_step": top["ssd_bytes_per_param_per_step"],
         "ssd_read_gbps": ssd_stats["read"]["median"], "ssd_write_gbps": ssd_stats["write"]["median"], "gb": 1e9,
         "ssd_read_write_concurrent_gbps": ssd_stats["read_write_concurrent"]["median"],
-        "ssd_concurrent_bound_s": mixed_bound["median"], "fuyou_over_ssd_concurrent_bound": mixed_ratio,
+        "ssd_concurrent_bound_s": top["ssd_concurrent_bound_s"],
+        "fuyou_over_ssd_concurrent_bound": top["fuyou_over_ssd_concurrent_bound"],
         "fuyou_phases_median": phases, "out_dtype": args.out, "lr": LR, "betas": BETAS, "eps": EPS,
-        "weight_decay": WD, "stats": stats, "ssd_stats": ssd_stats,
+        "weight_decay": WD, "state_dtype": primary, "state_dtypes": dtypes, "by_state_dtype": by_dtype,
+        "stats": stats, "ssd_stats": ssd_stats,
         "per_round": {"seconds": times, "ssd_write_gbps": ssd_w, "ssd_read_gbps": ssd_r,
-                      "ssd_read_write_concurrent_gbps": ssd_mixed, "ssd_concurrent_bound_s": mixed_bounds,
-                      "details": details},
-        "fuyou_warmup": warmups, "case_order": order_log, "correctness": check, "memory": peak,
-        "daemon": daemon_info, "daemon_log_tail": daemon_log_tail,
+                      "ssd_read_write_concurrent_gbps": ssd_mixed, "ssd_concurrent_bound_s": mixed_bounds[primary],
+                      "ssd_bound_s_by_state_dtype": bounds, "details": details},
+        "fuyou_warmup": warmups[primary], "case_order": order_log, "correctness": check, "memory": peak,
+        "daemon": daemon_info.get(primary, {}), "daemons": daemon_info, "daemon_log_tail": daemon_log_tail.get(primary, ""),
         "ssd_bound_engine": ssd.engine_name if ssd else None, "ssd_bound_file_bytes": args.ssd_size,
         "block_size": args.block_size, "depth": args.depth, "inmem_steps": args.inmem_steps,
         "deepspeed_version": ds.version if ds else None, "deepspeed_op_load_s": ds.load_s if ds else None,

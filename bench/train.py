@@ -3,6 +3,7 @@
     python bench/train.py [--json PATH] [--layers 8] [--width 768] [--seq 128] [--batch 4]
                           [--steps 6] [--warmup 2] [--rounds 3] [--vocab 512] [--prefetch 2]
                           [--keep 0] [--no-resident] [--dir DIR] [--keep-files]
+                          [--state-dtypes fp32,bf16,int8]
 
 One Hugging Face ``GPT2LMHeadModel`` (random init, seed 0; ~57M parameters by default, dropout
 off) is copied into each case; every case trains on the same random token batches (seed 1), in
@@ -15,6 +16,10 @@ the same order, one full iteration being forward, ``loss.backward()``, optimizer
 * fuyou_resident: the same with ``offload=False`` (weights resident, only the optimizer state on
                   SSD), on a second private daemon (so neither case's read-ahead buffers are held
                   while the other runs). Skipped with ``--no-resident``.
+* fuyou_bf16, fuyou_int8: the fuyou case with ``AdamW(state_dtype="bf16" | "int8")``: the moments
+                  on SSD in bf16 or block-wise int8 (fuyoud/optimizer/lowp.py), each on its own
+                  private daemon. ``--state-dtypes`` (default fp32,bf16,int8) picks which of
+                  fuyou (fp32), fuyou_bf16 and fuyou_int8 run; the resident case is fp32 only.
 * inmem:          ``torch.optim.AdamW(fused=True)`` in memory, same hyperparameters.
 
 Models, daemons and engines stay alive across rounds. Every round runs ``--warmup`` untimed
@@ -38,7 +43,12 @@ medians over rounds of per-round figures (GB = 1e9 bytes, tokens = batch x seq p
   script only, wrapping the engine's objects) the client's time blocked on weight fetches in
   forward and backward and on the gradient pool in backward, and every step's group, submission
   and completion time relative to backward's end and StepInfo (in the JSON's "iterations");
-* the losses of all cases, which should agree (same init, same batches, same fused kernel).
+* the losses of all cases, which should agree for fp32 state (same init, same batches, same fused
+  kernel); bf16 and int8 state drift from them a little.
+
+The top-level keys are the fp32 fuyou case's (or, without fp32 in ``--state-dtypes``, the first
+dtype's; ``state_dtype`` says which); ``by_state_dtype`` maps each dtype to the same figures for its
+own case (bytes target: its own state bytes plus the 4 bytes of weight fetches, 28 / 20 / 16.1).
 
 Work files go to a fresh directory under ``<repo>/.fuyou/bench`` (or ``--dir``), removed at the end
 unless ``--keep-files``; the JSON goes to ``--json`` (default ``<repo>/.fuyou/bench-results/
@@ -61,11 +71,26 @@ import torch
 import transformers
 
 import fuyou_client
+from fuyoud.optimizer import kernels
 from common import host_info, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 LR, WD = 1e-4, 0.01
 TARGET_EXPOSED, TARGET_BYTES = 0.10, 28.0
+STATE_DTYPES = ("fp32", "bf16", "int8")
+TARGET_BYTES_BY_DTYPE = {"fp32": 28.0, "bf16": 20.0, "int8": 16.1}  # state read + written, + 4 B of fetches
+
+
+def parse_state_dtypes(text: str) -> list[str]:
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in out if t not in STATE_DTYPES]
+    if not out or bad or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"want a comma-separated subset of {','.join(STATE_DTYPES)}, got {text!r}")
+    return sorted(out, key=STATE_DTYPES.index)
+
+
+def case_name(state_dtype: str) -> str:
+    return "fuyou" if state_dtype == "fp32" else f"fuyou_{state_dtype}"
 now = time.perf_counter
 
 
@@ -98,14 +123,15 @@ class InMem:
 
 
 class Fuyou:
-    def __init__(self, name: str, model: torch.nn.Module, workdir: Path, args, offload: bool):
-        self.name, self.model = name, model
+    def __init__(self, name: str, model: torch.nn.Module, workdir: Path, args, offload: bool,
+                 state_dtype: str = "fp32"):
+        self.name, self.model, self.state_dtype = name, model, state_dtype
         config = {"storage": {"data_dirs": [str(workdir / f"{name}-data")], "capacity_per_device": "8GiB"},
                   "optimizer": {"buffer_budget": "1GiB"}}
         self.daemon = fuyou_client.start_daemon(workdir / f"{name}-state", config=config)
         try:
             kw = {"prefetch": args.prefetch, "keep": args.keep} if offload else {}
-            self.engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=LR, weight_decay=WD),
+            self.engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=LR, weight_decay=WD, state_dtype=state_dtype),
                                               socket=self.daemon.socket, namespace=f"bench-{name}",
                                               offload=offload, **kw)
         except BaseException:
@@ -245,6 +271,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-resident", action="store_true", help="skip the fuyou offload=False case")
     ap.add_argument("--dir", type=Path, help="parent of the bench directory (default <repo>/.fuyou/bench)")
     ap.add_argument("--keep-files", action="store_true", help="keep the daemons' files")
+    ap.add_argument("--state-dtypes", default="fp32,bf16,int8", type=parse_state_dtypes,
+                    help="AdamW state dtypes of the offloaded fuyou cases, comma-separated (default fp32,bf16,int8)")
     args = ap.parse_args(argv)
     if min(args.layers, args.seq, args.batch, args.steps, args.rounds) < 1 or args.warmup < 0 or args.width % 64:
         ap.error("need positive --layers/--seq/--batch/--steps/--rounds, --warmup >= 0, --width % 64 == 0")
@@ -271,11 +299,11 @@ def main(argv=None) -> int:
     cases, per_round, losses, order_log, raw, setup = [], {}, {}, [], {}, {}
     t_start = now()
     try:
-        for name, make in (("fuyou", lambda m: Fuyou("fuyou", m, workdir, args, offload=True)),
-                           ("fuyou_resident", lambda m: Fuyou("fuyou_resident", m, workdir, args, offload=False)),
-                           ("inmem", InMem)):
-            if name == "fuyou_resident" and args.no_resident:
-                continue
+        makers = [(case_name(dt), lambda m, dt=dt: Fuyou(case_name(dt), m, workdir, args, offload=True, state_dtype=dt))
+                  for dt in args.state_dtypes]
+        if not args.no_resident:
+            makers.append(("fuyou_resident", lambda m: Fuyou("fuyou_resident", m, workdir, args, offload=False)))
+        for name, make in (*makers, ("inmem", InMem)):
             t = now()
             cases.append(make(copy.deepcopy(base)))
             setup[name] = now() - t
@@ -321,10 +349,12 @@ def main(argv=None) -> int:
     keys = sorted({k for rows in per_round.values() for row in rows for k in row})
     stats = {n: {k: summarize([row[k] for row in rows]) for k in keys if k in rows[0]} for n, rows in per_round.items()}
     med = {n: {k: s["median"] for k, s in st.items()} for n, st in stats.items()}
-    fy, im = med["fuyou"], med["inmem"]
+    dtypes = args.state_dtypes
+    primary = case_name(dtypes[0])  # "fuyou" (fp32) whenever it runs: the top-level keys
+    fy, im = med[primary], med["inmem"]
     ratio = fy["tokens_per_s"] / im["tokens_per_s"]
     paired = statistics.median(a["tokens_per_s"] / b["tokens_per_s"]
-                               for a, b in zip(per_round["fuyou"], per_round["inmem"]))
+                               for a, b in zip(per_round[primary], per_round["inmem"]))
     dur = lambda it: it["t"][4] - it["t"][0]  # noqa: E731
     paired_iter = {n: statistics.median(dur(b) / dur(a) for ra, rb in zip(raw[n], raw["inmem"]) for a, b in zip(ra, rb))
                    for n in raw if n != "inmem"}
@@ -359,29 +389,74 @@ def main(argv=None) -> int:
               f"{m['backward_s'] - im['backward_s']:+.3f}, after backward {m['step_s'] - im['step_s']:+.3f}, zero_grad "
               f"{m['zero_grad_s'] - im['zero_grad_s']:+.3f}; backward blocked on the gradient pool "
               f"{m['grad_pool_wait_bwd_s']:.3f}; max |loss - inmem's| {loss_diff[n]:.3g}")
+    by_case = {c.name: c for c in cases}
+
+    def expected(dt: str) -> float:
+        """2 x the state objects' bytes (padding included) / parameters: what a step reads and writes."""
+        spec = kernels.OptimizerSpec("adamw", state_dtype=dt)
+        return sum(2 * spec.layout(n).size for n in by_case[case_name(dt)].numels.values()) / params
+
+    def figures(dt: str) -> dict:
+        n = case_name(dt)
+        m = med[n]
+        target = TARGET_BYTES_BY_DTYPE[dt]
+        return {
+            "state_dtype": dt, "case": n, "fuyou_tokens_per_s": m["tokens_per_s"], "fuyou_over_inmem": m["tokens_per_s"] / im["tokens_per_s"],
+            "fuyou_over_inmem_paired": statistics.median(a["tokens_per_s"] / b["tokens_per_s"]
+                                                         for a, b in zip(per_round[n], per_round["inmem"])),
+            "fuyou_over_inmem_paired_iter": paired_iter[n],
+            "exposed_optimizer_fraction": m["exposed_fraction"], "exposed_target_met": m["exposed_fraction"] <= TARGET_EXPOSED,
+            "step_s": m["step_s"], "iter_s": m["iter_s"],
+            "ssd_bytes_per_param_per_iter": m["ssd_bytes_per_param_per_iter"],
+            "state_bytes_per_param_per_iter": m["state_bytes_per_param_per_iter"],
+            "fetch_bytes_per_param_per_iter": m["fetch_bytes_per_param_per_iter"],
+            "expected_state_bytes_per_param_per_iter": expected(dt),
+            "target_ssd_bytes_per_param_per_iter": target, "ssd_bytes_target_met": m["ssd_bytes_per_param_per_iter"] <= target,
+            "read_s": m["read_s"], "compute_s": m["compute_s"], "write_s": m["write_s"],
+            "daemon_cpu_s_per_iter": m["daemon_cpu_s_per_iter"],
+            "tokens_per_s_over_fp32_paired_iter": (statistics.median(
+                dur(b) / dur(a) for ra, rb in zip(raw[n], raw["fuyou"]) for a, b in zip(ra, rb)) if "fuyou" in raw else None),
+            "loss_max_abs_diff_vs_inmem": loss_diff[n], "final_loss": losses[n][-1],
+        }
+
+    by_dtype = {dt: figures(dt) for dt in dtypes}
+    if len(dtypes) > 1:
+        print(f"\n{'state dtype':<11} {'tok/s':>7} {'vs inmem':>8} {'vs fp32':>7} {'exposed':>7} {'B/param':>7} "
+              f"{'expect':>6} {'target':>6} {'comp s':>6} {'max|dloss|':>10}")
+        for dt, f in by_dtype.items():
+            vs = f["tokens_per_s_over_fp32_paired_iter"]
+            print(f"{dt:<11} {f['fuyou_tokens_per_s']:7.0f} {f['fuyou_over_inmem']:8.3f} "
+                  + (f"{vs:7.3f}" if vs else f"{'-':>7}")
+                  + f" {f['exposed_optimizer_fraction']:7.3f} {f['ssd_bytes_per_param_per_iter']:7.2f} "
+                  f"{f['expected_state_bytes_per_param_per_iter'] + f['fetch_bytes_per_param_per_iter']:6.2f} "
+                  f"{f['target_ssd_bytes_per_param_per_iter']:6.1f} {f['compute_s']:6.3f} {f['loss_max_abs_diff_vs_inmem']:10.3g}")
+        print("(expect = 2 x state bytes + the weight fetches measured, per parameter per iteration; vs fp32 = median "
+              "of paired per-iteration tokens/s ratios; max|dloss| = largest loss difference to inmem's)")
     exp_met = fy["exposed_fraction"] <= TARGET_EXPOSED
-    bytes_met = fy["ssd_bytes_per_param_per_iter"] <= TARGET_BYTES
+    bytes_met = fy["ssd_bytes_per_param_per_iter"] <= TARGET_BYTES_BY_DTYPE[dtypes[0]]
     print(f"\nfuyou_tokens_per_s {fy['tokens_per_s']:.0f}, inmem_tokens_per_s {im['tokens_per_s']:.0f}: ratio "
           f"{ratio:.3f} (median of paired per-round ratios {paired:.3f}, of paired per-iteration ratios "
-          f"{paired_iter['fuyou']:.3f})")
+          f"{paired_iter[primary]:.3f})")
     print(f"exposed_optimizer_fraction {fy['exposed_fraction']:.3f} (inmem opt.step fraction "
           f"{im['exposed_fraction']:.3f}); target <= {TARGET_EXPOSED}: {'MET' if exp_met else 'NOT met'}")
-    print(f"ssd_bytes_per_param_per_iter {fy['ssd_bytes_per_param_per_iter']:.2f}; target <= {TARGET_BYTES}: "
+    print(f"ssd_bytes_per_param_per_iter {fy['ssd_bytes_per_param_per_iter']:.2f}; target <= "
+          f"{TARGET_BYTES_BY_DTYPE[dtypes[0]]}: "
           f"{'MET' if bytes_met else 'NOT met'}; wall {wall:.0f} s")
 
-    expected_state = sum(2 * (4096 + 3 * -(-n * 4 // 4096) * 4096) for n in cases[0].numels.values()) / params
+    expected_state = by_dtype[dtypes[0]]["expected_state_bytes_per_param_per_iter"]
     result = {
         "fuyou_tokens_per_s": fy["tokens_per_s"], "inmem_tokens_per_s": im["tokens_per_s"],
         "fuyou_resident_tokens_per_s": med.get("fuyou_resident", {}).get("tokens_per_s"),
         "fuyou_over_inmem": ratio, "fuyou_over_inmem_paired": paired,
-        "fuyou_over_inmem_paired_iter": paired_iter["fuyou"], "paired_iter_ratios": paired_iter,
+        "fuyou_over_inmem_paired_iter": paired_iter[primary], "paired_iter_ratios": paired_iter,
         "exposed_optimizer_fraction": fy["exposed_fraction"], "inmem_step_fraction": im["exposed_fraction"],
         "target_exposed_fraction": TARGET_EXPOSED, "exposed_target_met": exp_met,
         "ssd_bytes_per_param_per_iter": fy["ssd_bytes_per_param_per_iter"],
         "state_bytes_per_param_per_iter": fy["state_bytes_per_param_per_iter"],
         "fetch_bytes_per_param_per_iter": fy["fetch_bytes_per_param_per_iter"],
         "expected_state_bytes_per_param_per_iter": expected_state,
-        "target_ssd_bytes_per_param_per_iter": TARGET_BYTES, "ssd_bytes_target_met": bytes_met,
+        "target_ssd_bytes_per_param_per_iter": TARGET_BYTES_BY_DTYPE[dtypes[0]], "ssd_bytes_target_met": bytes_met,
+        "state_dtype": dtypes[0], "state_dtypes": dtypes, "by_state_dtype": by_dtype,
         "medians": med, "stats": stats, "per_round": per_round, "losses": losses,
         "loss_max_abs_diff_vs_inmem": loss_diff, "case_order": order_log,
         "iterations": raw,

@@ -10,10 +10,17 @@ exports the result with `engine.export` (safetensors shards streamed from the SS
 one layer group at a time; `from_pretrained` loads the directory).
 
     python examples/finetune.py [--steps 60] [--model PATH] [--out DIR] [--socket PATH]
+                                [--state-dtype fp32|bf16|int8] [--losses FILE.json]
+
+--state-dtype is what the AdamW moments are kept in on the SSD (master weights stay fp32):
+fp32 (exact, 24 SSD bytes per parameter per step), bf16 (16) or block-wise int8 (about
+12.06); docs/state-dtype.md has the loss curves of each against fp32. --losses writes
+every step's loss (and the settings) as JSON.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shutil
 import sys
@@ -64,6 +71,10 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="where the model computes (default: cuda if available, else cpu)")
     ap.add_argument("--bf16", action="store_true", help="bf16 compute (fp32 master weights and moments on SSD)")
+    ap.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
+                    help="what the AdamW moments are kept in on the SSD (default fp32, exact; bf16 and int8 "
+                         "move fewer bytes per step, see docs/state-dtype.md)")
+    ap.add_argument("--losses", help="write every step's loss to this JSON file")
     ap.add_argument("--socket", help="use the fuyoud at this control socket instead of a private one")
     ap.add_argument("--state-dir", default=str(ROOT / ".fuyou" / "finetune"))
     args = ap.parse_args()
@@ -73,8 +84,10 @@ def main() -> int:
     model = model.to(torch.bfloat16 if args.bf16 else torch.float32).to(args.device)
     params = sum(p.numel() for p in model.parameters())
     tokens = torch.tensor(encode(Path(args.corpus).read_text()), dtype=torch.long)
+    opt = fuyou_client.AdamW(lr=args.lr, weight_decay=0.01, state_dtype=args.state_dtype)
+    per_param = {"fp32": 12, "bf16": 8, "int8": 6 + 8 / 256}[args.state_dtype]  # fuyoud/optimizer/layout.py
     print(f"model: {type(model).__name__}, {params / 1e6:.1f}M parameters on {args.device}; corpus: {len(tokens)} tokens; "
-          f"optimizer state on SSD: {params * 12 / 2**30:.2f} GiB", flush=True)
+          f"optimizer state on SSD ({args.state_dtype} moments): {params * per_param / 2**30:.2f} GiB", flush=True)
 
     daemon = None
     if args.socket is None:
@@ -83,7 +96,7 @@ def main() -> int:
             "storage": {"capacity_per_device": max(1 << 30, params * 12 * 3) // 4096 * 4096},
             "optimizer": {"buffer_budget": "1GiB"}})
     try:
-        engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=args.lr, weight_decay=0.01),
+        engine = fuyou_client.attach(model, opt,
                                      socket=args.socket or daemon.socket, namespace="finetune-demo",
                                      max_grad_norm=None)
         sched = torch.optim.lr_scheduler.LambdaLR(
@@ -91,6 +104,7 @@ def main() -> int:
         gen = torch.Generator().manual_seed(0)
         start = engine.session.status()
         first = last = None
+        losses = []
         t0 = time.perf_counter()
         bar = tqdm(range(args.steps), desc="fine-tuning", unit="step", dynamic_ncols=True)
         for step in bar:
@@ -102,6 +116,7 @@ def main() -> int:
             engine.zero_grad()
             sched.step()
             last = loss.item()
+            losses.append(last)
             first = last if first is None else first
             st = engine.session.status()
             elapsed = time.perf_counter() - t0
@@ -109,9 +124,17 @@ def main() -> int:
                             ssd_read=f"{(st.bytes_read - start.bytes_read) / 1e9:.2f}GB",
                             ssd_written=f"{(st.bytes_written - start.bytes_written) / 1e9:.2f}GB")
         bar.close()
+        elapsed = time.perf_counter() - t0
+        if args.losses:  # (before the export: the curve is the point of a quality run)
+            tail = losses[-10:]
+            Path(args.losses).write_text(json.dumps({
+                "state_dtype": args.state_dtype, "steps": args.steps, "batch": args.batch, "seq": args.seq,
+                "layers": args.layers, "width": args.width, "lr": args.lr, "model": args.model, "params": params,
+                "final_loss": last, "mean_last_10": sum(tail) / len(tail), "losses": losses, "seconds": elapsed,
+                "argv": sys.argv}, indent=1) + "\n")
         out = engine.export(Path(args.out))
         engine.close(materialize=False)
-        print(f"loss {first:.3f} -> {last:.3f} in {args.steps} steps ({time.perf_counter() - t0:.0f} s); "
+        print(f"loss {first:.3f} -> {last:.3f} in {args.steps} steps ({elapsed:.0f} s, {args.state_dtype} moments); "
               f"fine-tuned weights saved to {out} (safetensors)")
         if not last < first:
             print("WARNING: the loss did not fall", file=sys.stderr)

@@ -30,3 +30,18 @@ def test_swap_roundtrip_example(short_tmp):
          "--state-dir", str(short_tmp / "state")], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "every byte verified" in run.stdout
+
+
+def test_finetune_demo_takes_a_state_dtype_and_writes_its_losses(short_tmp):
+    pytest.importorskip("transformers")
+    import json
+    losses = short_tmp / "losses.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "finetune.py"), "--layers", "1", "--width", "64", "--steps", "4",
+         "--seq", "32", "--lr", "3e-3", "--state-dtype", "int8", "--losses", str(losses),
+         "--out", str(short_tmp / "out"), "--state-dir", str(short_tmp / "state")],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "int8 moments" in run.stdout
+    r = json.loads(losses.read_text())
+    assert r["state_dtype"] == "int8" and len(r["losses"]) == 4 and r["final_loss"] == r["losses"][-1]
