@@ -38,8 +38,11 @@ def first_shape(args, kwargs):
 
 
 class AutoPlanner:
-    def __init__(self, engine, blocks: list[str], device_budget: int | None, host_budget: int):
-        self.engine = engine
+    def __init__(self, activations, device, apply_treatments, blocks: list[str], device_budget: int | None,
+                 host_budget: int):
+        """``activations``: the engine's ActivationSwapper (its stats, its SSD probe);
+        ``device``: the compute device; ``apply_treatments(dict)``: how a plan is applied."""
+        self.activations, self.device, self.apply_treatments = activations, device, apply_treatments
         self.blocks = blocks
         self.device_budget = UNLIMITED if device_budget is None else device_budget
         self.host_budget = host_budget
@@ -48,7 +51,7 @@ class AutoPlanner:
         self.profiling = False
         self._t0: dict[str, tuple[float, float]] = {}
         self.backward_seen = False  # set by the engine's gradient hooks: the profiled forward's backward ran
-        self._now = engine.device.timer()  # on a GPU it synchronises: profiled times are the device's
+        self._now = device.timer()  # on a GPU it synchronises: profiled times are the device's
         self.start_profiling()
 
     def start_profiling(self, warmup: int = 1) -> None:
@@ -60,11 +63,11 @@ class AutoPlanner:
         self._forward = defaultdict(float)
         self._saved = defaultdict(int)
         self._inputs: dict[str, int] = {}
-        stats = self.engine.activations.stats
+        stats = self.activations.stats
         self._ssd0 = (stats.spilled, stats.spill_s, stats.read_back, stats.read_back_s)
         self._copy0 = (stats.copied, stats.copy_s)
-        self.engine.activations.measure = True  # copies timed to completion while profiling
-        self.engine.apply_treatments({n: "swap" for n in self.blocks})
+        self.activations.measure = True  # copies timed to completion while profiling
+        self.apply_treatments({n: "swap" for n in self.blocks})
 
     # -- hooks -------------------------------------------------------------------------------
     def before(self, name: str, args, kwargs) -> None:
@@ -87,7 +90,7 @@ class AutoPlanner:
 
     def _moving(self) -> float:
         """Seconds spent moving activations so far (not the block's own compute)."""
-        stats = self.engine.activations.stats
+        stats = self.activations.stats
         return stats.copy_s + stats.spill_s
 
     def saved(self, name: str, nbytes: int) -> None:
@@ -96,16 +99,16 @@ class AutoPlanner:
 
     # -- planning ------------------------------------------------------------------------------
     def profile(self) -> Profile:
-        stats = self.engine.activations.stats
+        stats = self.activations.stats
         copied, copy_s = stats.copied - self._copy0[0], stats.copy_s - self._copy0[1]
         spilled, spill_s = stats.spilled - self._ssd0[0], stats.spill_s - self._ssd0[1]
         read, read_s = stats.read_back - self._ssd0[2], stats.read_back_s - self._ssd0[3]
         if not spilled or not read:
-            write_bps, read_bps = self.engine.activations.probe_ssd()
+            write_bps, read_bps = self.activations.probe_ssd()
         else:
             write_bps, read_bps = spilled / max(spill_s, 1e-9), read / max(read_s, 1e-9)
         blocks = [BlockProfile(n, self._forward[n], self._saved[n], self._inputs.get(n, 0)) for n in self.blocks]
-        copies_overlap = not self.engine.device.shares_host_memory  # side streams: copies overlap compute
+        copies_overlap = not self.device.shares_host_memory  # side streams: copies overlap compute
         return Profile(blocks, copied / max(copy_s, 1e-9) if copied else 10e9, write_bps, read_bps,
                        self.device_budget, self.host_budget, copies_overlap=copies_overlap)
 
@@ -119,7 +122,7 @@ class AutoPlanner:
             self.start_profiling(self._warmup - 1)
             return
         self.profiling = False
-        self.engine.activations.measure = False
+        self.activations.measure = False
         self.plan = plan(self.profile())
-        self.engine.apply_treatments(self.plan.treatments)
+        self.apply_treatments(self.plan.treatments)
         log.info("%s", self.plan.summary())

@@ -165,7 +165,8 @@ class Engine:
         self._originals: dict[str, object] = {}  # block -> its own forward, while recomputing
         self._by_name = {g.spec.name: g for g in blocks}
         self.apply_treatments(self._treatment)
-        self._auto = AutoPlanner(self, [g.spec.name for g in blocks], device_budget, host_budget) \
+        self._auto = AutoPlanner(self.activations, self.device, self.apply_treatments, [g.spec.name for g in blocks],
+                                 device_budget, host_budget) \
             if activations == "auto" and blocks else None
         for g in blocks:  # around each block, so that calling a block directly works too
             name = g.spec.name
