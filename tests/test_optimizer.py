@@ -242,3 +242,29 @@ def test_bad_optimizer_requests(short_tmp):
         s.delete("optim/ok")
         with pytest.raises(fuyou_client.ObjectNotFound):
             s.group("ok")
+
+
+def test_a_weight_fetch_takes_a_buffer_back_from_a_smaller_cached_state(short_tmp):
+    """With no buffer spare, FetchWeights would decline and the client read the weights
+    from the SSD itself; a state the cache keeps that is smaller than those weights gives
+    its buffer back instead (its next step reads fewer bytes than the decline costs)."""
+    from conftest import in_process_config
+    from fuyoud.server import Daemon
+
+    daemon = Daemon(in_process_config(short_tmp, optimizer__buffers=5, optimizer__buffer_budget="40MiB"))
+    daemon.start()
+    held = []
+    try:
+        with fuyou_client.connect(str(daemon.config.daemon.control_path)) as s:
+            init, weights, grads = make_groups(s, [1000, 100_000], AdamW())
+            s.step_group("g0", grads[0], 1e-3, out=weights[0])  # g0's state stays in the cache
+            assert daemon.optimizer.cached_bytes() > 0
+            while daemon.optimizer.buffers.spare() > 1:  # the others busy: none spare for a read-ahead
+                held.append(daemon.optimizer.buffers.acquire_blocking(4096))
+            assert s.fetch_weights_async("g1", weights[1], torch.float32).result(30)
+            assert daemon.optimizer.cached_bytes() == 0
+            assert torch.equal(weights[1].tensor(torch.float32)[:100_000], init[1])
+    finally:
+        for buf in held:
+            daemon.optimizer.buffers.release(buf)
+        daemon.stop()

@@ -280,11 +280,17 @@ class Optimizer:
         self._prefetch_next(group)  # after our buffer is back: read-ahead needs a spare one
         return result
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self, cheaper_than: int | None = None) -> bool:
         """Give back one buffer the state cache keeps (for a step that found none free);
-        False if there is none to give (or each is in use by its group right now)."""
+        False if there is none to give (or each is in use by its group right now). With
+        ``cheaper_than`` (FetchWeights finding no buffer spare: declining costs the client
+        that many bytes of weight reads), only a state smaller than that, the smallest
+        first: its next step reads fewer bytes than the decline would (a small group such
+        as "rest" otherwise keeps a whole buffer while blocks' weights are read twice)."""
         with self._lock:
             kept = [g for g in self._groups.values() if g.cached]
+        if cheaper_than is not None:
+            kept = sorted((g for g in kept if g.nbytes < cheaper_than), key=lambda g: g.nbytes)
         for group in kept:
             if not group.lock.acquire(blocking=False):
                 continue
@@ -428,7 +434,8 @@ class Optimizer:
         state: reading it once, into an optimizer buffer kept for the step, saves the
         separate weight read (4 bytes per parameter and iteration in fp32). Returns False,
         having done nothing, when no buffer is spare or the group is stepped in chunks
-        (its state is larger than a buffer); the client then reads the weights itself."""
+        (its state is larger than a buffer); the client then reads the weights itself.
+        A buffer the state cache keeps for a smaller state is taken back first."""
         if out_dtype not in DTYPES:
             raise InvalidArgument(f"out_dtype must be one of {sorted(DTYPES)}")
         out_t = _tensor(out, DTYPES[out_dtype], group.numel)
@@ -439,6 +446,8 @@ class Optimizer:
                 raise NotFound(f"optimizer group {group.name!r} was deleted or replaced")
             if group.prefetched is None:
                 buf = self.buffers.try_acquire(group.buffer_bytes, leave=1)
+                if buf is None and self._evict_one(cheaper_than=len(out)):
+                    buf = self.buffers.try_acquire(group.buffer_bytes, leave=1)
                 if buf is None:
                     return False
                 try:

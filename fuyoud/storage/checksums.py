@@ -3,8 +3,11 @@ reference machine, GIL released) of every 1 MiB block of the object, kept in its
 row and committed with it.
 
 Every read of a persistent object is checked block by block before the caller sees it:
-blocks the read covers whole are checked in place; a block it covers only in part is
-read whole into a scratch buffer, checked, and the wanted bytes copied from there. A
+blocks the read covers whole are checked in place; for a block it covers only in part,
+the block's bytes outside the read are read into a scratch buffer (only those: the
+part already read is not read again, which for a weight fetch out of an optimizer state
+object, one partial block at each end, was up to 2 MiB more per fetch) and the CRC is
+computed over the head, the bytes read and the tail in turn. A
 mismatch (a flipped bit on the SSD, a misdirected write) is reported as DATA_LOSS naming
 the object, the block and the device - never handed to a client or the optimizer.
 Transient objects (short-lived, rewritten constantly) carry none.
@@ -46,8 +49,9 @@ def matches(sums: bytes, index: int, data: memoryview) -> bool:
 
 def verify(meta, start: int, dst: memoryview, read_raw, where) -> Exception | None:
     """Check the bytes of ``meta``'s object just read into ``dst`` (from object offset
-    ``start``); blocks ``dst`` covers only in part are read whole with ``read_raw(meta,
-    offset, buffer) -> error | None`` and, once checked, copied into ``dst``. Returns the
+    ``start``); for blocks ``dst`` covers only in part, the rest of the block (its head
+    before ``start``, its tail after the end of ``dst``) is read with ``read_raw(meta,
+    offset, buffer) -> error | None`` and checked with the bytes in ``dst``. Returns the
     error to report, or None. ``where(meta, offset)`` names the device of an offset."""
     end = start + len(dst)
     first, last = block_range(start, end, meta.size)
@@ -55,21 +59,21 @@ def verify(meta, start: int, dst: memoryview, read_raw, where) -> Exception | No
     try:
         for k in range(first, last):
             lo, hi = block_span(k, meta.size)
-            if lo >= start and hi <= end:
-                data = dst[lo - start:hi - start]
+            a, b = max(start, lo), min(end, hi)  # the block's bytes that dst holds
+            if a == lo and b == hi:
+                ok = matches(meta.checksums, k, dst[a - start:b - start])
             else:
                 if scratch is None:
                     scratch = mmap.mmap(-1, BLOCK)  # page-aligned: O_DIRECT reads land in place
-                data = memoryview(scratch)[:hi - lo]
-                exc = read_raw(meta, lo, data)
-                if exc is not None:
-                    data.release()
-                    return exc
-            ok = matches(meta.checksums, k, data)
-            if ok and data.obj is scratch:
-                a, b = max(start, lo), min(end, hi)
-                dst[a - start:b - start] = data[a - lo:b - lo]
-            data.release()
+                with memoryview(scratch) as block:  # the block at its own offsets: same alignment
+                    for x, y in ((lo, a), (b, hi)):
+                        if x < y:
+                            exc = read_raw(meta, x, block[x - lo:y - lo])
+                            if exc is not None:
+                                return exc
+                    crc = crc32c(block[:a - lo])
+                    crc = crc32c(dst[a - start:b - start], crc)
+                    ok = crc32c(block[b - lo:hi - lo], crc) == expected(meta.checksums, k)
             if not ok:
                 return ChecksumMismatch(
                     f"checksum mismatch in object {meta.namespace}/{meta.name}, bytes [{lo}, {hi}) on "
