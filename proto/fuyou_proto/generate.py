@@ -3,7 +3,7 @@
 The generated modules are committed next to the .proto so that an editable install
 needs no code generation step; tests/test_proto.py fails when they are stale. Run:
 
-    python -m fuyou_proto.generate          # rewrite proto/fuyou_pb2*.py
+    python -m fuyou_proto.generate          # rewrite proto/fuyou_proto/fuyou_pb2*.py from proto/fuyou.proto
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PACKAGE = "fuyou_proto"  # the import name of this folder (see pyproject.toml)
+SPEC = HERE.parent / "fuyou.proto"  # proto/fuyou.proto: the one spec file, beside this package
+PACKAGE = "fuyou_proto"  # the import name of this folder
 OUTPUTS = ("fuyou_pb2.py", "fuyou_pb2.pyi", "fuyou_pb2_grpc.py")
 
 
@@ -29,7 +30,7 @@ def generate(out_dir: Path) -> list[Path]:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / PACKAGE).mkdir()
-        shutil.copy(HERE / "fuyou.proto", root / PACKAGE / "fuyou.proto")
+        shutil.copy(SPEC, root / PACKAGE / "fuyou.proto")
         std_include = Path(grpc_tools.__file__).parent / "_proto"
         rc = protoc.main([
             "protoc", f"-I{root}", f"-I{std_include}",
