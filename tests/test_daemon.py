@@ -6,8 +6,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -291,3 +293,16 @@ def test_a_private_daemon_stops_when_its_parent_dies(short_tmp):
     else:
         os.kill(pid, signal.SIGKILL)
         pytest.fail("the private daemon outlived its parent")
+
+
+def test_a_temporary_daemon_leaves_nothing_behind(short_tmp):
+    """start_daemon() without a directory makes a temporary one, data files and all, and
+    stop() removes it (the log stays readable); a directory you name is kept."""
+    d = fuyou_client.start_daemon(config=SMALL)
+    state = d.state_dir
+    assert (state / "data").exists() and state.parent == Path(tempfile.gettempdir())
+    assert d.stop() == 0
+    assert not state.exists() and "stopped" in d.log()
+    with fuyou_client.start_daemon(short_tmp / "kept", config=SMALL) as kept:
+        pass
+    assert (short_tmp / "kept" / "index.sqlite").exists() and kept.process.returncode == 0

@@ -9,6 +9,7 @@ with SIGTERM.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,18 +39,23 @@ def to_toml(config: dict[str, dict[str, Any]]) -> str:
 
 
 class DaemonProcess:
-    def __init__(self, process: subprocess.Popen, state_dir: Path, socket: str, config_path: Path, log_path: Path):
+    def __init__(self, process: subprocess.Popen, state_dir: Path, socket: str, config_path: Path, log_path: Path,
+                 temporary: list[Path] | None = None):
         self.process = process
         self.state_dir = state_dir
         self.socket = socket
         self.config_path = config_path
         self.log_path = log_path
+        self.temporary = list(temporary or [])  # directories start_daemon made: removed by stop()
+        self._log: str | None = None  # the log, kept when its directory went
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
     def log(self) -> str:
+        if self._log is not None:
+            return self._log
         return self.log_path.read_text(errors="replace")
 
     def status(self, timeout: float = 10.0):
@@ -62,7 +68,9 @@ class DaemonProcess:
             return rpc.FuyouAdminStub(channel).Status(pb.StatusRequest(), timeout=timeout)
 
     def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM, wait; returns the exit code (SIGKILL after ``timeout``)."""
+        """SIGTERM, wait; returns the exit code (SIGKILL after ``timeout``). A temporary
+        state directory (start_daemon without one) goes with the daemon, its data files
+        too; ``log()`` still gives the log."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -70,6 +78,14 @@ class DaemonProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.temporary:
+            try:
+                self._log = self.log_path.read_text(errors="replace")
+            except OSError:
+                self._log = ""
+            for path in self.temporary:
+                shutil.rmtree(path, ignore_errors=True)
+            self.temporary = []
         return self.process.returncode
 
     def kill(self) -> None:
@@ -96,12 +112,18 @@ def start_daemon(state_dir: str | os.PathLike | None = None, config: dict[str, d
     """Start fuyoud in the background with the embedded defaults, its state (data files,
     index, sockets) under ``state_dir`` (a new temporary directory by default), plus any
     ``config`` overrides ({"section": {"key": value}}). Returns once it serves. The daemon
-    stops by itself if this process dies without stopping it."""
+    stops by itself if this process dies without stopping it. A temporary state directory
+    is removed, data files and all, when the daemon is stopped (``stop()``, or the end of
+    a ``with`` block); one you name is kept."""
+    temporary = []
     state = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="fuyoud-"))
+    if not state_dir:
+        temporary.append(state)
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
     runtime = state / "run"
     if len(str(runtime / "session.sock")) > 100:  # unix socket paths are limited to 108 bytes
         runtime = Path(tempfile.mkdtemp(prefix="fuyoud-run-"))
+        temporary.append(runtime)
     merged: dict[str, dict[str, Any]] = {
         "daemon": {"state_dir": str(state), "runtime_dir": str(runtime)},
         "metrics": {"listen": "127.0.0.1:0"},
@@ -135,6 +157,8 @@ def start_daemon(state_dir: str | os.PathLike | None = None, config: dict[str, d
                     proc.kill()
                 proc.wait()
                 tail = log_path.read_text(errors="replace")[-2000:]
+                for path in temporary:
+                    shutil.rmtree(path, ignore_errors=True)
                 raise DaemonUnavailable(f"fuyoud did not become ready (exit code {proc.returncode}); log:\n{tail}")
     notify_path.unlink()
-    return DaemonProcess(proc, state, sock, config_path, log_path)
+    return DaemonProcess(proc, state, sock, config_path, log_path, temporary)
