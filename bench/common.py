@@ -63,11 +63,18 @@ class BareLoop:
                               for o in range(0, size, block_size)] for op in (Op.READ, Op.WRITE)}
         self.READ, self.WRITE = Op.READ, Op.WRITE
 
-    def run(self, op, requests=None) -> float:
-        """Seconds to run ``requests`` (default: the whole file in direction ``op``)."""
+    def run(self, op, requests=None, durable: bool = False) -> float:
+        """Seconds to run ``requests`` (default: the whole file in direction ``op``); with
+        ``durable``, until an ``fdatasync`` after them has returned too: what a write that
+        must survive a crash costs (fuyoud syncs every persistent version before its
+        commit). A virtual disk whose host caches writes acknowledges them far faster than
+        it can keep them: on the reference machine 3.7-4.2 GB/s written, 0.55-0.8 GB/s
+        written and synced (2026-11-24)."""
         requests = self.requests[op] if requests is None else requests
         t = time.perf_counter()
         results = self.engine.execute(requests)
+        if durable:
+            os.fdatasync(self.fd)
         dt = time.perf_counter() - t
         bad = [r for r in results if not r.ok or r.nbytes != len(requests[0].buf)]
         if bad:
