@@ -150,8 +150,45 @@ def test_adamw_in_chunks_is_bitwise_torch(session):
         back = session.allocate(N * 2)
         session.swap_in("weights/big", back)
         assert torch.equal(back.tensor(torch.bfloat16)[:N], ref.data.bfloat16())
-    # Never read ahead whole: the client is told to read the weights itself.
-    assert session.fetch_weights_async("big", w, torch.float32).result(30) is False
+
+
+def test_backward_weights_of_a_chunked_group_serve_its_step(session):
+    """FetchWeights on a chunked group reads its fp32 master weights into spare optimizer
+    buffers and serves the client from them; the group's next step copies them instead of
+    reading them again (StepInfo.cached_bytes, the daemon's read counter), bitwise torch.
+    Weights larger than the buffers it may take (one always stays free) are covered in
+    part: the rest goes straight into an fp32 buffer and the step reads it; a 16-bit
+    buffer not wholly covered is declined (the client reads the weights object itself)."""
+    per = PER_BUFFER // 4 // chunks.GRANULE * chunks.GRANULE  # elements a buffer holds
+    for n in (N, 6_000_011):  # wholly covered; covered in part (two buffers' worth, one may be taken)
+        covered = min(n, per)
+        name = f"held{n}"
+        w, init = new_group(session, name, AdamW(**HYPER), n, seed=4)
+        ref = nn.Parameter(init.clone())
+        opt = torch.optim.AdamW([ref], lr=1e-2, **HYPER, fused=True)
+        g, fetched = session.allocate(n * 4), session.allocate(n * 4)
+        gen = torch.Generator().manual_seed(5)
+        reads = []
+        for fetch in (False, True, True):
+            if fetch:
+                assert session.fetch_weights_async(name, fetched, torch.float32).result(30) is True
+                assert torch.equal(fetched.tensor(torch.float32)[:n], ref.data)
+            grad = torch.randn(n, generator=gen)
+            ref.grad = grad.clone()
+            opt.step()
+            g.tensor(torch.float32)[:n].copy_(grad)
+            before = session.status().bytes_read
+            info = session.step_group(name, g, 1e-2, out=w)
+            reads.append(session.status().bytes_read - before)
+            assert info.cached_bytes == (4 * covered if fetch else 0)
+            assert torch.equal(w.tensor(torch.float32)[:n], ref.data)
+        assert reads[0] - reads[1] >= 4 * covered - 2 * MiB and reads[0] - reads[2] >= 4 * covered - 2 * MiB
+        if covered < n:
+            half = session.allocate(n * 2)
+            assert session.fetch_weights_async(name, half, torch.bfloat16).result(30) is False
+        _, step, (weights, exp_avg, _) = state_of(session, name, n, 3)
+        assert step == 3 and torch.equal(weights, ref.data) and torch.equal(exp_avg, opt.state[ref]["exp_avg"])
+        session.delete(f"optim/{name}")
 
 
 @pytest.mark.parametrize("nesterov", [False, True])

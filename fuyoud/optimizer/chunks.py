@@ -401,12 +401,14 @@ Compute = Callable[[int, int, list[torch.Tensor], "torch.Tensor | None"], None]
 
 def step(store: Store, bufs: list[memoryview], plan: ChunkPlan, namespace: str, name: str, header: bytes,
          session_id: int, compute: Compute, weights_object: str = "",
-         out_dtype: torch.dtype | None = None) -> Timing:
+         out_dtype: torch.dtype | None = None, held=None) -> Timing:
     """One step of the group whose state is ``namespace/name``, chunk by chunk through
     ``bufs`` (``plan.buffers`` of them): the new state, ``header`` first, is committed as
     one new version of the object (with the ``weights_object``, ``out_dtype`` elements,
-    when named) once every chunk is computed and written, or not at all. When this
-    returns or raises, no thread touches ``bufs`` any more."""
+    when named) once every chunk is computed and written, or not at all. ``held``
+    (held.HeldWeights): master weights already in memory, copied for the chunks it
+    covers instead of read. When this returns or raises, no thread touches ``bufs``
+    (or ``held``) any more."""
     timing = Timing()
     chunks = plan.ranges()
     stages = [_Stage(mem, plan) for mem in plan.stages(bufs)]
@@ -451,6 +453,10 @@ def step(store: Store, bufs: list[memoryview], plan: ChunkPlan, namespace: str, 
         after: list[Callable[[], None]] = []
         for i, reader in enumerate(readers):
             lo, n = plan.span(i, a, b)
+            if i == 0 and held is not None and held.covers(a, b):
+                held.copy(a, b, stage.regions[0][:n])  # (checked when it was read)
+                held.done_below(b)
+                continue
             if reader.plan(c, lo, lo + n, stage.regions[i], items, after, sources):
                 cache_items.add(len(items) - 1)
         errors = source.read_raw(items)

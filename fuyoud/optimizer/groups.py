@@ -30,7 +30,8 @@ when its session ends. The bytes served so are counted (StepResult.cached_bytes)
 A group whose step does not fit one optimizer buffer (``Group.buffer_bytes`` above
 ``[optimizer] buffer_budget / buffers``) is created and stepped in chunks (chunks.py),
 with the same arithmetic and one atomic commit per step; its state is never read ahead
-whole (no prefetch, FetchWeights declines). Its new weights reach ``out`` chunk by chunk
+whole (no prefetch); FetchWeights reads its master weights into spare buffers that its
+step then uses (held.py). Its new weights reach ``out`` chunk by chunk
 while the step runs, before the commit: a step that fails after that (a later chunk not
 finite, an I/O error) first puts the committed weights back into ``out``, so that there
 too weights and state never disagree once the step has returned or raised.
@@ -48,6 +49,7 @@ import torch
 from fuyoud.errors import DataLoss, FuyouError, InvalidArgument, NonFinite, NotFound
 from fuyoud.names import shown
 from fuyoud.optimizer import chunks
+from fuyoud.optimizer import held as held_weights
 from fuyoud.optimizer.buffers import StateBuffers
 from fuyoud.optimizer import lowp
 from fuyoud.optimizer.kernels import OptimizerSpec, all_finite, step as run_kernel
@@ -91,6 +93,7 @@ class Group:
     prefetched: memoryview | None = None  # the state, read ahead of its step or kept from the last (cached)
     cached: bool = False  # prefetched is the state cache's: kept from the group's last step
     dead: bool = False  # forgotten (session ended, state deleted): nothing may be read ahead for it
+    held: "held_weights.HeldWeights | None" = None  # a chunked group's weights, read for backward, kept for its step
 
     @property
     def nbytes(self) -> int:
@@ -226,6 +229,9 @@ class Optimizer:
             if group.prefetched is not None:
                 self.buffers.release(group.prefetched)
                 group.prefetched, group.cached = None, False
+            if group.held is not None:
+                group.held.release()
+                group.held = None
 
     # -- stepping -----------------------------------------------------------------------------
     def step(self, group: Group, grads: memoryview, grad_dtype: str, out: memoryview | None, out_dtype: str,
@@ -367,10 +373,17 @@ class Optimizer:
         with group.lock:
             if group.dead:
                 raise NotFound(f"optimizer group {group.name!r} was deleted or replaced while this step waited")
-            bufs = [self.buffers.acquire_blocking(per_buffer)]
+            held, group.held = group.held, None
+            if held is not None and held.step != group.step:  # (read before another step: stale)
+                held.release()
+                held = None
+            bufs = []
             try:
+                bufs.append(self.buffers.acquire_blocking(per_buffer))
+                # More buffers (larger chunks) only while one stays free; with weights held
+                # (backward reads the next groups' weights) while two stay free.
                 while len(bufs) < chunks.STAGES:
-                    more = self.buffers.try_acquire(per_buffer, leave=1)
+                    more = self.buffers.try_acquire(per_buffer, leave=1 if held is None else 2)
                     if more is None:
                         break
                     bufs.append(more)
@@ -378,7 +391,7 @@ class Optimizer:
                 header = group.spec.header(group.numel, group.step + 1).ljust(HEADER, b"\0")
                 try:
                     timing = chunks.step(self.store, bufs, plan, group.namespace, state_name(group.name), header,
-                                         session_id, compute, weights_object, weights_dtype)
+                                         session_id, compute, weights_object, weights_dtype, held)
                 except BaseException as exc:
                     if written:
                         self._restore_out(group, plan.stages(bufs)[0], plan, out, written, exc)
@@ -387,7 +400,10 @@ class Optimizer:
             finally:
                 for buf in bufs:
                     self.buffers.release(buf)
-        return StepResult(group.step, timing.read_s, timing.compute_s, timing.write_s, False)
+                if held is not None:
+                    held.release()
+        return StepResult(group.step, timing.read_s, timing.compute_s, timing.write_s, False,
+                          cached_bytes=held.nbytes if held is not None else 0)
 
     def _restore_out(self, group: Group, area: memoryview, plan: chunks.ChunkPlan, out: torch.Tensor, end: int,
                      exc: BaseException) -> None:
@@ -432,15 +448,16 @@ class Optimizer:
 
         Backward needs a block's weights shortly before that block's step reads the same
         state: reading it once, into an optimizer buffer kept for the step, saves the
-        separate weight read (4 bytes per parameter and iteration in fp32). Returns False,
-        having done nothing, when no buffer is spare or the group is stepped in chunks
-        (its state is larger than a buffer); the client then reads the weights itself.
-        A buffer the state cache keeps for a smaller state is taken back first."""
+        separate weight read (4 bytes per parameter and iteration in fp32); a group
+        stepped in chunks (its state is larger than a buffer) keeps its weights only
+        (held.py). Returns False, having done nothing, when no buffer is spare; the client
+        then reads the weights itself. A buffer the state cache keeps for a smaller state
+        is taken back first."""
         if out_dtype not in DTYPES:
             raise InvalidArgument(f"out_dtype must be one of {sorted(DTYPES)}")
         out_t = _tensor(out, DTYPES[out_dtype], group.numel)
-        if self.chunked(group):  # its state is never read ahead whole
-            return False
+        if self.chunked(group):
+            return self._fetch_held(group, out_t)
         with group.lock:
             if group.dead:
                 raise NotFound(f"optimizer group {group.name!r} was deleted or replaced")
@@ -459,6 +476,19 @@ class Optimizer:
             weights = torch.frombuffer(group.prefetched[HEADER:HEADER + group.numel * 4], dtype=torch.float32)
             out_t.copy_(weights)
             return True
+
+    def _fetch_held(self, group: Group, out: torch.Tensor) -> bool:
+        with group.lock:
+            if group.dead:
+                raise NotFound(f"optimizer group {group.name!r} was deleted or replaced")
+            if group.held is not None:  # (fetched twice before its step: read again, the newest wins)
+                group.held.release()
+                group.held = None
+            if self.buffers.spare() <= 1:
+                self._evict_one(cheaper_than=4 * group.numel)
+            group.held = held_weights.read(self.store, self.buffers, group.namespace, state_name(group.name),
+                                           group.numel, group.step, out)
+            return group.held is not None
 
     def _note_order(self, group: Group) -> None:
         with self._lock:
