@@ -295,7 +295,7 @@ class Engine:
         """Before a block is recomputed in backward: its weights, held until its gradients
         are complete (the recomputed graph refers to them: no eviction)."""
         if og is not None:
-            self.offloader.ensure(og, via_state=True)
+            self.offloader.ensure_for_backward(og)
             og.busy = True
 
     def _enter_forward(self, name: str, args, kwargs) -> None:

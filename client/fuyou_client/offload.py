@@ -245,15 +245,21 @@ class Offloader:
         if not isinstance(saved, Saved):
             return saved
         g = saved.group
+        self.ensure_for_backward(g)
+        self._poll()
+        self._begin_backward(g)
+        return g.slot.weights(g.dtype).as_strided(saved.size, saved.stride, saved.offset)
+
+    def ensure_for_backward(self, g: OffloadedGroup) -> None:
+        """A group's weights for its backward (or its recomputed forward); the first
+        request of a group starts fetching the ``prefetch`` groups before it, which
+        backward needs next."""
         if g.slot is None:
             self.ensure(g, via_state=True)
             for prev in reversed(self.groups[max(0, g.index - self.prefetch):g.index]):
                 self._start_fetch(prev, via_state=True)
         else:
             self.device.wait(g.ready)
-        self._poll()
-        self._begin_backward(g)
-        return g.slot.weights(g.dtype).as_strided(saved.size, saved.stride, saved.offset)
 
     def _gradient_arriving(self, g: OffloadedGroup) -> None:
         self.ensure(g, via_state=True)
