@@ -16,5 +16,8 @@ void fy_encode_signed(const float *restrict x, int8_t *restrict codes, float *re
 void fy_decode_signed(const int8_t *restrict codes, const float *restrict scales, float *restrict out, size_t n, size_t block);
 void fy_encode_unsigned(const float *restrict x, uint8_t *restrict codes, float *restrict scales, size_t n, size_t block);
 void fy_decode_unsigned(const uint8_t *restrict codes, const float *restrict scales, float *restrict out, size_t n, size_t block);
+/* Whether the AVX2 code runs (where built and the CPU has it): the same bits as the
+ * portable code. enable 0 turns it off, 1 on where possible, -1 only asks (for tests). */
+int fy_lowp_simd(int enable);
 /* cdef-end */
 #endif

@@ -309,3 +309,96 @@ def test_the_int8_codec_is_the_reference_in_c_and_in_torch(codec, monkeypatch):
         (lowp.decode_signed if signed else lowp.decode_unsigned)(codes, scales, out)
         m32, v32 = decode("int8", want_m, want_v, want_ms, want_vs)
         assert torch.equal(out[live], (m32 if signed else v32)[live])
+
+
+def _blocks(scale: float, values: torch.Tensor) -> torch.Tensor:
+    """Blocks of QB whose first element is ``scale`` (the block's largest) and the rest
+    ``values`` (|values| <= scale), the last block short."""
+    per = QB - 1
+    out = []
+    for i in range(0, values.numel(), per):
+        out.append(torch.tensor([scale]))
+        out.append(values[i:i + per])
+    return torch.cat(out)
+
+
+def _next_to(t: torch.Tensor, ulps: int = 3) -> torch.Tensor:
+    """Every fp32 within ``ulps`` of each value of t (positive values), t included."""
+    bits = t.view(torch.int32)[:, None] + torch.arange(-ulps, ulps + 1, dtype=torch.int32)
+    return bits.reshape(-1).view(torch.float32)
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "portable"])
+def test_the_c_codec_is_the_reference_next_to_every_threshold(simd):
+    """The C codec's two ways to a code (AVX2: a guess and one comparison; portable: a
+    table of bins) give the reference's bits for the values next to every threshold (a
+    few ulps either side, and after dividing by scales that are not 1, down to a scale
+    below FLT_MIN and up to FLT_MAX), for random bit patterns in [-1, 1], denormals,
+    ratios far below the first threshold, r = 1 exactly, blocks of zeros and of -0, and
+    (their scales, and the same codes from either way) blocks holding NaN or infinity."""
+    from fuyoud.optimizer import lowp
+    if lowp._C is None:
+        pytest.skip("fuyoud._lowp was not built (no compiler at install): the torch codec runs")
+    had = lowp._C.fy_lowp_simd(-1)
+    if simd and not lowp._C.fy_lowp_simd(1):
+        lowp._C.fy_lowp_simd(had)
+        pytest.skip("no AVX2 on this CPU (or in this build): the portable code runs")
+    tiny = torch.finfo(torch.float32).tiny
+    gen = torch.Generator().manual_seed(11)
+
+    def encoded(signed: bool, x: torch.Tensor, use_simd: bool):
+        lowp._C.fy_lowp_simd(int(use_simd))
+        codes = torch.empty(x.numel(), dtype=torch.int8 if signed else torch.uint8)
+        scales = torch.empty(-(-x.numel() // QB))
+        (lowp.encode_signed if signed else lowp.encode_unsigned)(x, codes, scales, torch.empty(x.numel()))
+        return codes, scales
+
+    try:
+        for signed, t in ((True, T_M), (False, T_V)):
+            near = _next_to(torch.cat([t, torch.tensor([1.0, 1e-7, 1e-12, 1e-30])]))
+            near = near[(near > 0) & (near <= 1)]
+            parts = []
+            for s in (1.0, 3.0, 0.1, 7.1e-3, 1e-30, 2.0 ** -130, 3e38):  # x = r * s: r comes back within an ulp
+                x = (near.double() * s).float()
+                parts.append(_blocks(s, torch.cat([x, -x]) if signed else x))
+            r = torch.randint(0, 0x3F800001, (20 * QB,), generator=gen, dtype=torch.int32).view(torch.float32)
+            if signed:
+                r = torch.where(torch.rand(r.numel(), generator=gen) < 0.5, -r, r)
+            parts.append(_blocks(1.0, r))  # random patterns, every magnitude in [0, 1]
+            denormal = torch.randint(1, 0x800000, (2 * QB,), generator=gen, dtype=torch.int32).view(torch.float32)
+            parts.append(denormal)  # blocks whose scale is below FLT_MIN
+            parts.append(_blocks(tiny, denormal[:QB - 1]))
+            parts.append(torch.zeros(QB))
+            parts.append(torch.full((QB,), -0.0) if signed else torch.zeros(QB))
+            parts.append(torch.tensor([0.0, -0.0, tiny * 0.5, 1e-45] * (QB // 4)).abs() if not signed else
+                         torch.tensor([0.0, -0.0, -tiny * 0.5, 1e-45] * (QB // 4)))
+            special = torch.rand(3 * QB, generator=gen)
+            special[5] = float("nan")
+            special[QB + 9] = float("inf")
+            special[2 * QB + 1] = float("inf")
+            special[2 * QB + 2] = float("nan")
+            parts.append(special)
+            parts.append(torch.rand(77, generator=gen))  # a short last block
+            x = torch.cat(parts)
+            if not signed:
+                x = x.abs()
+            codes, scales = encoded(signed, x, simd)
+            want_m, want_v, want_ms, want_vs = encode("int8", x, x.abs())
+            want_codes, want_scales = (want_m, want_ms) if signed else (want_v, want_vs)
+            assert torch.equal(scales.view(torch.int32), want_scales.view(torch.int32)) or (
+                torch.equal(scales.isnan(), want_scales.isnan())
+                and torch.equal(scales.nan_to_num().view(torch.int32), want_scales.nan_to_num().view(torch.int32)))
+            live = ~(scales.isnan() | scales.isinf()).repeat_interleave(QB)[:x.numel()]
+            bad = (codes != want_codes) & live
+            assert not bad.any(), (f"{'signed' if signed else 'unsigned'}: x={x[bad][:5].tolist()} "
+                                   f"codes {codes[bad][:5].tolist()}, want {want_codes[bad][:5].tolist()}")
+            other_codes, other_scales = encoded(signed, x, not simd)  # where not live too: both ways agree
+            if lowp._C.fy_lowp_simd(-1) == int(not simd):
+                assert torch.equal(codes, other_codes)
+                assert torch.equal(scales.view(torch.int32), other_scales.view(torch.int32))
+            out = torch.empty(x.numel())
+            (lowp.decode_signed if signed else lowp.decode_unsigned)(codes, scales, out)
+            m32, v32 = decode("int8", want_m, want_v, want_ms, want_vs)
+            assert torch.equal(out[live], (m32 if signed else v32)[live])
+    finally:
+        lowp._C.fy_lowp_simd(had)
