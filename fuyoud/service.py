@@ -199,7 +199,9 @@ class FuyouServicer(CheckpointMethods, rpc.FuyouServicer):
         weights_object = ""
         if request.weights_object:
             weights_object = _check_writable(_check_name(request.weights_object))
-        result = opt.step(group, grads, grad_dtype, out, out_dtype, request.lr, scale, session.id, weights_object)
+        hyper = _spec(request.hyper) if request.HasField("hyper") else None
+        result = opt.step(group, grads, grad_dtype, out, out_dtype, request.lr, scale, session.id, weights_object,
+                          hyper)
         self.metrics.observe_step(result)
         return pb.StepGroupReply(step=result.step, read_seconds=result.read_s, compute_seconds=result.compute_s,
                                  write_seconds=result.write_s, prefetched=result.prefetched,

@@ -42,7 +42,9 @@ import logging
 import math
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -118,6 +120,20 @@ class StepResult:
     write_s: float
     prefetched: bool
     cached_bytes: int = 0  # state bytes not read from the SSD: the state cache had them
+
+
+@contextmanager
+def _stepping_with(group: Group, hyper: OptimizerSpec | None) -> Iterator[None]:
+    """(group.lock held) The step runs with ``hyper`` as the group's spec (its header
+    commits it); a step that does not commit leaves the group's own."""
+    before, step = group.spec, group.step
+    if hyper is not None:
+        group.spec = hyper
+    try:
+        yield
+    finally:
+        if group.step == step:
+            group.spec = before
 
 
 def _tensor(view: memoryview, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -235,9 +251,13 @@ class Optimizer:
 
     # -- stepping -----------------------------------------------------------------------------
     def step(self, group: Group, grads: memoryview, grad_dtype: str, out: memoryview | None, out_dtype: str,
-             lr: float, grad_scale: float, session_id: int, weights_object: str = "") -> StepResult:
+             lr: float, grad_scale: float, session_id: int, weights_object: str = "",
+             hyper: OptimizerSpec | None = None) -> StepResult:
         """One step. The new weights go, in ``out_dtype``, to the client's ``out`` buffer
         and/or to the transient object ``weights_object`` (for clients that offload them).
+        ``hyper``: this step's hyperparameters (a scheduler may change betas, eps, weight
+        decay between steps), the group's from its commit on; its layout must be the
+        group's.
 
         Nothing non-finite reaches the state: ``lr`` and ``grad_scale`` must be finite and
         non-negative (InvalidArgument, before anything is read), and a step whose new state
@@ -249,12 +269,18 @@ class Optimizer:
                 raise InvalidArgument(f"group {group.name!r}: {what} must be a finite number >= 0, got {value!r}")
         if grad_dtype not in DTYPES or ((out is not None or weights_object) and out_dtype not in DTYPES):
             raise InvalidArgument(f"dtypes must be one of {sorted(DTYPES)}")
+        if hyper is not None and (hyper.kind, hyper.state_dtype, hyper.slot_list()) != (
+                group.spec.kind, group.spec.state_dtype, group.spec.slot_list()):
+            raise InvalidArgument(f"group {group.name!r}: a step's hyperparameters must keep the group's optimizer, "
+                                  f"state dtype and state layout ({group.spec.kind}, {group.spec.state_dtype}, "
+                                  f"{'with' if len(group.spec.slot_list()) > 1 else 'without'} momentum); "
+                                  f"got {hyper.kind}, {hyper.state_dtype}")
         grad = _tensor(grads, DTYPES[grad_dtype], group.numel)
         out_t = _tensor(out, DTYPES[out_dtype], group.numel) if out is not None else None
         self._note_order(group)
         if self.chunked(group):
             result = self._step_chunked(group, grad, out_t, DTYPES[out_dtype] if weights_object else None, lr,
-                                        grad_scale, session_id, weights_object)
+                                        grad_scale, session_id, weights_object, hyper)
             self._prefetch_next(group)  # (a group that fits, after this one)
             return result
         with group.lock:
@@ -267,17 +293,18 @@ class Optimizer:
             t0 = time.perf_counter()  # after waiting for a buffer: read time is the read's own
             keep = False
             try:
-                if out_t is None and weights_object:
-                    out_t = _tensor(buf[group.nbytes:], DTYPES[out_dtype], group.numel)
-                result = self._step_locked(group, buf[:group.nbytes], grad, out_t, lr, grad_scale, session_id,
-                                           t0, prefetched)
-                if weights_object:
-                    raw = memoryview(out_t.view(torch.uint8).numpy())
-                    self.store.write([WriteItem(group.namespace, weights_object, raw, False, session_id)])
-                # The buffer holds the state just committed: the cache keeps it if enough stay free.
-                keep = self.cache and self.buffers.spare() >= CACHE_RESERVE
-                if keep:
-                    group.prefetched, group.cached = buf, True
+                with _stepping_with(group, hyper):
+                    if out_t is None and weights_object:
+                        out_t = _tensor(buf[group.nbytes:], DTYPES[out_dtype], group.numel)
+                    result = self._step_locked(group, buf[:group.nbytes], grad, out_t, lr, grad_scale, session_id,
+                                               t0, prefetched)
+                    if weights_object:
+                        raw = memoryview(out_t.view(torch.uint8).numpy())
+                        self.store.write([WriteItem(group.namespace, weights_object, raw, False, session_id)])
+                    # The buffer holds the state just committed: the cache keeps it if enough stay free.
+                    keep = self.cache and self.buffers.spare() >= CACHE_RESERVE
+                    if keep:
+                        group.prefetched, group.cached = buf, True
             finally:
                 if not keep:
                     self.buffers.release(buf)
@@ -343,7 +370,7 @@ class Optimizer:
 
     def _step_chunked(self, group: Group, grad: torch.Tensor, out: torch.Tensor | None,
                       weights_dtype: torch.dtype | None, lr: float, grad_scale: float, session_id: int,
-                      weights_object: str) -> StepResult:
+                      weights_object: str, hyper: OptimizerSpec | None) -> StepResult:
         """A step of a group larger than a buffer, chunk by chunk (chunks.py), in one
         buffer, or in up to three (one per stage: larger chunks, fewer and longer
         transfers) when that many are free without waiting and one stays free. Each
@@ -388,15 +415,16 @@ class Optimizer:
                         break
                     bufs.append(more)
                 plan = group.chunk_plan(per_buffer, len(bufs))
-                header = group.spec.header(group.numel, group.step + 1).ljust(HEADER, b"\0")
-                try:
-                    timing = chunks.step(self.store, bufs, plan, group.namespace, state_name(group.name), header,
-                                         session_id, compute, weights_object, weights_dtype, held)
-                except BaseException as exc:
-                    if written:
-                        self._restore_out(group, plan.stages(bufs)[0], plan, out, written, exc)
-                    raise
-                group.step += 1
+                with _stepping_with(group, hyper):
+                    header = group.spec.header(group.numel, group.step + 1).ljust(HEADER, b"\0")
+                    try:
+                        timing = chunks.step(self.store, bufs, plan, group.namespace, state_name(group.name),
+                                             header, session_id, compute, weights_object, weights_dtype, held)
+                    except BaseException as exc:
+                        if written:
+                            self._restore_out(group, plan.stages(bufs)[0], plan, out, written, exc)
+                        raise
+                    group.step += 1
             finally:
                 for buf in bufs:
                     self.buffers.release(buf)

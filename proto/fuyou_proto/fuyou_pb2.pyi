@@ -206,7 +206,7 @@ class GroupInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., state_bytes: _Optional[int] = ..., weights_offset: _Optional[int] = ...) -> None: ...
 
 class StepGroupRequest(_message.Message):
-    __slots__ = ("name", "grads", "grads_offset", "grad_dtype", "weights_out", "weights_out_offset", "out_dtype", "lr", "grad_scale", "weights_object")
+    __slots__ = ("name", "grads", "grads_offset", "grad_dtype", "weights_out", "weights_out_offset", "out_dtype", "lr", "grad_scale", "weights_object", "hyper")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     GRADS_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class StepGroupRequest(_message.Message):
     LR_FIELD_NUMBER: _ClassVar[int]
     GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    HYPER_FIELD_NUMBER: _ClassVar[int]
     name: str
     grads: BufferRef
     grads_offset: int
@@ -227,7 +228,8 @@ class StepGroupRequest(_message.Message):
     lr: float
     grad_scale: float
     weights_object: str
-    def __init__(self, name: _Optional[str] = ..., grads: _Optional[_Union[BufferRef, _Mapping]] = ..., grads_offset: _Optional[int] = ..., grad_dtype: _Optional[_Union[DType, str]] = ..., weights_out: _Optional[_Union[BufferRef, _Mapping]] = ..., weights_out_offset: _Optional[int] = ..., out_dtype: _Optional[_Union[DType, str]] = ..., lr: _Optional[float] = ..., grad_scale: _Optional[float] = ..., weights_object: _Optional[str] = ...) -> None: ...
+    hyper: OptimizerSpec
+    def __init__(self, name: _Optional[str] = ..., grads: _Optional[_Union[BufferRef, _Mapping]] = ..., grads_offset: _Optional[int] = ..., grad_dtype: _Optional[_Union[DType, str]] = ..., weights_out: _Optional[_Union[BufferRef, _Mapping]] = ..., weights_out_offset: _Optional[int] = ..., out_dtype: _Optional[_Union[DType, str]] = ..., lr: _Optional[float] = ..., grad_scale: _Optional[float] = ..., weights_object: _Optional[str] = ..., hyper: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
 
 class FetchWeightsRequest(_message.Message):
     __slots__ = ("name", "out", "out_offset", "out_dtype")
