@@ -405,9 +405,9 @@ def train(model, engine, batches):
 
 
 def test_attach_with_blocks_larger_than_the_buffers(daemon, short_tmp):
-    """Offloaded blocks (their weights read from the state object: the daemon declines to
-    serve them from a read-ahead) train bitwise like torch's fused AdamW; a copy
-    checkpoint and its resume continue bitwise."""
+    """Offloaded blocks (forward reads their weights from the state object; backward's
+    may be served by the daemon, which then keeps them for the chunked step) train
+    bitwise like torch's fused AdamW; a copy checkpoint and its resume continue bitwise."""
     torch.manual_seed(0)
     ours = Net()
     ref = copy.deepcopy(ours)
@@ -424,7 +424,7 @@ def test_attach_with_blocks_larger_than_the_buffers(daemon, short_tmp):
         opt.zero_grad()
         with torch.no_grad():
             assert torch.equal(ours(x), ref(x))  # (the blocks' weights fetched again from the state)
-    assert engine.offloader.served_bytes == 0 and engine.offloader.fetched_bytes > 0
+    assert engine.offloader.fetched_bytes > 0  # (backward's are served when a buffer is spare: timing)
     assert engine.save_checkpoint(short_tmp / "ckpt", mode="copy").step == 3
     train(ours, engine, BATCHES[3:])
     engine.close()

@@ -168,7 +168,10 @@ class _Exploit:
 @settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(st.one_of(st.binary(max_size=300),
                  st.sampled_from([pickle.dumps(_Exploit(), protocol=2), pickle.dumps({"format": 1, "lr": {"lr": "x"}}, protocol=2),
-                                  pickle.dumps({"format": 1, "lr": {"lr": float("nan")}}, protocol=2)]),
+                                  pickle.dumps({"format": 1, "lr": {"lr": float("nan")}}, protocol=2),
+                                  pickle.dumps({"format": 1, "groups": [{"betas": [0.9, "x"]}]}, protocol=2),
+                                  pickle.dumps({"format": 1, "groups": [{"lr": 1.0, "foreach": False}]}, protocol=2),
+                                  pickle.dumps({"format": 1, "groups": {"lr": 1.0}}, protocol=2)]),
                  st.builds(lambda cut: client_state_bytes()[:cut], st.integers(0, 2000))))
 def test_hostile_client_states_are_refused_and_run_nothing(data):
     try:
@@ -176,7 +179,7 @@ def test_hostile_client_states_are_refused_and_run_nothing(data):
     except ValueError as exc:
         assert "client state" in str(exc)
     else:
-        assert set(state) == {"lr", "extra"}
+        assert set(state) == {"groups", "extra"}
     assert not os.path.exists("/tmp/fuyou-client-state-exploit")
 
 
@@ -190,7 +193,7 @@ def client_state_bytes() -> bytes:
 
 def test_a_client_state_round_trips():
     state = load_client_state(client_state_bytes())
-    assert state == {"lr": {"lr": 0.001, "initial_lr": 0.01}, "extra": {"sched": {"last_epoch": 3}, "batch": 17}}
+    assert state == {"groups": [{"lr": 0.001, "initial_lr": 0.01}], "extra": {"sched": {"last_epoch": 3}, "batch": 17}}
 
 
 def test_oversized_values_come_back_as_short_errors(files_daemon):

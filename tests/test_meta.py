@@ -209,7 +209,7 @@ CHILD = textwrap.dedent("""
     engine = fuyou_client.attach(model, fuyou_client.SGD(lr=0.1), session=session, weights=sys.argv[2])
     peak = status()["VmHWM"]
     g = engine.groups[3]
-    masters, _ = read_masters(engine.session, g.spec.name, g.spec.numel)
+    masters, _ = read_masters(engine.session, g.spec)
     first = masters.tensor(torch.float32)[:4].tolist()
     if sys.argv[2] == "init":  # what a build on the CPU gives block 3's first weights
         torch.manual_seed(0)

@@ -27,20 +27,61 @@ from safetensors.torch import load_file, save_file
 
 from fuyou_proto.contract import state_object
 
+from fuyou_client.session import In
+
 if TYPE_CHECKING:
     from fuyou_client.engine import Engine
+    from fuyou_client.grouping import ParamGroup
     from fuyou_client.session import Session
 
 CLIENT_STATE_FORMAT = 1
 INDEX_FILE = "model.safetensors.index.json"
 
 
+SAVED_KEYS = ("lr", "initial_lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")
+
+
 def client_state(engine: "Engine", extra: Any) -> bytes:
+    """The client's part of a checkpoint: each param group's learning rate (and a
+    scheduler's initial_lr) and hyperparameters, and ``extra``. ("lr", the first group's
+    rates, is what earlier versions read.)"""
     buf = io.BytesIO()
-    groups = engine.optimizer.param_groups[0]
-    lr_state = {k: v for k, v in groups.items() if k in ("lr", "initial_lr")}
-    torch.save({"format": CLIENT_STATE_FORMAT, "lr": lr_state, "extra": extra}, buf)
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k in SAVED_KEYS}
+              for g in engine.optimizer.param_groups]
+    lr_state = {k: v for k, v in groups[0].items() if k in ("lr", "initial_lr")}
+    torch.save({"format": CLIENT_STATE_FORMAT, "lr": lr_state, "groups": groups, "extra": extra}, buf)
     return buf.getvalue()
+
+
+def _plain_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _valid_group(g) -> bool:
+    if not isinstance(g, dict) or not set(g) <= set(SAVED_KEYS):
+        return False
+    for k, v in g.items():
+        if k == "betas":
+            if not (isinstance(v, (list, tuple)) and len(v) == 2 and all(_plain_number(x) for x in v)):
+                return False
+        elif k == "nesterov":
+            if not isinstance(v, bool):
+                return False
+        elif not (_plain_number(v) and v >= 0):
+            return False
+    return True
+
+
+def restore_groups(param_groups: list[dict], saved: list[dict]) -> None:
+    """Each param group's saved values back (a checkpoint with one "lr" for all: that
+    to every group)."""
+    if len(saved) == 1 and len(param_groups) > 1 and set(saved[0]) <= {"lr", "initial_lr"}:
+        saved = saved * len(param_groups)
+    if saved and len(saved) != len(param_groups):
+        raise ValueError(f"the checkpoint has {len(saved)} param groups, this attach {len(param_groups)}: resume "
+                         "with the param_groups (or no_decay) it was saved with")
+    for group, values in zip(param_groups, saved):
+        group.update({k: (tuple(v) if k == "betas" else v) for k, v in values.items()})
 
 
 MAX_CLIENT_STATE = 16 << 20  # the daemon keeps at most this much (fuyoud/checkpoint_files.py)
@@ -50,7 +91,7 @@ def load_client_state(data: bytes) -> dict:
     """Plain data only (weights_only): a checkpoint cannot run code in the client. A
     client state that is not one ``client_state`` wrote is a ValueError saying so."""
     if not data:
-        return {"lr": None, "extra": None}
+        return {"groups": [], "extra": None}
     if len(data) > MAX_CLIENT_STATE:
         raise ValueError(f"the checkpoint's client state is {len(data)} bytes, more than {MAX_CLIENT_STATE}")
     try:
@@ -61,23 +102,34 @@ def load_client_state(data: bytes) -> dict:
     if not isinstance(state, dict) or state.get("format") != CLIENT_STATE_FORMAT:
         raise ValueError("the checkpoint's client state is not one this version of fuyou_client reads")
     lr = state.get("lr")
-    if lr is not None and not (isinstance(lr, dict) and set(lr) <= {"lr", "initial_lr"} and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-            for v in lr.values())):
+    if lr is not None and not (isinstance(lr, dict) and set(lr) <= {"lr", "initial_lr"} and _valid_group(lr)):
         raise ValueError("the checkpoint's client state has a learning rate that is not a finite number >= 0")
-    return {"lr": lr, "extra": state.get("extra")}
+    groups = state.get("groups")
+    if groups is None:  # (written before param groups)
+        groups = [lr] if lr else []
+    if not isinstance(groups, list) or not all(_valid_group(g) for g in groups):
+        raise ValueError("the checkpoint's client state has param groups whose hyperparameters are not finite "
+                         "numbers >= 0")
+    return {"groups": groups, "extra": state.get("extra")}
 
 
-def read_masters(session: "Session", name: str, numel: int):
-    """A group's fp32 master weights, from its state object on the SSD array, into a new
-    shared buffer (the caller frees it)."""
-    info = session.group(name)
-    if info.numel != numel:
-        raise ValueError(f"group {name} has {info.numel} parameters in the daemon, {numel} in this model: "
-                         "the checkpoint is of another model")
-    buf = session.allocate(numel * 4)
-    session.swap_in(state_object(name), buf, length=numel * 4, object_offset=info.weights_offset)
-    return buf, info
+def read_masters(session: "Session", spec: "ParamGroup"):
+    """A layer group's fp32 master weights, from its parts' state objects on the SSD
+    array, into a new shared buffer (the caller frees it): (buffer, each part's GroupInfo)."""
+    infos = [session.group(part.name) for part in spec.parts]
+    for part, info in zip(spec.parts, infos):
+        if info.numel != part.numel:
+            raise ValueError(f"group {part.name} has {info.numel} parameters in the daemon, {part.numel} in this "
+                             "model: the checkpoint is of another model (or its parameters were grouped otherwise: "
+                             "the same param_groups)")
+    buf = session.allocate(spec.numel * 4)
+    try:
+        session.swap_in_many([In(state_object(part.name), buf, part.start * 4, part.numel * 4, info.weights_offset)
+                              for part, info in zip(spec.parts, infos)])
+    except BaseException:
+        buf.free()
+        raise
+    return buf, infos
 
 
 def export(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
@@ -96,7 +148,7 @@ def export(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | 
     weight_map, total = {}, 0
     for i, g in enumerate(engine.groups):
         n = g.spec.numel
-        buf, _ = read_masters(engine.session, g.spec.name, n)
+        buf, _ = read_masters(engine.session, g.spec)
         try:
             flat = buf.tensor(torch.float32)[:n]
             tensors, offset = {}, 0

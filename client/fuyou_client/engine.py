@@ -42,7 +42,9 @@ from fuyou_client.layergroup import LayerGroup
 from fuyou_client.offload import Offloader, Saved
 from fuyou_client.optim import AdamW, SGD, StepInfo
 from fuyou_client.options import AttachOptions
-from fuyou_client.session import Session, connect
+from fuyou_client.param_groups import TorchGroups, resolve as resolve_groups
+from fuyou_client.session import Session, connect, gather
+from fuyou_client.torch_optimizer import TorchOptimizer
 
 
 GRADIENT_CHECKPOINTING = (
@@ -59,29 +61,12 @@ def hf_checkpointing(model: nn.Module) -> bool:
     return False
 
 
-class _Optimizer(torch.optim.Optimizer):
-    """The engine's face for torch LR schedulers: one param group whose "lr" is read at
-    every step. ``step()`` is the engine's barrier."""
-
-    def __init__(self, engine: "Engine", lr: float):
-        self._engine = engine
-        super().__init__([torch.zeros(0)], {"lr": lr})  # placeholder tensor: the real params live in the daemon
-
-    def step(self, closure=None):  # noqa: D401 - torch's signature
-        if closure is not None:
-            raise ValueError("closures are not supported by fuyou")
-        self._engine.step()
-
-    def zero_grad(self, set_to_none: bool = True):
-        self._engine.zero_grad()
-
-
 def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 class Engine:
-    def __init__(self, model: nn.Module, session: Session, optimizer: AdamW | SGD, groups: list[ParamGroup],
+    def __init__(self, model: nn.Module, session: Session, torch_groups: TorchGroups, groups: list[ParamGroup],
                  options: AttachOptions, device: Device, owns_session: bool, resume: bool = False,
                  materializer=None):
         options = options.for_device(device.shares_host_memory)
@@ -90,7 +75,7 @@ class Engine:
         self.device = device
         self._resume = resume  # the groups exist in the daemon (restored): take their weights
         self.checkpoint_extra = None  # what save_checkpoint(extra=...) kept, after a resume
-        self._checkpoint_lr: dict = {}
+        self._checkpoint_groups: list[dict] = []  # each param group's hyperparameters at the checkpoint
         self.session = session
         self.max_grad_norm = options.max_grad_norm
         self.accumulation_steps = accumulation_steps = options.accumulation_steps
@@ -99,10 +84,11 @@ class Engine:
         self._owns_session = owns_session
         self.last_step_infos: list[StepInfo] = []
         self._last_step_end: float | None = None  # for the iteration times reported to the daemon
-        self.optimizer = _Optimizer(self, optimizer.lr)
+        self._torch_groups = torch_groups
+        self.optimizer = TorchOptimizer(self, torch_groups)
         self.groups: list[LayerGroup] = []
         self._hooks = []
-        self._check_capacity(groups, optimizer, offload)
+        self._check_capacity(groups, torch_groups, offload)
         if not self.device.shares_host_memory:
             session.use_device(self.device)  # cudaHostRegister of every shared segment
         # Where each group's gradients live until its step (gradstrategy.py): offloaded
@@ -123,7 +109,8 @@ class Engine:
                 mode = offload if spec.module is not None else False  # (the rest group stays resident)
                 if materializer is not None:  # a model on the meta device: this group's values, now
                     materializer.fill(spec, self.device.torch_device)
-                self.groups.append(layergroup.upload(session, self.device, spec, optimizer, mode, index,
+                optimizers = [torch_groups.spec(part.index) for part in spec.parts]
+                self.groups.append(layergroup.upload(session, self.device, spec, optimizers, mode, index,
                                                      strategy_for(mode), self._resume))
             if materializer is not None:
                 materializer.finish(self.device.torch_device)
@@ -177,14 +164,14 @@ class Engine:
         self.zero_grad()
 
     # -- set-up ---------------------------------------------------------------------------
-    def _check_capacity(self, groups: list[ParamGroup], optimizer, offload) -> None:
+    def _check_capacity(self, groups: list[ParamGroup], torch_groups: TorchGroups, offload) -> None:
         """Fail before any work starts when the SSD array cannot hold what training puts
         there: every group's state (in its state dtype; after a resume it is there
         already), the new versions of the steps in flight (a step writes its group's
         new version before the old one is freed: the three largest groups, for the read
         ahead, the step and the write-back at once), and offloaded weights other than
         fp32 (fp32 ones are read from the state in place)."""
-        states = sorted(optimizer.state_bytes(g.numel) for g in groups)
+        states = sorted(torch_groups.spec(part.index).state_bytes(part.numel) for g in groups for part in g.parts)
         need = (0 if self._resume else sum(states)) + sum(states[-3:])
         if offload and offload != "host":
             need += sum(g.numel * g.params[0][1].dtype.itemsize for g in groups
@@ -200,11 +187,13 @@ class Engine:
     # -- the training loop ------------------------------------------------------------------
     @property
     def lr(self) -> float:
+        """The learning rate (of the first param group); setting it sets every group's."""
         return self.optimizer.param_groups[0]["lr"]
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self.optimizer.param_groups[0]["lr"] = value
+        for group in self.optimizer.param_groups:
+            group["lr"] = value
 
     @staticmethod
     def _refuse_load(*_) -> None:
@@ -260,14 +249,21 @@ class Engine:
             self._submit(g)  # final gradients: step now, while backward goes on
 
     def _submit(self, g: LayerGroup, scale: float | None = None) -> None:
+        """Send the group's step: one per part, each with its torch group's learning rate
+        and hyperparameters as of now (the steps may go from another thread)."""
         offloaded_bf = g.offloaded is not None and g.dtype != torch.float32 and g.offloaded.host is None
-        name, lr, session = g.spec.name, self.lr, self.session  # as of now (the step may go from another thread)
+        session, groups = self.session, self.optimizer.param_groups
+        parts = [(part, groups[part.index]["lr"], self._torch_groups.spec(part.index, groups[part.index]))
+                 for part in g.spec.parts]
+        gsize, wsize = g.grad_dtype.itemsize, g.dtype.itemsize
 
         def start(grads):
             g.host_weights_read().synchronize()  # the step overwrites what the last upload read
-            return session.step_group_async(
-                name, grads, lr, grad_dtype=g.grad_dtype, out=g.weights, out_dtype=g.dtype, grad_scale=scale,
-                weights_object=f"weights/{name}" if offloaded_bf else "")
+            return gather([session.step_group_async(
+                part.name, grads, lr, grads_offset=part.start * gsize, grad_dtype=g.grad_dtype, out=g.weights,
+                out_offset=part.start * wsize, out_dtype=g.dtype, grad_scale=scale, hyper=hyper,
+                weights_object=f"weights/{part.name}" if offloaded_bf else "") for part, lr, hyper in parts],
+                combine=StepInfo.combine)
 
         g.submitted = True
         g.strategy.submit(g, start)
@@ -469,10 +465,11 @@ class Engine:
         return self.session.checkpoint(directory, timeout, mode, checkpoints.client_state(self, extra))
 
     def resume_lr(self) -> None:
-        """Set the learning rate (and a scheduler's initial_lr) back to the checkpoint's.
-        attach(resume=...) does it; call it again after creating an LR scheduler, whose
-        constructor sets the rate of its epoch 0, and loading its state_dict."""
-        self.optimizer.param_groups[0].update(self._checkpoint_lr)
+        """Set every param group's learning rate (and a scheduler's initial_lr) and
+        hyperparameters back to the checkpoint's. attach(resume=...) does it; call it
+        again after creating an LR scheduler, whose constructor sets the rate of its
+        epoch 0, and loading its state_dict."""
+        checkpoints.restore_groups(self.optimizer.param_groups, self._checkpoint_groups)
 
     def export(self, directory, dtype: torch.dtype | None = None):
         """The trained weights as sharded safetensors (``from_pretrained`` reads the
@@ -482,8 +479,16 @@ class Engine:
         return checkpoints.export(self, directory, dtype)
 
     def state_dict(self) -> dict:
-        return {"lr": self.lr, "group_steps": {g.spec.name: self.session.group(g.spec.name).step
-                                               for g in self.groups}}
+        return {"lr": self.lr, "group_steps": {part.name: self.session.group(part.name).step
+                                               for g in self.groups for part in g.spec.parts}}
+
+    def part_steps(self) -> dict[int, int]:
+        """The daemon's step count of each torch param group (of its first part)."""
+        steps: dict[int, int] = {}
+        for g in self.groups:
+            for part in g.spec.parts:
+                steps.setdefault(part.index, self.session.group(part.name).step)
+        return steps
 
     def close(self, materialize: bool = True) -> None:
         """Detach from the daemon. With ``materialize`` the parameters become ordinary
@@ -540,7 +545,8 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) ->
     blocks, weights, resume, session = opts.blocks, opts.weights, opts.resume, opts.session
     materializer = materialize.prepare(model, weights, resume is not None)  # (a meta model: CPU stand-ins now)
     try:
-        groups = split(model, blocks)
+        torch_groups = resolve_groups(model, optimizer or AdamW(), opts.param_groups, opts.no_decay)
+        groups = split(model, blocks, torch_groups.index)
         if not groups:
             raise ValueError("the model has no trainable parameters")
         if opts.offload and hf_checkpointing(model):
@@ -563,10 +569,10 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) ->
         state = None
         if resume is not None:
             state = checkpoints.load_client_state(session.restore(resume).client_state)
-        engine = Engine(model, session, optimizer or AdamW(), groups, opts, device, owns, resume=state is not None,
+        engine = Engine(model, session, torch_groups, groups, opts, device, owns, resume=state is not None,
                         materializer=materializer)
         if state is not None:
-            engine._checkpoint_lr = state["lr"] or {}
+            engine._checkpoint_groups = state["groups"]
             engine.resume_lr()
             engine.checkpoint_extra = state["extra"]
         if materializer is not None:

@@ -68,7 +68,7 @@ class GradientPool:
             group.device_grads = buf
         flat = self._flat(group)
         flat.zero_()
-        for (_, p), shape, part in zip(group.spec.params, group.shapes, group.parts(flat)):
+        for (_, p), shape, part in zip(group.spec.params, group.shapes, group.views(flat)):
             if p.grad is None and p.data.shape == shape:  # (resident: it is, in backward)
                 p.grad = part.view(shape)
 

@@ -6,6 +6,12 @@ The repeated blocks of a model (GPT-2's ``transformer.h``, Llama's ``model.layer
 Groups never share parameters: one shared between two blocks is refused (name the
 blocks yourself so that it lives in one); tied weights outside the blocks (GPT-2's
 embedding and head) are simply both in "rest".
+
+A group's parameters are laid out one after another (every buffer of a group: weights,
+gradients, accumulators) ordered by torch parameter group (param_groups.py), so that the
+parameters of each torch group it holds are one run, a *part*: one optimizer group in
+the daemon each, with that torch group's hyperparameters. A group within one torch group
+(the usual case) is one part, named as the group.
 """
 from __future__ import annotations
 
@@ -25,11 +31,21 @@ def flat_parts(flat: torch.Tensor, shapes: list[torch.Size]) -> tuple[torch.Tens
     return flat[:sum(sizes)].split(sizes)
 
 
+@dataclass(frozen=True)
+class Part:
+    """A run of a layer group's elements stepped as one optimizer group in the daemon."""
+    name: str  # the daemon's group (its state object: "optim/<name>")
+    start: int  # first element in the layer group's layout
+    numel: int
+    index: int  # its torch param group: engine.optimizer.param_groups[index]
+
+
 @dataclass
 class ParamGroup:
     name: str
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     module: nn.Module | None = None  # the block (None for "rest")
+    parts: list[Part] = field(default_factory=list)  # (set by split)
 
     @cached_property
     def numel(self) -> int:
@@ -56,8 +72,10 @@ def block_list(model: nn.Module, blocks: list[nn.Module] | None = None) -> list[
     return list(found[1]) if found else []
 
 
-def split(model: nn.Module, blocks: list[nn.Module] | None = None) -> list[ParamGroup]:
-    """Groups in forward order: one per block, then "rest". ``blocks`` overrides discovery."""
+def split(model: nn.Module, blocks: list[nn.Module] | None = None,
+          index: dict[int, int] | None = None) -> list[ParamGroup]:
+    """Groups in forward order: one per block, then "rest". ``blocks`` overrides discovery;
+    ``index`` maps id(parameter) to its torch param group (default: all in group 0)."""
     blocks = block_list(model, blocks)
     owner: dict[int, str] = {}
     groups: list[ParamGroup] = []
@@ -87,6 +105,17 @@ def split(model: nn.Module, blocks: list[nn.Module] | None = None) -> list[Param
                 raise TypeError(f"parameter {pname!r} of group {g.name} is {p.dtype}; Fuyou trains "
                                 "float32, bfloat16 and float16 parameters (freeze it with requires_grad=False)")
     groups = [g for g in groups if g.params]
+    which = (lambda p: index.get(id(p), 0)) if index is not None else (lambda p: 0)
     for g in groups:
+        g.params.sort(key=lambda item: which(item[1]))  # (stable: model order within a torch group)
         g.numel  # noqa: B018 - counted now, while every parameter holds its data
+        start = 0
+        for _, p in g.params:
+            i, k = which(p), p.numel()
+            if g.parts and g.parts[-1].index == i:
+                last = g.parts[-1]
+                g.parts[-1] = Part(last.name, last.start, last.numel + k, i)
+            else:
+                g.parts.append(Part(g.name if not g.parts else f"{g.name}.g{i}", start, k, i))
+            start += k
     return groups

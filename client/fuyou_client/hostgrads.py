@@ -49,7 +49,7 @@ class HostAccumulation:
         n = group.numel
         flat = torch.empty(n, dtype=torch.float32, device=self._device.torch_device)
         with torch.no_grad():
-            for (_, p), part in zip(group.spec.params, group.parts(flat)):
+            for (_, p), part in zip(group.spec.params, group.views(flat)):
                 if p.grad is not None:
                     part.copy_(p.grad.reshape(-1))  # (cast to fp32)
                 else:
@@ -127,4 +127,4 @@ class HostAccumulation:
 
     def views(self, group) -> list[torch.Tensor]:
         """The accumulated gradient of each of ``group``'s parameters (after ``wait()``)."""
-        return [part.view(shape) for part, shape in zip(group.parts(group.grads.tensor(torch.float32)), group.shapes)]
+        return [part.view(shape) for part, shape in zip(group.views(group.grads.tensor(torch.float32)), group.shapes)]

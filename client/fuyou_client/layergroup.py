@@ -26,8 +26,8 @@ from fuyou_client import checkpoints
 from fuyou_client.device import DONE, Device
 from fuyou_client.grouping import ParamGroup, flat_parts
 from fuyou_client.gradstrategy import GradientStrategy
-from fuyou_client.offload import OffloadedGroup
-from fuyou_client.session import Session
+from fuyou_client.offload import OffloadedGroup, Source
+from fuyou_client.session import Out, Session
 
 
 @dataclass(eq=False)
@@ -51,7 +51,7 @@ class LayerGroup:
     def numel(self) -> int:
         return self.spec.numel
 
-    def parts(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``flat`` (the group's elements in parameter order) as one flat view per parameter."""
         return flat_parts(flat, self.shapes)
 
@@ -62,7 +62,7 @@ class LayerGroup:
                 for _, p in self.spec.params:
                     p.grad = None
                 return
-            for (_, p), shape, part in zip(self.spec.params, self.shapes, self.parts(flat)):
+            for (_, p), shape, part in zip(self.spec.params, self.shapes, self.views(flat)):
                 p.grad = part.view(shape)
 
     def adopt_grads(self, flat: torch.Tensor | None = None) -> None:
@@ -75,7 +75,7 @@ class LayerGroup:
         if flat is None:
             flat = self.device_grads if self.device_grads is not None else self.grads.tensor(self.dtype)
         with torch.no_grad():
-            for (_, p), shape, view in zip(self.spec.params, self.shapes, self.parts(flat)):
+            for (_, p), shape, view in zip(self.spec.params, self.shapes, self.views(flat)):
                 if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
                     continue
                 if p.grad is None:
@@ -119,10 +119,11 @@ def flat_copy(params, out: torch.Tensor) -> None:
         out.copy_(torch.cat([p.detach().reshape(-1).to(out.dtype) for p in params]))
 
 
-def upload(session: Session, device: Device, spec: ParamGroup, optimizer, offload: bool | str, index: int,
+def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list, offload: bool | str, index: int,
            strategy: GradientStrategy, resume: bool) -> LayerGroup:
-    """Create the group's optimizer state in the daemon from the parameters (or, with
-    ``resume``, take the restored group's weights); then the parameters become views of
+    """Create the group's optimizer state in the daemon from the parameters, one daemon
+    group per part with ``optimizers[k]`` (its torch group's hyperparameters), or with
+    ``resume`` take the restored groups' weights; then the parameters become views of
     shared memory or of one device allocation (resident) or empty (offloaded: to the SSD
     array, or with ``offload="host"`` in a shared host buffer the step writes, uploaded
     per use), and their gradients views of the buffer ``strategy`` keeps (if any)."""
@@ -135,17 +136,12 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizer, offloa
     params = [p for _, p in spec.params]
     shapes = [p.shape for p in params]
     if resume:  # the parameters take the checkpoint's masters, cast as each step casts them
-        master, info = checkpoints.read_masters(session, spec.name, n)
-        if info.optimizer.to_pb() != optimizer.to_pb():
-            master.free()
-            was, now = (getattr(o, "state_dtype", "fp32") for o in (info.optimizer, optimizer))
-            if was != now:
-                raise ValueError(f"group {spec.name} was checkpointed with state_dtype={was!r}, and this run asks "
-                                 f"for {now!r}: the moments are not converted between state dtypes; resume with "
-                                 f"state_dtype={was!r}, or start from the exported weights (engine.export) with "
-                                 f"state_dtype={now!r} (fresh moments)")
-            raise ValueError(f"group {spec.name} was checkpointed with {info.optimizer}, not {optimizer}; "
-                             "resume with the same optimizer settings (lr may differ)")
+        master, infos = checkpoints.read_masters(session, spec)
+        for part, info, optimizer in zip(spec.parts, infos, optimizers):
+            bad = _incompatible(part.name, info.optimizer, optimizer)
+            if bad:
+                master.free()
+                raise ValueError(bad)
         with torch.no_grad():
             flat, offset = master.tensor(torch.float32)[:n], 0
             for p in params:
@@ -154,19 +150,25 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizer, offloa
     else:
         master = session.allocate(n * 4)
         flat_copy(params, master.tensor(torch.float32)[:n])
-        info = session.create_group(spec.name, master, optimizer, numel=n)
+        infos = [session.create_group(part.name, master, optimizer, offset=part.start * 4, numel=part.numel)
+                 for part, optimizer in zip(spec.parts, optimizers)]
     grad_bytes = strategy.host_buffer_bytes(n, dtype)
     grads = session.allocate(grad_bytes) if grad_bytes else None
     on_host = offload == "host"
+    size = dtype.itemsize
+    sources = []
     if offload and not on_host and dtype == torch.float32:  # the compute weights are the masters: read them in place
-        weights, source = None, (state_object(spec.name), info.weights_offset)
+        weights = None
+        sources = [Source(state_object(part.name), info.weights_offset, part.start * 4, part.numel * 4, part.name)
+                   for part, info in zip(spec.parts, infos)]
     else:
-        weights = session.allocate(n * dtype.itemsize)
+        weights = session.allocate(n * size)
         if offload or device.shares_host_memory:  # (a GPU's resident group: the step fills it, nothing reads it now)
             flat_copy(params, weights.tensor(dtype)[:n])
-        source = None if on_host else (f"weights/{spec.name}", 0)
         if offload and not on_host:
-            session.swap_out(source[0], weights, length=n * dtype.itemsize)
+            sources = [Source(f"weights/{part.name}", 0, part.start * size, part.numel * size, part.name)
+                       for part in spec.parts]
+            session.swap_out_many([Out(s.object, weights, s.offset, s.length) for s in sources])
             weights.free()
             weights = None
     master.free()
@@ -191,9 +193,24 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizer, offloa
             p.grad = g.view(shape) if g is not None else None  # (p has its shape)
             p.data = w.view(shape) if w is not None else torch.empty(0, dtype=dtype, device=device.torch_device)
     if offload:
-        group.offloaded = OffloadedGroup(index, spec.name, spec.module, params, dtype, source, n, shapes=shapes,
+        group.offloaded = OffloadedGroup(index, spec.name, spec.module, params, dtype, sources, n, shapes=shapes,
                                          host=weights if on_host else None)
     return group
+
+
+def _incompatible(name: str, was, now) -> str | None:
+    """Why a group checkpointed with optimizer ``was`` cannot resume as ``now``, or None.
+    Hyperparameters may differ (each step sends its torch group's, restored from the
+    checkpoint); the kind of optimizer, the state dtype and the state's layout may not."""
+    was_dtype, now_dtype = (getattr(o, "state_dtype", "fp32") for o in (was, now))
+    if was_dtype != now_dtype:
+        return (f"group {name} was checkpointed with state_dtype={was_dtype!r}, and this run asks for {now_dtype!r}: "
+                f"the moments are not converted between state dtypes; resume with state_dtype={was_dtype!r}, or "
+                f"start from the exported weights (engine.export) with state_dtype={now_dtype!r} (fresh moments)")
+    if type(was) is not type(now) or bool(getattr(was, "momentum", 0)) != bool(getattr(now, "momentum", 0)):
+        return (f"group {name} was checkpointed with {was}, not {now}: resume with the same optimizer (its "
+                "hyperparameters may differ)")
+    return None
 
 
 def upload_weights(device: Device, g: LayerGroup) -> None:

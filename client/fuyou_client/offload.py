@@ -43,7 +43,20 @@ from torch import nn
 
 from fuyou_client.device import DONE, Device
 from fuyou_client.grouping import flat_parts
-from fuyou_client.session import In, Session
+from fuyou_client.session import In, Session, gather
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a run of a group's compute weights is on the SSD array: ``length`` bytes at
+    ``offset`` in the group's weights, from ``object`` at ``object_offset`` (the masters
+    of a state object, or a weights object); FetchWeights asks ``part`` (the daemon's
+    optimizer group) for them."""
+    object: str
+    object_offset: int
+    offset: int
+    length: int
+    part: str
 
 
 @dataclass
@@ -53,7 +66,7 @@ class OffloadedGroup:
     module: nn.Module
     params: list[nn.Parameter]
     dtype: torch.dtype
-    source: tuple[str, int] | None  # (object, byte offset) holding the compute weights (None: ``host``)
+    sources: list[Source]  # where the compute weights are on the SSD array (none: ``host``)
     numel: int
     slot: "Slot | None" = None  # while resident
     ready: object = DONE  # event: the slot's upload (compute waits for it before using the weights)
@@ -135,11 +148,12 @@ class Offloader:
         if g.host is not None:  # nothing to read: the upload starts when the fetch lands
             g.fetch = Future()
             g.fetch.set_result(False)
-        elif via_state:
-            g.fetch = self.session.fetch_weights_async(g.name, slot.host, g.dtype)
+        elif via_state:  # (a list: served or not, per part)
+            g.fetch = gather([self.session.fetch_weights_async(s.part, slot.host, g.dtype, out_offset=s.offset)
+                              for s in g.sources])
         else:
-            obj, offset = g.source
-            g.fetch = self.session.swap_in_async([In(obj, slot.host, length=g.nbytes, object_offset=offset)])
+            g.fetch = self.session.swap_in_async([In(s.object, slot.host, s.offset, s.length, s.object_offset)
+                                                  for s in g.sources])
 
     def ensure(self, g: OffloadedGroup, via_state: bool = False) -> None:
         """Make the group's weights resident (waits for its fetch); the compute stream's
@@ -152,16 +166,17 @@ class Offloader:
 
     def _land(self, g: OffloadedGroup) -> None:
         """A fetch is done (or waited for): upload it and point the parameters at it."""
-        served = g.fetch.result()
+        served = g.fetch.result()  # (waits for the read; via the state: served or not, per part)
+        if not g.fetch_via_state:
+            served = [False] * len(g.sources)
         slot = g.fetch_slot
         if g.host is None:  # (offload="host": nothing was read)
-            if g.fetch_via_state and served:
-                self.served_bytes += g.nbytes
-            else:
-                if g.fetch_via_state:  # no optimizer buffer was spare: read the weights ourselves
-                    obj, offset = g.source
-                    self.session.swap_in(obj, slot.host, length=g.nbytes, object_offset=offset)
-                self.fetched_bytes += g.nbytes
+            declined = [s for s, ok in zip(g.sources, served) if not ok]
+            if g.fetch_via_state and declined:  # no optimizer buffer was spare: read them ourselves
+                self.session.swap_in_many([In(s.object, slot.host, s.offset, s.length, s.object_offset)
+                                           for s in declined])
+            self.served_bytes += sum(s.length for s, ok in zip(g.sources, served) if ok)
+            self.fetched_bytes += sum(s.length for s in declined)
         g.slot, g.fetch, g.fetch_slot = slot, None, None
         if not self.device.shares_host_memory:
             source = g.host if g.host is not None else slot.host

@@ -124,3 +124,12 @@ class StepInfo:
     @classmethod
     def from_pb(cls, m: pb.StepGroupReply) -> "StepInfo":
         return cls(m.step, m.read_seconds, m.compute_seconds, m.write_seconds, m.prefetched, m.cached_bytes)
+
+    @classmethod
+    def combine(cls, infos: list["StepInfo"]) -> "StepInfo":
+        """The steps of a layer group's parts as one: seconds and bytes summed."""
+        if len(infos) == 1:
+            return infos[0]
+        return cls(max(i.step for i in infos), sum(i.read_seconds for i in infos),
+                   sum(i.compute_seconds for i in infos), sum(i.write_seconds for i in infos),
+                   all(i.prefetched for i in infos), sum(i.cached_bytes for i in infos))

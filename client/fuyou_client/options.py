@@ -43,6 +43,17 @@ class AttachOptions:
       state, step counts and learning rate continue from it.
 
     The step:
+      ``param_groups``: torch-style parameter groups, as ``torch.optim.AdamW`` takes them
+      (a list of dicts with ``params`` and any of the optimizer's hyperparameters: AdamW's
+      ``lr``, ``betas``, ``eps``, ``weight_decay``; SGD's ``lr``, ``momentum``,
+      ``dampening``, ``weight_decay``, ``nesterov``; the optimizer's values fill the
+      rest). Every trainable parameter must be in exactly one; ``engine.optimizer.
+      param_groups`` is one entry per group. Default: one group of every trainable one.
+      ``no_decay``: instead of ``param_groups``, the usual recipe: a group that decays
+      and one with ``weight_decay=0`` for the parameters whose names contain one of the
+      given strings (``["bias", "LayerNorm.weight"]``), for which a function
+      ``f(name, parameter)`` is true, or with ``"auto"`` biases and normalisation weights
+      as Hugging Face's Trainer picks them (param_groups.py).
       ``max_grad_norm``: clip the global gradient norm to it, exactly as
       ``torch.nn.utils.clip_grad_norm_`` (the steps then wait for every gradient); every
       gradient is then checked before any group steps, and a non-finite norm steps
@@ -78,6 +89,8 @@ class AttachOptions:
     weights: str | os.PathLike | None = None
     device: Any = None
     resume: str | os.PathLike | None = None
+    param_groups: Any = None
+    no_decay: Any = None
     max_grad_norm: float | None = None
     accumulation_steps: int = 1
     grad_accumulation: str = "device"

@@ -110,6 +110,32 @@ def _wrap_future(call: grpc.Future, convert=lambda r: r) -> Future:
     return fut
 
 
+def gather(futures: Sequence[Future], combine=list) -> Future:
+    """One future for several: done when every one is (so that no buffer they use is
+    reused early), with ``combine(results)``, or the first one's error."""
+    out: Future = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_f: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors_ = [f.exception() for f in futures if f.exception() is not None]
+        if errors_:
+            out.set_exception(errors_[0])
+        else:
+            try:
+                out.set_result(combine([f.result() for f in futures]))
+            except Exception as exc:  # noqa: BLE001 - handed to the waiter
+                out.set_exception(exc)
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    return out
+
+
 NO_SOCKET_WAIT_S = 1.0  # how long connecting waits for a socket that is not there yet
 
 
@@ -328,7 +354,7 @@ class Session:
         return GroupInfo.from_pb(_call(self._stub.GetGroup, pb.GetGroupRequest(name=name), self._metadata))
 
     def _step_request(self, name, grads, lr, grads_offset, grad_dtype, out, out_offset, out_dtype, grad_scale,
-                      weights_object):
+                      weights_object, hyper):
         req = pb.StepGroupRequest(name=name, grads=grads.ref, grads_offset=grads_offset,
                                   grad_dtype=dtype_value(DTYPE_NAMES[grad_dtype]), lr=lr, weights_object=weights_object,
                                   out_dtype=dtype_value(DTYPE_NAMES[out_dtype]))
@@ -337,25 +363,31 @@ class Session:
             req.weights_out_offset = out_offset
         if grad_scale is not None:
             req.grad_scale = grad_scale
+        if hyper is not None:
+            req.hyper.CopyFrom(hyper.to_pb())
         return req
 
     def step_group(self, name: str, grads: SharedBuffer, lr: float, *, grads_offset: int = 0,
                    grad_dtype=None, out: SharedBuffer | None = None, out_offset: int = 0, out_dtype=None,
-                   grad_scale: float | None = None) -> StepInfo:
+                   grad_scale: float | None = None, hyper: AdamW | SGD | None = None) -> StepInfo:
         """One optimizer step of a group: gradients from ``grads`` (times ``grad_scale``), the
         new weights into ``out`` (in ``out_dtype``) when given. Blocks until committed."""
         return self.step_group_async(name, grads, lr, grads_offset=grads_offset, grad_dtype=grad_dtype, out=out,
-                                     out_offset=out_offset, out_dtype=out_dtype, grad_scale=grad_scale).result()
+                                     out_offset=out_offset, out_dtype=out_dtype, grad_scale=grad_scale,
+                                     hyper=hyper).result()
 
     def step_group_async(self, name: str, grads: SharedBuffer, lr: float, *, grads_offset: int = 0,
                          grad_dtype=None, out: SharedBuffer | None = None, out_offset: int = 0, out_dtype=None,
-                         grad_scale: float | None = None, weights_object: str = "") -> Future:
+                         grad_scale: float | None = None, weights_object: str = "",
+                         hyper: AdamW | SGD | None = None) -> Future:
         """Submit a group's step; the future's result is a StepInfo. ``weights_object``
-        names a transient object that receives the new weights (``out_dtype``) too."""
+        names a transient object that receives the new weights (``out_dtype``) too.
+        ``hyper``: this step's hyperparameters (``lr`` aside), where they differ from the
+        group's (a scheduler changed them); the same optimizer and state dtype."""
         import torch
 
         req = self._step_request(name, grads, lr, grads_offset, grad_dtype or torch.float32, out, out_offset,
-                                 out_dtype or torch.float32, grad_scale, weights_object)
+                                 out_dtype or torch.float32, grad_scale, weights_object, hyper)
         return _wrap_future(self._stub.StepGroup.future(req, metadata=self._metadata), StepInfo.from_pb)
 
     def status(self) -> pb.StatusReply:
@@ -363,10 +395,12 @@ class Session:
         holds this session only)."""
         return _call(self._admin_stub.Status, pb.StatusRequest(), self._metadata)
 
-    def fetch_weights_async(self, name: str, out: SharedBuffer, dtype) -> Future:
-        """Ask the daemon for a group's weights from a read-ahead of its state (see the
-        proto); the future's result says whether it served them."""
-        req = pb.FetchWeightsRequest(name=name, out=out.ref, out_dtype=dtype_value(DTYPE_NAMES[dtype]))
+    def fetch_weights_async(self, name: str, out: SharedBuffer, dtype, out_offset: int = 0) -> Future:
+        """Ask the daemon for a group's weights (into ``out`` from byte ``out_offset``) from
+        a read-ahead of its state (see the proto); the future's result says whether it
+        served them."""
+        req = pb.FetchWeightsRequest(name=name, out=out.ref, out_offset=out_offset,
+                                     out_dtype=dtype_value(DTYPE_NAMES[dtype]))
         return _wrap_future(self._stub.FetchWeights.future(req, metadata=self._metadata), lambda r: r.served)
 
     def checkpoint(self, directory: str | os.PathLike, timeout: float = 60.0, mode: str = "auto",
