@@ -31,7 +31,7 @@ import time
 import torch
 from torch import nn
 
-from fuyou_client import checkpoints, layergroup, materialize
+from fuyou_client import checkpoints, heap, layergroup, materialize
 from fuyou_client.activations import ActivationSwapper, treatments
 from fuyou_client.autoplan import AutoPlanner
 from fuyou_client.device import Device, resolve
@@ -236,6 +236,8 @@ class Engine:
             return
         g.pending = len(g.spec.params)
         g.backwards += 1
+        if self.device.shares_host_memory:
+            heap.trim()  # (the block's backward temporaries were malloc'ed: heap.py)
         if g.backwards > self.accumulation_steps:
             raise RuntimeError(
                 f"group {g.spec.name} got gradients from {g.backwards} backward passes since the last "
@@ -309,6 +311,8 @@ class Engine:
     def _exit_forward(self, name: str) -> None:
         if self._auto is not None:
             self._auto.after(name)
+        if self.device.shares_host_memory:
+            heap.trim()  # (the block's temporaries, freed around what it keeps: heap.py)
         self._swap_now = False
         self._current = None
         if self._saved_ctx is not None:
