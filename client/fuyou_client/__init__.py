@@ -5,7 +5,8 @@
 from fuyou_client.buffers import SharedBuffer
 from fuyou_client.checkpoints import load_exported
 from fuyou_client.daemon import DaemonProcess, start_daemon
-from fuyou_client.engine import Engine, attach
+from fuyou_client.attach import attach
+from fuyou_client.engine import Engine
 from fuyou_client.errors import (DaemonUnavailable, DataLoss, FailedPrecondition, FuyouClientError, InternalError,
                                  InvalidArgument, NamespaceBusy, NonFinite, ObjectNotFound, PermissionDenied,
                                  ResourceExhausted, SessionClosed)

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from fuyou_proto.contract import state_object
 
+from fuyou_client.grouping import flat_parts
 from fuyou_client.session import In
 
 if TYPE_CHECKING:
@@ -133,8 +134,8 @@ def read_masters(session: "Session", spec: "ParamGroup"):
 
 
 def export(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-    """Write the trained weights (and the model's persistent buffers) to ``directory``;
-    holds one layer group in memory at a time."""
+    """Write the trained weights, the frozen parameters and the model's persistent buffers
+    to ``directory``; holds one layer group in memory at a time."""
     engine.require_idle("export")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -145,21 +146,13 @@ def export(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | 
     keys = set(model.state_dict().keys())
     buffers = {n: b.detach().cpu().clone() for n, b in model.named_buffers() if n in keys}
     count = len(engine.groups)
-    weight_map, total = {}, 0
+    weight_map, total, done = {}, 0, set()
     for i, g in enumerate(engine.groups):
-        n = g.spec.numel
-        buf, _ = read_masters(engine.session, g.spec)
-        try:
-            flat = buf.tensor(torch.float32)[:n]
-            tensors, offset = {}, 0
-            for j, (_, p) in enumerate(g.spec.params):
-                shape = g.offloaded.shapes[j] if g.offloaded is not None else p.shape
-                k = shape.numel()
-                tensors[names[id(p)]] = flat[offset:offset + k].view(shape).to(dtype or g.dtype, copy=True)
-                offset += k
-        finally:
-            buf.free()
-        if i == count - 1:
+        tensors = _group_tensors(engine.session, g, names, dtype)
+        done.update(id(p) for p in (g.offloaded.params if g.offloaded is not None else [p for _, p in g.spec.params]))
+        if i == count - 1:  # the parameters no group holds (frozen, resident) and the buffers
+            tensors.update({names[id(p)]: p.detach().to("cpu", dtype or p.dtype, copy=True)
+                            for p in model.parameters() if id(p) not in done})
             tensors.update(buffers)
         shard = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
         save_file(tensors, out / shard, metadata={"format": "pt"})
@@ -176,6 +169,35 @@ def export(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | 
         if generation is not None and hasattr(generation, "save_pretrained"):
             generation.save_pretrained(out)
     return out
+
+
+def _group_tensors(session: "Session", g, names: dict[int, str], dtype: torch.dtype | None) -> dict:
+    """A layer group's parameters by name: the trained ones from their fp32 masters, an
+    offloaded block's frozen ones from the object they were stored in."""
+    tensors = {}
+    shapes = g.offloaded.shapes if g.offloaded is not None else [p.shape for _, p in g.spec.params]
+    if g.spec.numel:
+        buf, _ = read_masters(session, g.spec)
+        try:
+            flat = buf.tensor(torch.float32)[:g.spec.numel]
+            trained = shapes[:len(g.spec.params)]
+            for (_, p), shape, part in zip(g.spec.params, trained, flat_parts(flat, trained)):
+                tensors[names[id(p)]] = part.view(shape).to(dtype or g.dtype, copy=True)
+        finally:
+            buf.free()
+    frozen = g.offloaded.params[len(g.spec.params):] if g.offloaded is not None else []
+    if frozen:
+        source = g.offloaded.sources[-1]  # (frozen/<group>: the last source)
+        buf = session.allocate(source.length)
+        try:
+            session.swap_in(source.object, buf, length=source.length)
+            flat = buf.tensor(g.dtype)[:source.length // g.dtype.itemsize]
+            fshapes = shapes[len(g.spec.params):]
+            for p, shape, part in zip(frozen, fshapes, flat_parts(flat, fshapes)):
+                tensors[names[id(p)]] = part.view(shape).to(dtype or g.dtype, copy=True)
+        finally:
+            buf.free()
+    return tensors
 
 
 def load_exported(directory: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""`attach(model)`: train an ordinary PyTorch model with its optimizer state on SSD.
+"""The Engine that ``attach(model)`` (attach.py) returns: an ordinary PyTorch model trained
+with its optimizer state on SSD.
 
     engine = fuyou_client.attach(model, optimizer=fuyou_client.AdamW(lr=1e-4))
     for batch in data:
@@ -24,26 +25,24 @@ resident. Gradients of every group stay in shared memory (they accumulate there)
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 
 import torch
 from torch import nn
 
-from fuyou_client import checkpoints, heap, layergroup, materialize
+from fuyou_client import checkpoints, clipping, grad_guard, heap, layergroup
 from fuyou_client.activations import ActivationSwapper, treatments
 from fuyou_client.autoplan import AutoPlanner
-from fuyou_client.device import Device, resolve
+from fuyou_client.device import Device
 from fuyou_client.errors import NonFinite
 from fuyou_client.gradstrategy import GradientStrategy, HostAccumulated, Pooled, Resident
-from fuyou_client.grouping import ParamGroup, block_list, split
+from fuyou_client.grouping import ParamGroup
 from fuyou_client.layergroup import LayerGroup
 from fuyou_client.offload import Offloader, Saved
-from fuyou_client.optim import AdamW, SGD, StepInfo
+from fuyou_client.optim import StepInfo
 from fuyou_client.options import AttachOptions
-from fuyou_client.param_groups import TorchGroups, resolve as resolve_groups
-from fuyou_client.session import Session, connect, gather
+from fuyou_client.param_groups import TorchGroups
+from fuyou_client.session import Session, gather
 from fuyou_client.torch_optimizer import TorchOptimizer
 
 
@@ -102,16 +101,18 @@ class Engine:
             if mode and pool_grads:
                 return pooled
             return host if options.grad_accumulation == "host" else resident
-        originals = [(p, p.data, p.grad) for spec in groups for _, p in spec.params]
+        originals = [(p, p.data, p.grad) for spec in groups for _, p in (*spec.params, *spec.frozen)]
         try:
             for spec in groups:
                 index = sum(1 for g in self.groups if g.offloaded is not None)  # position in forward order
                 mode = offload if spec.module is not None else False  # (the rest group stays resident)
+                if not spec.params and mode is not True:  # a frozen block that is not offloaded: as it is
+                    continue
                 if materializer is not None:  # a model on the meta device: this group's values, now
                     materializer.fill(spec, self.device.torch_device)
                 optimizers = [torch_groups.spec(part.index) for part in spec.parts]
                 self.groups.append(layergroup.upload(session, self.device, spec, optimizers, mode, index,
-                                                     strategy_for(mode), self._resume))
+                                                     strategy_for(mode) if spec.params else resident, self._resume))
             if materializer is not None:
                 materializer.finish(self.device.torch_device)
         except BaseException:  # leave the user's model as it was
@@ -130,8 +131,13 @@ class Engine:
         self.gradients = None
         if any(g.strategy is pooled for g in self.groups):
             by_name = {g.spec.name: g for g in self.groups}
-            self.gradients = pooled.bind(session, self.device, prefetch + 3, max(g.nbytes for g in offloaded))
-            self.offloader.on_backward = lambda og: self.gradients.assign(by_name[og.name])
+            self.gradients = pooled.bind(session, self.device, prefetch + 3,
+                                         max(g.numel * g.dtype.itemsize for g in self.groups if g.strategy is pooled))
+
+            def on_backward(og) -> None:
+                if by_name[og.name].strategy is pooled:  # (a frozen block has no gradients)
+                    self.gradients.assign(by_name[og.name])
+            self.offloader.on_backward = on_backward
         self._strategies = [st for st in (resident, pooled, host) if any(g.strategy is st for g in self.groups)]
         grouped = {id(p) for g in self.groups for _, p in g.spec.params}
         self._frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in grouped]  # (at attach)
@@ -176,6 +182,7 @@ class Engine:
         if offload and offload != "host":
             need += sum(g.numel * g.params[0][1].dtype.itemsize for g in groups
                         if g.params and g.params[0][1].dtype != torch.float32)
+            need += sum(p.numel() * p.dtype.itemsize for g in groups if g.module is not None for _, p in g.frozen)
         status = self.session.daemon_status
         free = sum(d.capacity_bytes - d.used_bytes for d in status.devices)
         if need > free:
@@ -269,6 +276,7 @@ class Engine:
 
         g.submitted = True
         g.strategy.submit(g, start)
+        grad_guard.guard(g.spec.params, g.spec.name)  # (read-only until the barrier: grad_guard.py)
 
     @property
     def plan(self):
@@ -355,7 +363,7 @@ class Engine:
                 g.strategy.before_step(g)
         if self.max_grad_norm is not None:
             try:
-                scale = self._clip_coefficient()
+                scale = clipping.coefficient(self.model, self.groups, self.max_grad_norm)
             except NonFinite:  # nothing was submitted: the gradients stay for zero_grad() to clear
                 if self.offloader is not None:
                     self.offloader.release_all()
@@ -381,6 +389,8 @@ class Engine:
                     except Exception as exc:  # noqa: BLE001 - re-raised below
                         errors.append(exc)
                 g.future, g.submitted, g.backwards = None, False, 0
+                g.pending = len(g.spec.params)  # (a loop may zero with torch's model.zero_grad() instead of ours)
+                grad_guard.release(g.spec.params)  # (the daemon is done with them)
             for strategy in self._strategies:  # steps whose futures a strategy kept
                 kept, kept_errors = strategy.reclaim()
                 infos.update(kept)
@@ -409,38 +419,15 @@ class Engine:
             self.session.report_async(1, now - last, now - t_start, to_host, to_ssd).add_done_callback(
                 lambda f: f.exception())
 
-    def _clip_coefficient(self) -> float:
-        """torch.nn.utils.clip_grad_norm_'s coefficient (norm over every gradient); exactly
-        1.0 with ``max_grad_norm=inf``. A non-finite norm raises NonFinite naming the groups
-        whose gradients made it so: nothing is stepped."""
-        # In model.parameters() order, as torch.nn.utils.clip_grad_norm_(model.parameters()) sums.
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grads = [p.grad for p in params]
-        elsewhere = {id(p): v for g in self.groups for views in [g.strategy.norm_grads(g)] if views is not None
-                     for (_, p), v in zip(g.spec.params, views)}  # (gradients accumulated on the host)
-        if elsewhere:
-            grads = [elsewhere.get(id(p), p.grad) for p in params]
-        params, grads = [p for p, t in zip(params, grads) if t is not None], [t for t in grads if t is not None]
-        norms = torch._foreach_norm(grads, 2.0)
-        total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
-        if not math.isfinite(total.item()):
-            raise self._non_finite_norm(params, norms, total.item())
-        return float(torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0))
-
-    def _non_finite_norm(self, params: list, norms: list, total: float) -> NonFinite:
-        bad = {id(p) for p, n in zip(params, torch.stack([n.float() for n in norms]).tolist())
-               if not math.isfinite(n)}
-        names = [g.spec.name for g in self.groups if any(id(p) in bad for _, p in g.spec.params)]
-        if names:
-            which = ", ".join(map(repr, names))
-            cause = f"the gradients of group{'s' if len(names) > 1 else ''} {which} hold NaN or inf"
-        elif bad:
-            cause = "gradients of parameters outside the groups hold NaN or inf"
-        else:
-            cause = "every group's gradient norm is finite but their sum of squares overflows float32"
-        return NonFinite(f"the total gradient norm is {total}: {cause} (or a norm too large for float32); no group "
-                         "was stepped (the optimizer state is unchanged): call engine.zero_grad() and go on with "
-                         "the next batch")
+    def grad_norm(self) -> float | None:
+        """This iteration's global gradient norm so far, as ``torch.nn.utils.clip_grad_norm_``
+        computes it (what ``step()`` clips with), where attach has ``max_grad_norm`` (every
+        gradient is then kept until ``step()``); None without it (the groups' steps leave
+        during backward and their gradients with them). For logging, as Hugging Face's
+        Trainer logs it; reading it changes nothing."""
+        if self.max_grad_norm is None:
+            return None
+        return clipping.total_norm(self.model, self.groups)[2].item()
 
     def zero_grad(self) -> None:
         """Zero every gradient (in shared memory: they stay views of it; pooled ones are
@@ -451,6 +438,7 @@ class Engine:
         for strategy in getattr(self, "_strategies", []):  # (additions discarded mid-accumulation land first)
             strategy.discard()
         for g in self.groups:
+            grad_guard.release(g.spec.params)
             g.strategy.zero(g, self.device)
             g.pending, g.backwards = len(g.spec.params), 0
 
@@ -514,7 +502,7 @@ class Engine:
                 for g in self.groups:
                     if g.offloaded is not None and materialize:
                         self.offloader.ensure(g.offloaded)
-                    for _, p in g.spec.params:
+                    for p in (g.offloaded.params if g.offloaded is not None else [p for _, p in g.spec.params]):
                         p.grad = None
                         if materialize and p.data.numel():
                             p.data = p.data.clone()  # out of shared memory, which goes with the session
@@ -535,59 +523,3 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) -> Engine:
-    """Hook ``model`` up to fuyoud: its optimizer state (``optimizer``, default
-    ``AdamW()``) moves to the SSD array, each layer group is stepped by the daemon as soon
-    as backward has finished it, and the blocks' weights are fetched ahead of use. The
-    options (``socket=``, ``max_grad_norm=``, ``offload=``, ``resume=``, ``weights=``,
-    ``activations=``...) are the fields of ``fuyou_client.AttachOptions``, which
-    documents each one; a misspelt or invalid one is refused before anything starts."""
-    base = options.pop("options", None)  # attach(model, opt, options=AttachOptions(...), **overrides) too
-    opts = dataclasses.replace(base, **options) if base is not None else AttachOptions(**options)
-    blocks, weights, resume, session = opts.blocks, opts.weights, opts.resume, opts.session
-    materializer = materialize.prepare(model, weights, resume is not None)  # (a meta model: CPU stand-ins now)
-    try:
-        torch_groups = resolve_groups(model, optimizer or AdamW(), opts.param_groups, opts.no_decay)
-        groups = split(model, blocks, torch_groups.index)
-        if not groups:
-            raise ValueError("the model has no trainable parameters")
-        if opts.offload and hf_checkpointing(model):
-            raise ValueError(GRADIENT_CHECKPOINTING)
-        if materializer is not None:
-            materializer.bind(block_list(model, blocks))
-        device = resolve(opts.device, model)
-    except BaseException:
-        if materializer is not None:
-            materializer.undo()
-        raise
-    owns = session is None
-    try:
-        session = session or connect(opts.socket, namespace=opts.namespace)
-    except BaseException:
-        if materializer is not None:
-            materializer.undo()
-        raise
-    try:
-        state = None
-        if resume is not None:
-            state = checkpoints.load_client_state(session.restore(resume).client_state)
-        engine = Engine(model, session, torch_groups, groups, opts, device, owns, resume=state is not None,
-                        materializer=materializer)
-        if state is not None:
-            engine._checkpoint_groups = state["groups"]
-            engine.resume_lr()
-            engine.checkpoint_extra = state["extra"]
-        if materializer is not None:
-            materializer.commit()
-        return engine
-    except BaseException:
-        if owns:
-            session.close()
-        elif not device.shares_host_memory:
-            session.use_device(None)
-        device.close()
-        if materializer is not None:
-            materializer.undo()  # (the model is on the meta device again)
-        raise

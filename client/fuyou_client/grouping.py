@@ -46,11 +46,18 @@ class ParamGroup:
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     module: nn.Module | None = None  # the block (None for "rest")
     parts: list[Part] = field(default_factory=list)  # (set by split)
+    # A block's frozen parameters (requires_grad=False): no optimizer state; offloaded with
+    # the block's weights (after its trained ones) when the block is, else left as they are.
+    frozen: list[tuple[str, nn.Parameter]] = field(default_factory=list)
 
     @cached_property
     def numel(self) -> int:
-        """Elements in the group, counted once (offloaded parameters are empty later)."""
+        """Trained elements in the group, counted once (offloaded parameters are empty later)."""
         return sum(p.numel() for _, p in self.params)
+
+    @cached_property
+    def frozen_numel(self) -> int:
+        return sum(p.numel() for _, p in self.frozen)
 
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
@@ -78,11 +85,15 @@ def split(model: nn.Module, blocks: list[nn.Module] | None = None,
     ``index`` maps id(parameter) to its torch param group (default: all in group 0)."""
     blocks = block_list(model, blocks)
     owner: dict[int, str] = {}
+    frozen: set[int] = set()
     groups: list[ParamGroup] = []
     for i, block in enumerate(blocks):
         group = ParamGroup(f"block{i:04d}", module=block)
         for pname, p in block.named_parameters():
             if not p.requires_grad:
+                if p.dtype in SUPPORTED and id(p) not in frozen:  # (others stay where they are)
+                    frozen.add(id(p))
+                    group.frozen.append((pname, p))
                 continue
             if id(p) in owner:
                 raise ValueError(f"parameter {pname!r} is shared between groups {owner[id(p)]} and {group.name}; "
@@ -104,11 +115,11 @@ def split(model: nn.Module, blocks: list[nn.Module] | None = None,
             if p.dtype not in SUPPORTED:
                 raise TypeError(f"parameter {pname!r} of group {g.name} is {p.dtype}; Fuyou trains "
                                 "float32, bfloat16 and float16 parameters (freeze it with requires_grad=False)")
-    groups = [g for g in groups if g.params]
+    groups = [g for g in groups if g.params or g.frozen]  # (a frozen block: offloaded, never stepped)
     which = (lambda p: index.get(id(p), 0)) if index is not None else (lambda p: 0)
     for g in groups:
         g.params.sort(key=lambda item: which(item[1]))  # (stable: model order within a torch group)
-        g.numel  # noqa: B018 - counted now, while every parameter holds its data
+        g.numel, g.frozen_numel  # noqa: B018 - counted now, while every parameter holds its data
         start = 0
         for _, p in g.params:
             i, k = which(p), p.numel()

@@ -96,7 +96,10 @@ class LayerGroup:
 
     @property
     def shapes(self) -> list[torch.Size]:
-        return self.offloaded.shapes if self.offloaded is not None else [p.shape for _, p in self.spec.params]
+        """The trained parameters' shapes (an offloaded block's frozen ones follow them in its weights)."""
+        if self.offloaded is not None:
+            return self.offloaded.shapes[:len(self.spec.params)]
+        return [p.shape for _, p in self.spec.params]
 
 
 def set_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
@@ -126,38 +129,28 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
     ``resume`` take the restored groups' weights; then the parameters become views of
     shared memory or of one device allocation (resident) or empty (offloaded: to the SSD
     array, or with ``offload="host"`` in a shared host buffer the step writes, uploaded
-    per use), and their gradients views of the buffer ``strategy`` keeps (if any)."""
-    dtypes = {p.dtype for _, p in spec.params}
+    per use), and their gradients views of the buffer ``strategy`` keeps (if any). An
+    offloaded block's frozen parameters go to the SSD array too, after its trained ones
+    (the transient object ``frozen/<group>``, written once, read with the rest)."""
+    frozen = [p for _, p in spec.frozen] if offload is True else []
+    dtypes = {p.dtype for _, p in spec.params} | {p.dtype for p in frozen}
     if len(dtypes) != 1:
-        raise TypeError(f"group {spec.name} mixes parameter dtypes {sorted(map(str, dtypes))}; "
-                        "cast the model to one dtype first")
+        raise TypeError(f"group {spec.name} mixes parameter dtypes {sorted(map(str, dtypes))}"
+                        f"{' (its frozen ones included: they are offloaded with it)' if frozen else ''}; cast the "
+                        "model to one dtype first")
     dtype = dtypes.pop()
-    n = spec.numel
+    n, size = spec.numel, dtype.itemsize
     params = [p for _, p in spec.params]
     shapes = [p.shape for p in params]
-    if resume:  # the parameters take the checkpoint's masters, cast as each step casts them
-        master, infos = checkpoints.read_masters(session, spec)
-        for part, info, optimizer in zip(spec.parts, infos, optimizers):
-            bad = _incompatible(part.name, info.optimizer, optimizer)
-            if bad:
-                master.free()
-                raise ValueError(bad)
-        with torch.no_grad():
-            flat, offset = master.tensor(torch.float32)[:n], 0
-            for p in params:
-                p.copy_(flat[offset:offset + p.numel()].view(p.shape))
-                offset += p.numel()
-    else:
-        master = session.allocate(n * 4)
-        flat_copy(params, master.tensor(torch.float32)[:n])
-        infos = [session.create_group(part.name, master, optimizer, offset=part.start * 4, numel=part.numel)
-                 for part, optimizer in zip(spec.parts, optimizers)]
-    grad_bytes = strategy.host_buffer_bytes(n, dtype)
+    frozen_shapes = [p.shape for p in frozen]  # (before they are emptied)
+    master, infos = _masters(session, spec, optimizers, resume)
+    grad_bytes = strategy.host_buffer_bytes(n, dtype) if n else 0
     grads = session.allocate(grad_bytes) if grad_bytes else None
     on_host = offload == "host"
-    size = dtype.itemsize
     sources = []
-    if offload and not on_host and dtype == torch.float32:  # the compute weights are the masters: read them in place
+    if not n:
+        weights = None
+    elif offload and not on_host and dtype == torch.float32:  # the compute weights are the masters: read in place
         weights = None
         sources = [Source(state_object(part.name), info.weights_offset, part.start * 4, part.numel * 4, part.name)
                    for part, info in zip(spec.parts, infos)]
@@ -171,7 +164,10 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
             session.swap_out_many([Out(s.object, weights, s.offset, s.length) for s in sources])
             weights.free()
             weights = None
-    master.free()
+    if master is not None:
+        master.free()
+    if frozen:
+        sources.append(_store_frozen(session, spec.name, frozen, dtype, n * size))
     group = LayerGroup(spec, weights, grads, dtype, strategy=strategy)
     if device.shares_host_memory:  # (offload="host" does not come here: on the CPU it is resident)
         flat_w = weights.tensor(dtype)[:n] if weights is not None else None
@@ -185,17 +181,63 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
             if grads is not None and strategy.keeps_device_grads() else None
     grad_parts = flat_parts(flat_g, shapes) if flat_g is not None else [None] * len(params)
     weight_parts = flat_parts(flat_w, shapes) if flat_w is not None else [None] * len(params)
+    empty = torch.empty(0, dtype=dtype, device=device.torch_device)
     with torch.no_grad():
         for p, shape, g, w in zip(params, shapes, grad_parts, weight_parts):
             # From here on the parameter *is* shared memory (the daemon writes updates into
             # it), a slice of the group's device allocation, or empty until the offloader
             # fetches it.
             p.grad = g.view(shape) if g is not None else None  # (p has its shape)
-            p.data = w.view(shape) if w is not None else torch.empty(0, dtype=dtype, device=device.torch_device)
+            p.data = w.view(shape) if w is not None else empty
+        for p in frozen:
+            p.data = empty
     if offload:
-        group.offloaded = OffloadedGroup(index, spec.name, spec.module, params, dtype, sources, n, shapes=shapes,
+        group.offloaded = OffloadedGroup(index, spec.name, spec.module, params + frozen, dtype, sources,
+                                         n + sum(s.numel() for s in frozen_shapes), shapes=shapes + frozen_shapes,
                                          host=weights if on_host else None)
     return group
+
+
+def _masters(session: Session, spec: ParamGroup, optimizers: list, resume: bool):
+    """The parts' optimizer groups in the daemon: created from the parameters' values
+    (fp32, in a shared buffer), or with ``resume`` restored ones, whose masters the
+    parameters take (cast as each step casts them). (that buffer or None, each part's
+    GroupInfo)"""
+    n = spec.numel
+    if not n:  # (a frozen block)
+        return None, []
+    params = [p for _, p in spec.params]
+    if not resume:
+        master = session.allocate(n * 4)
+        flat_copy(params, master.tensor(torch.float32)[:n])
+        return master, [session.create_group(part.name, master, optimizer, offset=part.start * 4, numel=part.numel)
+                        for part, optimizer in zip(spec.parts, optimizers)]
+    master, infos = checkpoints.read_masters(session, spec)
+    for part, info, optimizer in zip(spec.parts, infos, optimizers):
+        bad = _incompatible(part.name, info.optimizer, optimizer)
+        if bad:
+            master.free()
+            raise ValueError(bad)
+    with torch.no_grad():
+        flat, offset = master.tensor(torch.float32)[:n], 0
+        for p in params:
+            p.copy_(flat[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+    return master, infos
+
+
+def _store_frozen(session: Session, name: str, frozen: list, dtype: torch.dtype, offset: int) -> Source:
+    """An offloaded block's frozen parameters, as one transient object read with its
+    weights (from byte ``offset`` of them): never written again, never stepped."""
+    count = sum(p.numel() for p in frozen)
+    buf = session.allocate(count * dtype.itemsize)
+    try:
+        flat_copy(frozen, buf.tensor(dtype)[:count])
+        source = Source(f"frozen/{name}", 0, offset, count * dtype.itemsize, "")
+        session.swap_out(source.object, buf, length=source.length)
+    finally:
+        buf.free()
+    return source
 
 
 def _incompatible(name: str, was, now) -> str | None:

@@ -50,8 +50,8 @@ from fuyou_client.session import In, Session, gather
 class Source:
     """Where a run of a group's compute weights is on the SSD array: ``length`` bytes at
     ``offset`` in the group's weights, from ``object`` at ``object_offset`` (the masters
-    of a state object, or a weights object); FetchWeights asks ``part`` (the daemon's
-    optimizer group) for them."""
+    of a state object, a weights object, or a block's frozen parameters); FetchWeights
+    asks ``part`` (the daemon's optimizer group) for them ("": none, they are read)."""
     object: str
     object_offset: int
     offset: int
@@ -131,7 +131,11 @@ class Offloader:
             self._hooks.append(g.module.register_forward_hook(lambda m, a, o, g=g: self._after_forward(g),
                                                               always_call=True))
             for p in g.params:
-                self._hooks.append(p.register_hook(lambda grad, g=g: self._gradient_arriving(g)))
+                if p.requires_grad:  # (a block's frozen parameters get none)
+                    self._hooks.append(p.register_hook(lambda grad, g=g: self._gradient_arriving(g)))
+        # Blocks with no trained parameters: no gradient says when backward is done with
+        # them; it is once backward asks for an earlier block.
+        self._frozen_blocks = [g for g in groups if not any(p.requires_grad for p in g.params)]
 
     # -- residency ----------------------------------------------------------------------
     def _start_fetch(self, g: OffloadedGroup, via_state: bool = False) -> None:
@@ -148,12 +152,15 @@ class Offloader:
         if g.host is not None:  # nothing to read: the upload starts when the fetch lands
             g.fetch = Future()
             g.fetch.set_result(False)
-        elif via_state:  # (a list: served or not, per part)
+        elif via_state:  # (a list: per source, served (True), declined (False) or read (None))
             g.fetch = gather([self.session.fetch_weights_async(s.part, slot.host, g.dtype, out_offset=s.offset)
-                              for s in g.sources])
+                              if s.part else self._read([s], slot) for s in g.sources])
         else:
-            g.fetch = self.session.swap_in_async([In(s.object, slot.host, s.offset, s.length, s.object_offset)
-                                                  for s in g.sources])
+            g.fetch = self._read(g.sources, slot)
+
+    def _read(self, sources: list[Source], slot: Slot) -> Future:
+        return self.session.swap_in_async([In(s.object, slot.host, s.offset, s.length, s.object_offset)
+                                           for s in sources])
 
     def ensure(self, g: OffloadedGroup, via_state: bool = False) -> None:
         """Make the group's weights resident (waits for its fetch); the compute stream's
@@ -166,17 +173,17 @@ class Offloader:
 
     def _land(self, g: OffloadedGroup) -> None:
         """A fetch is done (or waited for): upload it and point the parameters at it."""
-        served = g.fetch.result()  # (waits for the read; via the state: served or not, per part)
+        served = g.fetch.result()  # (waits for the reads; via the state: per source, served or not)
         if not g.fetch_via_state:
-            served = [False] * len(g.sources)
+            served = [None] * len(g.sources)
         slot = g.fetch_slot
         if g.host is None:  # (offload="host": nothing was read)
-            declined = [s for s, ok in zip(g.sources, served) if not ok]
-            if g.fetch_via_state and declined:  # no optimizer buffer was spare: read them ourselves
+            declined = [s for s, ok in zip(g.sources, served) if ok is False]
+            if declined:  # no optimizer buffer was spare: read them ourselves
                 self.session.swap_in_many([In(s.object, slot.host, s.offset, s.length, s.object_offset)
                                            for s in declined])
             self.served_bytes += sum(s.length for s, ok in zip(g.sources, served) if ok)
-            self.fetched_bytes += sum(s.length for s in declined)
+            self.fetched_bytes += sum(s.length for s, ok in zip(g.sources, served) if not ok)
         g.slot, g.fetch, g.fetch_slot = slot, None, None
         if not self.device.shares_host_memory:
             source = g.host if g.host is not None else slot.host
@@ -269,6 +276,9 @@ class Offloader:
         """A group's weights for its backward (or its recomputed forward); the first
         request of a group starts fetching the ``prefetch`` groups before it, which
         backward needs next."""
+        for done in self._frozen_blocks:
+            if done.index > g.index and done.slot is not None and not done.busy:
+                self.release(done)
         if g.slot is None:
             self.ensure(g, via_state=True)
             for prev in reversed(self.groups[max(0, g.index - self.prefetch):g.index]):
