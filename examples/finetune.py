@@ -10,12 +10,14 @@ exports the result with `engine.export` (safetensors shards streamed from the SS
 one layer group at a time; `from_pretrained` loads the directory).
 
     python examples/finetune.py [--steps 60] [--model PATH] [--out DIR] [--socket PATH]
-                                [--state-dtype fp32|bf16|int8] [--losses FILE.json]
+                                [--state-dtype fp32|bf16|int8] [--losses FILE.json] [--trainer]
 
 --state-dtype is what the AdamW moments are kept in on the SSD (master weights stay fp32):
 fp32 (exact, 24 SSD bytes per parameter per step), bf16 (16) or block-wise int8 (about
 12.06); docs/state-dtype.md has the loss curves of each against fp32. --losses writes
-every step's loss (and the settings) as JSON.
+every step's loss (and the settings) as JSON. --trainer trains the same model on the same
+corpus through Hugging Face's Trainer instead of the hand-written loop (FuyouTrainer:
+fuyou_client/integrations/transformers.py; the same schedule, warm-up then cosine).
 """
 from __future__ import annotations
 
@@ -77,6 +79,7 @@ def main() -> int:
     ap.add_argument("--losses", help="write every step's loss to this JSON file")
     ap.add_argument("--socket", help="use the fuyoud at this control socket instead of a private one")
     ap.add_argument("--state-dir", default=str(ROOT / ".fuyou" / "finetune"))
+    ap.add_argument("--trainer", action="store_true", help="train through Hugging Face's Trainer (FuyouTrainer)")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
 
@@ -96,6 +99,8 @@ def main() -> int:
             "storage": {"capacity_per_device": max(1 << 30, params * 12 * 3) // 4096 * 4096},
             "optimizer": {"buffer_budget": "1GiB"}})
     try:
+        if args.trainer:
+            return with_trainer(args, model, tokens, args.socket or daemon.socket)
         engine = fuyou_client.attach(model, opt,
                                      socket=args.socket or daemon.socket, namespace="finetune-demo",
                                      max_grad_norm=None)
@@ -143,6 +148,39 @@ def main() -> int:
         if daemon is not None:
             daemon.stop()
             shutil.rmtree(args.state_dir, ignore_errors=True)
+    return 0
+
+
+def with_trainer(args, model, tokens, socket: str) -> int:
+    """The same fine-tuning through Hugging Face's Trainer: FuyouTrainer with the loop's
+    settings (warm-up over 5 steps then cosine, weight decay 0.01, no clipping)."""
+    import transformers
+    from fuyou_client.integrations.transformers import FuyouTrainer
+
+    gen = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, len(tokens) - args.seq - 1, (args.steps * args.batch,), generator=gen)
+    rows = [{"input_ids": tokens[i:i + args.seq], "labels": tokens[i:i + args.seq]} for i in starts]
+    targs = transformers.TrainingArguments(
+        output_dir=str(Path(args.state_dir) / "trainer"), max_steps=args.steps, per_device_train_batch_size=args.batch,
+        learning_rate=args.lr, weight_decay=0.01, lr_scheduler_type="cosine", warmup_steps=5, max_grad_norm=0.0,
+        logging_steps=1, save_strategy="no", report_to="none", use_cpu=args.device == "cpu", bf16=args.bf16,
+        dataloader_num_workers=0, seed=0)
+    trainer = FuyouTrainer(model=model, args=targs, train_dataset=rows, state_dtype=args.state_dtype,
+                           fuyou={"socket": socket, "namespace": "finetune-demo"})
+    t0 = time.perf_counter()
+    trainer.train()
+    elapsed = time.perf_counter() - t0
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    trainer.save_model(args.out)
+    trainer.engine.close(materialize=False)
+    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.steps} steps through FuyouTrainer ({elapsed:.0f} s, "
+          f"{args.state_dtype} moments); fine-tuned weights saved to {args.out} (safetensors)")
+    if args.losses:
+        Path(args.losses).write_text(json.dumps({"trainer": True, "state_dtype": args.state_dtype,
+                                                 "losses": losses, "seconds": elapsed}, indent=1) + "\n")
+    if not losses[-1] < losses[0]:
+        print("WARNING: the loss did not fall", file=sys.stderr)
+        return 1
     return 0
 
 

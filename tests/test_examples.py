@@ -45,3 +45,17 @@ def test_finetune_demo_takes_a_state_dtype_and_writes_its_losses(short_tmp):
     assert "int8 moments" in run.stdout
     r = json.loads(losses.read_text())
     assert r["state_dtype"] == "int8" and len(r["losses"]) == 4 and r["final_loss"] == r["losses"][-1]
+
+
+def test_finetune_demo_through_the_trainer(short_tmp):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    out = short_tmp / "finetuned"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "finetune.py"), "--trainer", "--layers", "2", "--width", "128",
+         "--steps", "8", "--seq", "64", "--lr", "3e-3", "--out", str(out), "--state-dir", str(short_tmp / "state")],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "through FuyouTrainer" in run.stdout and "saved to" in run.stdout
+    transformers.GPT2LMHeadModel.from_pretrained(out)
+    assert not (short_tmp / "state").exists()  # (the Trainer's folder went with the daemon's state)

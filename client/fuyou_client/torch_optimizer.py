@@ -31,6 +31,11 @@ class TorchOptimizer(torch.optim.Optimizer):
         defaults = {k: v for k, v in groups.groups[0].items() if k != "params"} if groups.groups else {}
         super().__init__([dict(g) for g in groups.groups], defaults)
 
+    @property
+    def engine(self) -> "Engine":
+        """The Engine this optimizer steps (``engine.close()``, ``export``...)."""
+        return self._engine
+
     def step(self, closure=None):  # noqa: D401 - torch's signature
         if closure is not None:
             raise ValueError("closures are not supported by fuyou: compute the loss and call backward() before "

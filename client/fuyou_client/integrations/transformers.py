@@ -1,0 +1,200 @@
+"""Hugging Face's ``Trainer`` through Fuyou: ``FuyouTrainer``, a drop-in subclass.
+
+    from fuyou_client.integrations.transformers import FuyouTrainer
+    trainer = FuyouTrainer(model=model, args=TrainingArguments(...), train_dataset=data,
+                           fuyou=fuyou_client.AttachOptions(socket=...))   # optional: how to attach
+    trainer.train()                                   # train(resume_from_checkpoint=True) resumes
+    trainer.save_model("out")                         # safetensors, from_pretrained loads it
+
+The model is attached when the Trainer creates its optimizer, with its own arguments:
+
+* ``learning_rate``, ``adam_beta1``, ``adam_beta2``, ``adam_epsilon``, ``weight_decay``:
+  Fuyou's AdamW, with the Trainer's parameter groups (``get_decay_parameter_names``: no
+  decay for biases and normalisation weights), bitwise ``optim="adamw_torch_fused"``;
+  ``optim`` must be ``adamw_torch`` or ``adamw_torch_fused`` (others are refused: Fuyou
+  runs torch's fused AdamW arithmetic, with fp32, bf16 or int8 moments:
+  ``FuyouTrainer(..., state_dtype="bf16")``);
+* ``lr_scheduler_type``, ``warmup_steps``/``warmup_ratio``: the Trainer's own scheduler on
+  ``engine.optimizer``, one learning rate per group;
+* ``gradient_accumulation_steps``: ``attach(accumulation_steps=...)``;
+* ``max_grad_norm``: ``attach(max_grad_norm=...)``, Fuyou's exact clipping (the steps
+  wait for every gradient); the Trainer's own ``clip_grad_norm_`` is not called (its
+  ``grad_norm`` in the logs is Fuyou's norm), so nothing is clipped twice;
+* ``save_steps`` and friends: a Trainer checkpoint folder holds Fuyou's checkpoint in
+  ``fuyou/`` (master weights, moments, step counts, each group's hyperparameters) and the
+  scheduler as usual; ``resume_from_checkpoint`` attaches with ``resume=`` from it and
+  continues bitwise; ``save_total_limit`` deletes old ones through fuyoud first (a
+  snapshot checkpoint holds extents on the SSD array);
+* ``save_model``: ``engine.export`` (sharded safetensors streamed from the SSD array,
+  with the config), not ``state_dict()`` (offloaded parameters are empty in memory).
+
+Refused before training starts, naming the argument: another ``optim``, DeepSpeed or
+FSDP, ``fp16`` (its loss scaler rewrites gradients; use ``bf16``), Hugging Face
+activation checkpointing (use ``fuyou=AttachOptions(activations="recompute")``, which
+also re-fetches offloaded weights), and several processes (data parallelism: not yet).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints
+
+from fuyou_client.attach import attach
+from fuyou_client.engine import Engine
+from fuyou_client.optim import AdamW
+from fuyou_client.options import AttachOptions
+
+FUYOU_DIR = "fuyou"  # Fuyou's checkpoint inside a Trainer checkpoint folder
+SCHEDULER_NAME = "scheduler.pt"
+TRAINING_ARGS_NAME = "training_args.bin"
+OPTIMS = ("adamw_torch", "adamw_torch_fused")
+# The AttachOptions the Trainer's arguments decide
+DECIDED = {"param_groups": "the Trainer's weight decay groups", "no_decay": "the Trainer's weight decay groups",
+           "max_grad_norm": "TrainingArguments.max_grad_norm",
+           "accumulation_steps": "TrainingArguments.gradient_accumulation_steps",
+           "resume": "train(resume_from_checkpoint=...)"}
+
+
+def check_arguments(args: transformers.TrainingArguments) -> None:
+    """Refuse what FuyouTrainer cannot honour, naming the argument."""
+    optim = getattr(args.optim, "value", args.optim)
+    if optim not in OPTIMS:
+        raise ValueError(f"FuyouTrainer trains with Fuyou's AdamW (torch's fused arithmetic, its state on the SSD "
+                         f"array): optim={optim!r} is not available; use optim='adamw_torch_fused' (or "
+                         "'adamw_torch'), and FuyouTrainer(state_dtype='bf16' or 'int8') for fewer bytes of state")
+    if args.deepspeed:
+        raise ValueError("FuyouTrainer with deepspeed: Fuyou is the optimizer and the offload here; remove deepspeed=")
+    if args.fsdp:
+        raise ValueError("FuyouTrainer with fsdp: Fuyou does not shard over FSDP; remove fsdp=")
+    if args.fp16:
+        raise ValueError("FuyouTrainer with fp16=True: its gradient scaler rewrites gradients that Fuyou's steps "
+                         "read; use bf16=True")
+    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
+        raise ValueError("FuyouTrainer with Hugging Face activation checkpointing: pass "
+                         "fuyou=AttachOptions(activations='recompute') instead (the same recomputation, offloaded "
+                         "weights fetched again)")
+    if args.world_size > 1:
+        raise ValueError(f"FuyouTrainer with {args.world_size} processes: data-parallel training is not supported yet")
+
+
+class FuyouTrainer(transformers.Trainer):
+    """``transformers.Trainer`` whose optimizer is Fuyou's (see the module's docstring).
+    ``fuyou``: AttachOptions (or a dict of them) for everything the Trainer's arguments do
+    not decide (socket, offload, activations, ...); ``state_dtype``: of the AdamW moments.
+    ``self.engine`` is the attached Engine once training has begun."""
+
+    def __init__(self, *args, fuyou: AttachOptions | dict | None = None, state_dtype: str = "fp32", **kwargs):
+        super().__init__(*args, **kwargs)
+        check_arguments(self.args)
+        options = fuyou if isinstance(fuyou, AttachOptions) else AttachOptions(**(fuyou or {}))
+        taken = [f"{k} ({why})" for k, why in DECIDED.items()
+                 if getattr(options, k) != getattr(AttachOptions, k, None)]
+        if taken:
+            raise ValueError(f"FuyouTrainer(fuyou=...) sets {taken[0]}, which the Trainer decides")
+        self.fuyou_options = options
+        self.state_dtype = state_dtype
+        AdamW(state_dtype=state_dtype)  # (refused now if unknown)
+        self.engine: Engine | None = None
+        self._fuyou_resume: str | None = None
+
+    # -- the optimizer ------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"no checkpoint in {self.args.output_dir} to resume from")
+        if resume_from_checkpoint:
+            fuyou = Path(resume_from_checkpoint) / FUYOU_DIR
+            if not fuyou.is_dir():
+                raise ValueError(f"{resume_from_checkpoint} is not a FuyouTrainer checkpoint (no {FUYOU_DIR}/ in it)")
+            if self.engine is not None:
+                raise ValueError("this FuyouTrainer has trained already: resume with a new one")
+            self._fuyou_resume = str(fuyou.resolve())
+        return super().train(resume_from_checkpoint or None, *args, **kwargs)
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is not None:
+            return self.optimizer
+        model = self.model
+        args = self.args
+        decay = set(self.get_decay_parameter_names(model))
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in trainable if n in decay], "weight_decay": args.weight_decay},
+                  {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0}]
+        optimizer = AdamW(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                          weight_decay=args.weight_decay, state_dtype=self.state_dtype)
+        self.engine = attach(model, optimizer, options=dataclasses.replace(
+            self.fuyou_options, param_groups=groups, max_grad_norm=args.max_grad_norm or None,
+            accumulation_steps=args.gradient_accumulation_steps, resume=self._fuyou_resume))
+        self.optimizer = self.engine.optimizer
+        return self.optimizer
+
+    def _clip_grad_norm(self, model):
+        return None  # Fuyou clips, exactly, in the optimizer's step (attach(max_grad_norm=...))
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return self.engine.grad_norm() if self.engine is not None else grad_norm
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self.args.should_save:
+            return
+        target = Path(output_dir).resolve() / FUYOU_DIR
+        if target.exists():  # (the Trainer overwrites a folder of the same step, a resumed run's say)
+            self.engine.session.delete_checkpoint(target)
+        self.engine.save_checkpoint(target)
+        torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        self.engine.resume_lr()  # (the scheduler's constructor set its epoch 0's rates)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        pass  # the weights come with attach(resume=...), from Fuyou's checkpoint in the folder
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's, with its rotation (save_total_limit) done here: a folder's Fuyou
+        checkpoint is deleted through fuyoud before the folder goes."""
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        if limit and limit > 0 and self.args.should_save:
+            self._rotate(self._get_output_dir(trial=trial), limit)
+
+    def _rotate(self, run_dir: str, limit: int) -> None:
+        checkpoints = sort_checkpoints(run_dir, use_mtime=True)
+        protected = {checkpoints[-1]} if checkpoints else set()
+        if self.state.best_model_checkpoint is not None:
+            protected.add(str(Path(self.state.best_model_checkpoint)))
+        remaining = len(checkpoints)
+        for checkpoint in checkpoints:
+            if remaining <= max(limit, len(protected)):
+                break
+            if checkpoint not in protected:
+                fuyou = Path(checkpoint) / FUYOU_DIR
+                if fuyou.is_dir():
+                    self.engine.session.delete_checkpoint(fuyou.resolve())
+                shutil.rmtree(checkpoint, ignore_errors=True)
+                remaining -= 1
+
+    # -- the model ------------------------------------------------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if self.engine is None:  # (not attached yet: an ordinary model)
+            return super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        self.engine.export(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
