@@ -117,3 +117,39 @@ def random_bytes(n: int, seed: int = 0) -> bytes:
 
 
 os.environ.setdefault("FUYOU_TEST", "1")
+
+
+def tiny_gpt2(layers: int = 4, width: int = 64, vocab: int = 256, positions: int = 32):
+    """A GPT-2 architecture small enough for the suite, without dropout (runs compare bitwise)."""
+    import transformers
+
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, n_positions=positions, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+
+def tiny_llama(layers: int = 4, width: int = 64, vocab: int = 256, positions: int = 32):
+    import transformers
+
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=layers, hidden_size=width, intermediate_size=2 * width, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=positions, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0))
+
+
+# AdamW hyperparameters that are not torch's defaults (a default silently taken shows),
+# and a daemon whose optimizer buffers (3 x 4 MiB) are smaller than the test models'
+# state, which really streams from SSD.
+HYPER = dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+STREAMING = merge(SMALL, {"optimizer": {"buffer_budget": "12MiB", "buffers": 3},
+                          "storage": {"capacity_per_device": "1GiB"}})
+
+
+def step_pair(ours, engine, ref, opt, x) -> None:
+    """One iteration of a causal LM through ``engine`` and of its reference under ``opt``."""
+    ours(x, labels=x).loss.backward()
+    engine.step()
+    engine.zero_grad()
+    ref(x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()

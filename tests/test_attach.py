@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fuyou_client
-from conftest import SMALL, merge
+from conftest import SMALL, merge, tiny_gpt2, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,16 +34,11 @@ def daemon():
 
 
 def gpt2():
-    cfg = transformers.GPT2Config(n_layer=8, n_embd=128, n_head=4, vocab_size=512, n_positions=64,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(cfg)
+    return tiny_gpt2(layers=8, width=128, vocab=512, positions=64)
 
 
 def llama():
-    cfg = transformers.LlamaConfig(num_hidden_layers=8, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=64,
-                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    return transformers.LlamaForCausalLM(cfg)
+    return tiny_llama(layers=8, width=128, vocab=512, positions=64)
 
 
 def train_pair(make_model, daemon, steps=10, accumulation=1, clip=None, dtype=torch.float32, offload=True, keep=0,

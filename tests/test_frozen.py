@@ -10,25 +10,20 @@ import pytest
 import torch
 
 import fuyou_client
-from conftest import SMALL, merge, private_daemon
+from conftest import HYPER, STREAMING, private_daemon, step_pair, tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 
-HYPER = dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
-CONFIG = merge(SMALL, {"optimizer": {"buffer_budget": "12MiB", "buffers": 3},
-                       "storage": {"capacity_per_device": "1GiB"}})
 
 
 @pytest.fixture(scope="module")
 def daemon():
-    with private_daemon(CONFIG, "fy-fz-") as d:
+    with private_daemon(STREAMING, "fy-fz-") as d:
         yield d
 
 
 def gpt2():
-    cfg = transformers.GPT2Config(n_layer=6, n_embd=64, n_head=4, vocab_size=256, n_positions=32,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(cfg)
+    return tiny_gpt2(layers=6)
 
 
 def freeze(model):
@@ -64,13 +59,7 @@ def test_frozen_parameters_train_like_torch_and_write_nothing(daemon, offload, t
     gen = torch.Generator().manual_seed(1)
 
     def step():
-        x = torch.randint(0, 256, (2, 16), generator=gen)
-        ours(x, labels=x).loss.backward()
-        engine.step()
-        engine.zero_grad()
-        ref(x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
+        step_pair(ours, engine, ref, opt, torch.randint(0, 256, (2, 16), generator=gen))
 
     for _ in range(3):
         read, written = one_iteration_bytes(session, step)
@@ -104,13 +93,7 @@ def test_a_frozen_block_is_fetched_not_stepped_and_costs_no_state(daemon):
     assert names[:6] == [f"block{i:04d}" for i in range(6)]
     assert [g.spec.numel == 0 for g in engine.groups[:6]] == [False, False, True, True, False, False]
     for _ in range(3):
-        x = torch.randint(0, 256, (2, 16))
-        ours(x, labels=x).loss.backward()
-        engine.step()
-        engine.zero_grad()
-        ref(x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
+        step_pair(ours, engine, ref, opt, torch.randint(0, 256, (2, 16)))
     assert {i.step for i in engine.last_step_infos} == {3} and len(engine.last_step_infos) == 5
     engine.close()
     for (name, a), b in zip(ours.named_parameters(), ref.parameters()):

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 import fuyou_client
-from conftest import SMALL, merge, private_daemon
+from conftest import HYPER, SMALL, merge, private_daemon, tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 
-HYPER = dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +22,7 @@ def daemon():
 
 
 def gpt2():
-    cfg = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=32,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(cfg)
+    return tiny_gpt2(layers=3)
 
 
 @pytest.mark.parametrize("offload", [True, False], ids=["offload", "resident"])

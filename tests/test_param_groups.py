@@ -7,38 +7,28 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import fuyou_client
-from conftest import SMALL, merge, private_daemon
+from conftest import HYPER, STREAMING, private_daemon, tiny_gpt2, tiny_llama
 from fuyou_client.errors import InvalidArgument
 from fuyou_client.param_groups import resolve
 
 transformers = pytest.importorskip("transformers")
 
-HYPER = dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
-# Small optimizer buffers: the state streams from SSD; a block's no-decay part is its own daemon group.
-CONFIG = merge(SMALL, {"optimizer": {"buffer_budget": "12MiB", "buffers": 3},
-                       "storage": {"capacity_per_device": "1GiB"}})
 
 
 @pytest.fixture(scope="module")
 def daemon():
-    with private_daemon(CONFIG, "fy-pg-") as d:
+    with private_daemon(STREAMING, "fy-pg-") as d:
         yield d
 
 
 def gpt2():
-    cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=32,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(cfg)
+    return tiny_gpt2()
 
 
 def llama():
-    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=32,
-                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    return transformers.LlamaForCausalLM(cfg)
+    return tiny_llama()
 
 
 def hf_groups(model, lrs=(3e-3, 1e-3)):
@@ -205,3 +195,37 @@ def test_bad_groups_are_refused_before_anything_starts(groups, message):
     with pytest.raises(InvalidArgument, match="pass one"):
         fuyou_client.attach(model, socket="/nonexistent/fuyoud.sock", param_groups=[], no_decay="auto")
     assert all(p.device.type == "cpu" and p.numel() for p in model.parameters())  # untouched
+
+
+def test_a_steps_hyperparameters_become_the_groups(daemon):
+    """StepGroup(hyper=...): the step runs with them (bitwise torch with those values) and
+    they are the group's from its commit on; another layout is refused; a refused step
+    leaves the group's own."""
+    with fuyou_client.connect(daemon.socket) as s:
+        n = 10_000
+        torch.manual_seed(3)
+        init = torch.randn(n)
+        w, g = s.allocate(n * 4), s.allocate(n * 4)
+        w.tensor(torch.float32)[:n].copy_(init)
+        s.create_group("h", w, fuyou_client.AdamW(**HYPER))
+        ref = torch.nn.Parameter(init.clone())
+        opt = torch.optim.AdamW([ref], **HYPER, fused=True)
+        for betas, wd in (((0.8, 0.95), 0.1), ((0.5, 0.9), 0.0), ((0.6, 0.99), 0.2)):
+            grad = torch.randn(n)
+            g.tensor(torch.float32)[:n].copy_(grad)
+            opt.param_groups[0].update(betas=betas, weight_decay=wd)
+            ref.grad = grad.clone()
+            opt.step()
+            s.step_group("h", g, HYPER["lr"], out=w,
+                         hyper=fuyou_client.AdamW(**{**HYPER, "betas": betas, "weight_decay": wd}))
+            assert torch.equal(w.tensor(torch.float32)[:n], ref.data)
+            assert s.group("h").optimizer.betas == betas and s.group("h").optimizer.weight_decay == wd
+        with pytest.raises(InvalidArgument, match="state dtype and state layout"):
+            s.step_group("h", g, 1e-3, hyper=fuyou_client.AdamW(state_dtype="bf16"))
+        with pytest.raises(InvalidArgument, match="state dtype and state layout"):
+            s.step_group("h", g, 1e-3, hyper=fuyou_client.SGD(momentum=0.9))
+        g.tensor(torch.float32)[0] = float("nan")
+        with pytest.raises(fuyou_client.NonFinite):
+            s.step_group("h", g, 1e-3, hyper=fuyou_client.AdamW(**{**HYPER, "betas": (0.1, 0.2)}))
+        info = s.group("h")
+        assert info.step == 3 and info.optimizer.betas == (0.6, 0.99)

@@ -8,19 +8,17 @@ import pytest
 import torch
 
 import fuyou_client
-from conftest import SMALL, merge, private_daemon
+from conftest import STREAMING, private_daemon, tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 from fuyou_client.integrations.transformers import FuyouTrainer  # noqa: E402
 
-CONFIG = merge(SMALL, {"optimizer": {"buffer_budget": "12MiB", "buffers": 3},
-                       "storage": {"capacity_per_device": "1GiB"}})
 
 
 @pytest.fixture(scope="module")
 def daemon():
-    with private_daemon(CONFIG, "fy-tr-") as d:
+    with private_daemon(STREAMING, "fy-tr-") as d:
         yield d
 
 
@@ -38,9 +36,7 @@ class Tokens(torch.utils.data.Dataset):
 
 def model():
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=32,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(cfg)
+    return tiny_gpt2()
 
 
 def arguments(out, **kw):
