@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fuyou_client
-from conftest import SMALL, merge, tiny_gpt2, tiny_llama
+from conftest import SMALL, merge, step_pair, tiny_gpt2, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -153,12 +153,7 @@ def test_an_eval_under_inference_mode_between_steps(daemon):
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
         x = torch.randint(0, 512, (2, 32), generator=gen)
-        ours(x, labels=x).loss.backward()
-        engine.step()
-        engine.zero_grad()
-        ref(x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
+        step_pair(ours, engine, ref, opt, x)
         with torch.inference_mode():
             assert torch.equal(ours(x).logits, ref(x).logits)
     engine.close()

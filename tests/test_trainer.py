@@ -86,8 +86,10 @@ def test_a_resumed_run_equals_an_uninterrupted_one(daemon, tmp_path):
                          fuyou={"socket": daemon.socket})
     whole.train()
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
-    assert (tmp_path / "run" / "checkpoint-4" / "fuyou" / "manifest.json").exists() or \
-        any((tmp_path / "run" / "checkpoint-4" / "fuyou").iterdir())
+    assert all((tmp_path / "run" / c / "fuyou" / "manifest.json").is_file() for c in ("checkpoint-4", "checkpoint-6"))
+    # Three were taken; the rotated one's snapshot went through fuyoud, not left on the SSD array.
+    snapshots = {o.name.split("/")[1] for o in whole.engine.session.objects("snapshots/")}
+    assert len(snapshots) == 2, snapshots
     want = weights(whole, tmp_path / "whole-out")
     whole.engine.close()
     resumed = FuyouTrainer(model=model(), args=arguments(tmp_path / "run", **save), train_dataset=Tokens(),

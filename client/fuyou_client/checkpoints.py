@@ -187,7 +187,7 @@ def _group_tensors(session: "Session", g, names: dict[int, str], dtype: torch.dt
             buf.free()
     frozen = g.offloaded.params[len(g.spec.params):] if g.offloaded is not None else []
     if frozen:
-        source = g.offloaded.sources[-1]  # (frozen/<group>: the last source)
+        source = next(s for s in g.offloaded.sources if not s.part)  # (frozen/<group>: no optimizer group)
         buf = session.allocate(source.length)
         try:
             session.swap_in(source.object, buf, length=source.length)

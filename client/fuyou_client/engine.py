@@ -182,7 +182,8 @@ class Engine:
         if offload and offload != "host":
             need += sum(g.numel * g.params[0][1].dtype.itemsize for g in groups
                         if g.params and g.params[0][1].dtype != torch.float32)
-            need += sum(p.numel() * p.dtype.itemsize for g in groups if g.module is not None for _, p in g.frozen)
+            need += sum(g.frozen_numel * g.frozen[0][1].dtype.itemsize for g in groups
+                        if g.module is not None and g.frozen)
         status = self.session.daemon_status
         free = sum(d.capacity_bytes - d.used_bytes for d in status.devices)
         if need > free:
@@ -462,6 +463,8 @@ class Engine:
         again after creating an LR scheduler, whose constructor sets the rate of its
         epoch 0, and loading its state_dict."""
         checkpoints.restore_groups(self.optimizer.param_groups, self._checkpoint_groups)
+        for i, group in enumerate(self.optimizer.param_groups):
+            self._torch_groups.spec(i, group)  # (a checkpoint's values out of range: refused now, named)
 
     def export(self, directory, dtype: torch.dtype | None = None):
         """The trained weights as sharded safetensors (``from_pretrained`` reads the

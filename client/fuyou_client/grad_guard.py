@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map
 
+from fuyou_client.layergroup import set_grad
+
 WHY = ("was written after its layer group's step went to fuyoud, which reads it (e.g. clip_grad_norm_ after "
        "backward(): the steps leave during backward). Clip with attach(max_grad_norm=...) instead (exact, the steps "
        "then wait for every gradient), or change gradients in a hook before backward is done with their group")
@@ -54,8 +56,6 @@ class SubmittedGrad(torch.Tensor):
 
 def guard(params, what: str) -> None:
     """Make each parameter's gradient a SubmittedGrad (``what`` names the group)."""
-    from fuyou_client.layergroup import set_grad
-
     with torch.no_grad():
         for name, p in params:
             if p.grad is not None and not isinstance(p.grad, SubmittedGrad):
@@ -64,8 +64,6 @@ def guard(params, what: str) -> None:
 
 def release(params) -> None:
     """The plain gradients back."""
-    from fuyou_client.layergroup import set_grad
-
     with torch.no_grad():
         for _, p in params:
             if isinstance(p.grad, SubmittedGrad):

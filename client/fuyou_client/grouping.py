@@ -15,6 +15,7 @@ the daemon each, with that torch group's hyperparameters. A group within one tor
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -121,12 +122,8 @@ def split(model: nn.Module, blocks: list[nn.Module] | None = None,
         g.params.sort(key=lambda item: which(item[1]))  # (stable: model order within a torch group)
         g.numel, g.frozen_numel  # noqa: B018 - counted now, while every parameter holds its data
         start = 0
-        for _, p in g.params:
-            i, k = which(p), p.numel()
-            if g.parts and g.parts[-1].index == i:
-                last = g.parts[-1]
-                g.parts[-1] = Part(last.name, last.start, last.numel + k, i)
-            else:
-                g.parts.append(Part(g.name if not g.parts else f"{g.name}.g{i}", start, k, i))
-            start += k
+        for k, (i, run) in enumerate(itertools.groupby(g.params, key=lambda item: which(item[1]))):
+            count = sum(p.numel() for _, p in run)
+            g.parts.append(Part(g.name if k == 0 else f"{g.name}.g{i}", start, count, i))
+            start += count
     return groups

@@ -143,6 +143,7 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
     params = [p for _, p in spec.params]
     shapes = [p.shape for p in params]
     frozen_shapes = [p.shape for p in frozen]  # (before they are emptied)
+    frozen_numel = spec.frozen_numel if frozen else 0
     master, infos = _masters(session, spec, optimizers, resume)
     grad_bytes = strategy.host_buffer_bytes(n, dtype) if n else 0
     grads = session.allocate(grad_bytes) if grad_bytes else None
@@ -167,7 +168,7 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
     if master is not None:
         master.free()
     if frozen:
-        sources.append(_store_frozen(session, spec.name, frozen, dtype, n * size))
+        sources.append(_store_frozen(session, spec.name, frozen, frozen_numel, dtype, n * size))
     group = LayerGroup(spec, weights, grads, dtype, strategy=strategy)
     if device.shares_host_memory:  # (offload="host" does not come here: on the CPU it is resident)
         flat_w = weights.tensor(dtype)[:n] if weights is not None else None
@@ -193,7 +194,7 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
             p.data = empty
     if offload:
         group.offloaded = OffloadedGroup(index, spec.name, spec.module, params + frozen, dtype, sources,
-                                         n + sum(s.numel() for s in frozen_shapes), shapes=shapes + frozen_shapes,
+                                         n + frozen_numel, shapes=shapes + frozen_shapes,
                                          host=weights if on_host else None)
     return group
 
@@ -219,17 +220,15 @@ def _masters(session: Session, spec: ParamGroup, optimizers: list, resume: bool)
             master.free()
             raise ValueError(bad)
     with torch.no_grad():
-        flat, offset = master.tensor(torch.float32)[:n], 0
-        for p in params:
-            p.copy_(flat[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
+        for p, part in zip(params, flat_parts(master.tensor(torch.float32), [p.shape for p in params])):
+            p.copy_(part.view(p.shape))
     return master, infos
 
 
-def _store_frozen(session: Session, name: str, frozen: list, dtype: torch.dtype, offset: int) -> Source:
-    """An offloaded block's frozen parameters, as one transient object read with its
-    weights (from byte ``offset`` of them): never written again, never stepped."""
-    count = sum(p.numel() for p in frozen)
+def _store_frozen(session: Session, name: str, frozen: list, count: int, dtype: torch.dtype, offset: int) -> Source:
+    """An offloaded block's frozen parameters (``count`` elements), as one transient
+    object read with its weights (from byte ``offset`` of them): never written again,
+    never stepped."""
     buf = session.allocate(count * dtype.itemsize)
     try:
         flat_copy(frozen, buf.tensor(dtype)[:count])

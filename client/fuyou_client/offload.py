@@ -276,9 +276,10 @@ class Offloader:
         """A group's weights for its backward (or its recomputed forward); the first
         request of a group starts fetching the ``prefetch`` groups before it, which
         backward needs next."""
-        for done in self._frozen_blocks:
-            if done.index > g.index and done.slot is not None and not done.busy:
-                self.release(done)
+        if not g.in_backward:  # (once per group and backward, not per saved tensor)
+            for done in self._frozen_blocks:
+                if done.index > g.index and done.slot is not None and not done.busy:
+                    self.release(done)
         if g.slot is None:
             self.ensure(g, via_state=True)
             for prev in reversed(self.groups[max(0, g.index - self.prefetch):g.index]):
