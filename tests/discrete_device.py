@@ -77,6 +77,7 @@ class LateCopyDevice(Device):
         self.registered: dict[int, int] = {}  # address -> bytes, like cudaHostRegister
         self.ever_registered = 0
         self.uploads = self.downloads = 0
+        self.bytes_up = self.bytes_down = 0  # per link, since construction (tests difference them per iteration)
         self.allocated: list[torch.Tensor] = []
 
     def register(self, address: int, nbytes: int) -> None:
@@ -117,6 +118,7 @@ class LateCopyDevice(Device):
 
     def upload(self, dst, src, after=None):
         self.uploads += 1
+        self.bytes_up += src.numel() * src.element_size()
         return self._copy(self._up, dst, src, after, src)
 
     def upload_new(self, src, after=None):
@@ -125,6 +127,7 @@ class LateCopyDevice(Device):
 
     def download(self, dst, src, after=None):
         self.downloads += 1
+        self.bytes_down += src.numel() * src.element_size()
         return self._copy(self._down, dst, src, after, dst)
 
     def record(self):

@@ -30,7 +30,7 @@ import time
 import torch
 from torch import nn
 
-from fuyou_client import checkpoints, clipping, grad_guard, heap, layergroup
+from fuyou_client import blockmajor, checkpoints, clipping, grad_guard, heap, layergroup
 from fuyou_client.activations import ActivationSwapper, treatments
 from fuyou_client.autoplan import AutoPlanner
 from fuyou_client.device import Device
@@ -148,6 +148,9 @@ class Engine:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, g=g: self._on_grad(g)))
         self._saved_ctx = None
         blocks = [g for g in self.groups if g.spec.module is not None]
+        self._block_modules = [spec.module for spec in groups if spec.module is not None]  # (frozen ones too)
+        self._train_step_store: blockmajor.Store | None = None
+        self._block_major = False  # in train_step: weights stay until a group's last micro-batch
         self._treatment = treatments(activations, [g.spec.name for g in blocks])
         weights = {(g.device_weights if g.device_weights is not None else g.weights.tensor(torch.uint8))
                    .untyped_storage().data_ptr() for g in self.groups if g.weights is not None}
@@ -252,7 +255,7 @@ class Engine:
                 f"engine.step(), but accumulation_steps={self.accumulation_steps}: its step may already be "
                 "reading them; call engine.step() after each backward or attach with accumulation_steps=N")
         g.strategy.on_backward(g, first=g.backwards == 1)  # (before the weights go: views need their shapes)
-        if g.offloaded is not None:
+        if g.offloaded is not None and (not self._block_major or g.backwards == self.accumulation_steps):
             g.offloaded.busy = False
             self.offloader.release(g.offloaded)  # backward is done with these weights
         if g.backwards == self.accumulation_steps and self.max_grad_norm is None and not g.submitted:
@@ -410,6 +413,63 @@ class Engine:
             self._auto.step_done()
         self._report(t_start)
 
+    def train_step(self, micro_batches, loss_fn) -> torch.Tensor:
+        """One iteration over ``micro_batches`` in block-major order (blockmajor.py): each
+        block runs forward for every micro-batch before the next block does, and backward
+        block by block, each block's gradient accumulated over the micro-batches on the
+        compute device, sent to fuyoud once and stepped at once (while backward goes on),
+        so weights and gradients cross once per block and iteration, not per micro-batch.
+
+        ``loss_fn(micro_batch)`` returns the scalar to backpropagate (divide by
+        ``len(micro_batches)`` in it for a mean). Returns the losses, detached, one per
+        micro-batch; the step's barrier has run (``engine.step()`` and ``zero_grad()``
+        are not called after it). Trains exactly as the ordinary loop over the same
+        micro-batches would, each micro-batch's dropout drawn as under
+        ``fuyou_client.micro_batch_rng``. Each micro-batch's input to each block is kept
+        until backward: on a GPU in host memory (``host_budget`` must hold blocks + 2
+        times the micro-batches of them). ``activations=`` does not apply to it."""
+        blockmajor.check_micro_batches(micro_batches, loss_fn)
+        self.require_idle("train_step")
+        if self._train_step_store is None:
+            self._train_step_store = blockmajor.Store(self.session, self.device, self.options.host_budget)
+        by_module = {id(g.spec.module): g for g in self.groups if g.spec.module is not None}
+        blocks = []
+        for module in self._block_modules:
+            g = by_module.get(id(module))
+            name = g.spec.name if g is not None else None
+            blocks.append((module, g.offloaded if g is not None else None, self._originals.get(name, module.forward)))
+        accumulation, self.accumulation_steps = self.accumulation_steps, len(micro_batches)
+        self._block_major = True
+        try:
+            losses = blockmajor.BlockMajor(self, blocks, self._train_step_store).run(micro_batches, loss_fn)
+            self.step()
+        except BaseException:
+            self._abandon()
+            raise
+        finally:
+            self.accumulation_steps, self._block_major = accumulation, False
+            self._train_step_store.discard()
+        self.zero_grad()
+        return losses
+
+    def _abandon(self) -> None:
+        """A train_step that failed: the steps already sent land, the rest is forgotten."""
+        for g in self.groups:
+            if g.future is not None:
+                try:
+                    g.future.result()
+                    layergroup.upload_weights(self.device, g)
+                except Exception:  # noqa: BLE001 - the first error is the one raised
+                    pass
+            g.future, g.submitted = None, False
+            if g.offloaded is not None:
+                g.offloaded.busy = False
+        for strategy in self._strategies:
+            strategy.reclaim()
+        if self.offloader is not None:
+            self.offloader.release_all()
+        self.zero_grad()
+
     def _report(self, t_start: float) -> None:
         """Send this iteration's time and the part of it spent waiting in step() to the
         daemon's metrics (fire and forget: a lost report costs nothing but a sample)."""
@@ -492,6 +552,8 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._train_step_store is not None:
+            self._train_step_store.close()
         self.apply_treatments({name: "keep" for name in self._by_name})  # unpatch recomputed forwards
         try:
             for g in self.groups:  # steps in flight still write into shared buffers: let them land

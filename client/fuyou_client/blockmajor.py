@@ -1,0 +1,545 @@
+"""Block-major training over a list of micro-batches: ``engine.train_step(micro_batches, loss_fn)``.
+
+The ordinary loop runs micro-batch after micro-batch, so every micro-batch moves every
+block's weights up and (with accumulation) every block's gradients down, and a block's
+step can only start after the last micro-batch's backward. Here the order is turned
+around (layer-to-layer training's order; FlexGen's for inference):
+
+* **forward**, block by block: block l runs for micro-batches 1..K before block l+1 does,
+  without keeping a graph. Each micro-batch's input to each block (a checkpoint) is kept:
+  on the CPU as the tensor itself, on a device with its own memory in a host arena of
+  shared memory (downloaded as it is made, uploaded again ahead of its use). The tail
+  (final norm, head, ``loss_fn``) runs with a graph, and its gradient with respect to the
+  last block's output is taken at once;
+* **backward**, block by block in reverse: the block's weights come up once, then for
+  micro-batches 1..K in ascending order its forward is recomputed from the checkpoint and
+  backward runs through it, so its gradient accumulates on the device in the order
+  torch's loop would add it. After the K-th the group's gradient is final: it goes down
+  once and its step is submitted, overlapping the backward of the blocks before it;
+* **the rest** (embeddings, head, final norm): each micro-batch's ``loss_fn`` is replayed
+  with the blocks answered from the checkpoints, and one backward per micro-batch takes
+  the head's and the embeddings' gradients together (tied weights add up as in torch).
+
+The model's own ``forward`` runs unchanged: each micro-batch's forward runs in a thread of
+its own, and the blocks are replaced (in their parent module, during the call) by stand-ins
+that let exactly one micro-batch compute at a time, in block-major order. Between blocks the
+model holds "ghosts" (meta tensors) instead of the hidden states, so device memory holds
+one micro-batch's activations at a time.
+
+Dropout: micro-batch k draws from the default generators seeded ``seed + k``, with
+``seed`` drawn once per call from the default CPU generator, in forward and recomputation
+alike (``micro_batch_rng`` gives the same draws to an ordinary loop). The result is
+bitwise that of the ordinary loop over the same micro-batches (fp32; tests/test_blockmajor.py).
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fuyou_client.device import DONE, Device
+
+SLOT_ALIGN = 4096
+
+
+@contextmanager
+def micro_batch_rng(seed: int, k: int, device: torch.device | None = None):
+    """The generators micro-batch ``k`` of a ``train_step`` whose seed was ``seed`` draws
+    from: ``with micro_batch_rng(seed, k): loss_fn(mb).backward()`` in an ordinary loop
+    draws the same dropout masks. The default generators are restored after."""
+    cuda = device is not None and device.type == "cuda"
+    with torch.random.fork_rng(devices=[device.index or 0] if cuda else [], device_type="cuda"):
+        _seed(seed + k, device if cuda else None)
+        yield
+
+
+def _seed(seed: int, cuda: torch.device | None) -> None:
+    torch.default_generator.manual_seed(seed)
+    if cuda is not None:
+        torch.cuda.default_generators[cuda.index or 0].manual_seed(seed)
+
+
+def _rng(cuda: torch.device | None):
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(cuda) if cuda is not None else None)
+
+
+def _set_rng(state, cuda: torch.device | None) -> None:
+    torch.set_rng_state(state[0])
+    if cuda is not None:
+        torch.cuda.set_rng_state(state[1], cuda)
+
+
+def _is_cache(x) -> bool:
+    """A key/value cache (transformers' Cache): training keeps none, so blocks get None."""
+    return hasattr(x, "update") and hasattr(x, "get_seq_length")
+
+
+class _Aborted(Exception):
+    """Another micro-batch's thread failed: this one stops."""
+
+
+class _Turns:
+    """Whose turn it is: one micro-batch's thread computes at a time, in a fixed order of
+    (block, micro-batch) turns ("prologue" turns first: each micro-batch up to block 0)."""
+
+    def __init__(self, order: list[tuple[int, int]], k: int):
+        self.order, self.i = order, 0
+        self.ready = [threading.Event() for _ in range(k)]
+        self.error: BaseException | None = None
+        self.ready[order[0][1]].set()
+
+    def wait(self, turn: tuple[int, int]) -> None:
+        event = self.ready[turn[1]]
+        event.wait()
+        event.clear()
+        if self.error is not None:
+            raise _Aborted
+        if self.order[self.i] != turn:
+            raise RuntimeError(f"the model called block {turn[0]} of micro-batch {turn[1]} when "
+                               f"{self.order[self.i]} was due: train_step needs blocks called once each, in order")
+
+    def advance(self) -> None:
+        self.i += 1
+        if self.i < len(self.order):
+            self.ready[self.order[self.i][1]].set()
+
+    def abort(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        for event in self.ready:
+            event.set()
+
+
+class Store:
+    """Tensors kept between the passes, keyed (kind, block, micro-batch): on the CPU the
+    tensors themselves; on a device with its own memory, equal slots of a host arena in
+    shared memory, downloaded when put and uploaded (ahead, by ``prefetch``) when taken."""
+
+    def __init__(self, session, device: Device, budget: int):
+        self.session, self.device, self.budget = session, device, budget
+        self.arena = None
+        self.slot = 0
+        self._free: list[int] = []
+        self._entries: dict = {}  # key -> (slot, [(offset, shape, dtype) | None], downloaded event)
+        self._on_device: dict = {}  # key -> ([tensor | None], upload event)
+        self._slot_uploaded: dict[int, object] = {}
+        self.bytes_down = self.bytes_up = 0
+
+    def reserve(self, nbytes: int, count: int) -> None:
+        """Room for ``count`` entries of up to ``nbytes`` each (on a discrete device)."""
+        if self.device.shares_host_memory:
+            return
+        slot = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+        if slot * count > self.budget:
+            raise ValueError(
+                f"train_step keeps {count} checkpoints and gradients of {nbytes} bytes each (blocks + 2, times the "
+                f"micro-batches) in host memory: {slot * count} bytes, but host_budget is {self.budget}; attach with "
+                f"host_budget={slot * count} or more, or use fewer or smaller micro-batches")
+        if self.arena is None or self.slot != slot or len(self._free) + len(self._entries) < count:
+            self.close()
+            self.arena = self.session.allocate(slot * count)
+            self.slot = slot
+            self._free = [i * slot for i in range(count)]
+            self._slot_uploaded = {}
+
+    def put(self, key, tensors: list) -> None:
+        if self.device.shares_host_memory:
+            self._entries[key] = [None if t is None else t.detach() for t in tensors]
+            return
+        if not self._free:
+            raise RuntimeError("train_step's host arena is full (a model whose checkpoints changed size mid-step)")
+        base, layout, off = self._free.pop(0), [], 0
+        events = []
+        for t in tensors:
+            if t is None:
+                layout.append(None)
+                continue
+            n = t.numel() * t.element_size()
+            if off + n > self.slot:
+                raise RuntimeError(f"a checkpoint of {off + n} bytes does not fit train_step's slots of {self.slot}")
+            dst = self.arena.tensor(torch.uint8)[base + off:base + off + n].view(t.dtype).view(t.shape)
+            events.append(self.device.download(dst, t.detach(), after=self._slot_uploaded.pop(base, None)))
+            layout.append((base + off, t.shape, t.dtype))
+            off += -(-n // 64) * 64
+            self.bytes_down += n
+        self._entries[key] = (base, layout, events)
+
+    def prefetch(self, key) -> None:
+        if self.device.shares_host_memory or key in self._on_device or key not in self._entries:
+            return
+        base, layout, events = self._entries[key]
+        out, last = [], DONE
+        for spec, downloaded in zip((s for s in layout if s is not None), events):
+            off, shape, dtype = spec
+            n = shape.numel() * dtype.itemsize
+            t, last = self.device.upload_new(self.arena.tensor(torch.uint8)[off:off + n].view(dtype).view(shape),
+                                             after=downloaded)
+            out.append(t)
+            self.bytes_up += n
+        it = iter(out)
+        self._on_device[key] = ([None if s is None else next(it) for s in layout], last)
+
+    def take(self, key, keep: bool = False) -> list:
+        """The entry's tensors on the compute device (the compute stream waits for them);
+        ``keep``: the entry stays for a later take."""
+        if self.device.shares_host_memory:
+            return self._entries[key] if keep else self._entries.pop(key)
+        self.prefetch(key)
+        tensors, uploaded = self._on_device.pop(key)
+        self.device.wait(uploaded)
+        if not keep:
+            base, _, _ = self._entries.pop(key)
+            self._slot_uploaded[base] = uploaded  # the next download into the slot waits for this upload
+            self._free.append(base)
+        return tensors
+
+    def discard(self) -> None:
+        for key in list(self._entries):
+            if not self.device.shares_host_memory:
+                self._free.append(self._entries[key][0])
+            del self._entries[key]
+        self._on_device.clear()
+
+    def close(self) -> None:
+        self.discard()
+        if self.arena is not None:
+            self.device.synchronize()
+            self.arena.free()
+            self.arena = None
+
+
+@dataclass
+class _Call:
+    """What a block received for one micro-batch: the call's structure, its constant
+    leaves, and which leaves are carried (hidden states: checkpointed, given gradients)."""
+    spec: object
+    leaves: list
+    carried: list[int]  # leaf positions
+    sources: list[int]  # for each carried leaf, its index in the stored tensors
+
+
+@dataclass
+class _Micro:
+    rng: object = None  # the generators' state now (swapped at every turn)
+    initial: object = None  # at the start of its forward
+    tail: object = None  # when its tail starts
+    loss: torch.Tensor | None = None
+    ghosts: dict = field(default_factory=dict)  # id(ghost) -> index in the previous block's stored outputs
+    ghost_refs: list = field(default_factory=list)  # (the ghosts, alive until the next block: ids stay unique)
+    last: int = -1  # the last block it ran
+
+
+class BlockMajor:
+    """One ``train_step``: forward, backward and the rest's backward, in block-major order.
+    ``blocks``: [(module, offloaded group or None, forward)], in forward order."""
+
+    def __init__(self, engine, blocks: list, store: Store):
+        self.engine, self.blocks, self.store = engine, blocks, store
+        self.device = engine.device
+        self.cuda = self.device.torch_device if self.device.torch_device.type == "cuda" else None
+        self.calls: dict[tuple[int, int], _Call] = {}
+        self.rng: dict[tuple[int, int], object] = {}
+        self.out_specs: dict[int, tuple] = {}  # block -> (output spec, floating positions)
+
+    # -- the call -------------------------------------------------------------------------
+    def run(self, micro_batches: list, loss_fn) -> torch.Tensor:
+        k = len(micro_batches)
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        with torch.random.fork_rng(devices=[self.cuda.index or 0] if self.cuda else [], device_type="cuda"):
+            micros = []
+            for i in range(k):
+                _seed(seed + i, self.cuda)
+                state = _rng(self.cuda)
+                micros.append(_Micro(rng=state, initial=state))
+            with self._stand_ins(self._forward_turn):
+                self._forward(micro_batches, loss_fn, micros)
+            self._backward(k)
+            if self._rest_trains():
+                self._rest(micro_batches, loss_fn, micros)
+        return torch.stack([m.loss for m in micros])
+
+    def _rest_trains(self) -> bool:
+        return any(g.spec.module is None and g.spec.params for g in self.engine.groups)
+
+    @contextmanager
+    def _stand_ins(self, turn):
+        """Replace each block in its parent by a stand-in calling ``turn(l, args, kwargs)``."""
+        parents = []
+        for l, (module, _, _) in enumerate(self.blocks):
+            for parent in self.engine.model.modules():
+                key = next((n for n, m in parent._modules.items() if m is module), None)
+                if key is not None:
+                    parents.append((parent, key, module))
+                    parent._modules[key] = _StandIn(turn, l)
+                    break
+            else:
+                raise RuntimeError(f"block {l} is not a submodule of the model: train_step replaces blocks in place")
+        try:
+            yield
+        finally:
+            for parent, key, module in parents:
+                parent._modules[key] = module
+
+    # -- forward --------------------------------------------------------------------------
+    def _forward(self, micro_batches, loss_fn, micros) -> None:
+        k, n = len(micro_batches), len(self.blocks)
+        order = [(-1, i) for i in range(k)] + [(l, i) for l in range(n) for i in range(k)]
+        self.turns = _Turns(order, k)
+        self.micros = micros
+        context = self._context()
+        errors: list[BaseException] = []
+
+        def work(i: int) -> None:
+            self._local.i = i
+            try:
+                with context():
+                    self.turns.wait((-1, i))
+                    _set_rng(micros[i].rng, self.cuda)
+                    loss = loss_fn(micro_batches[i])
+                    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+                        raise ValueError(f"loss_fn returned {type(loss).__name__}"
+                                         f"{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)} for "
+                                         "micro-batch {i}: it must return a scalar floating-point tensor")
+                    if micros[i].last != n - 1:
+                        raise RuntimeError(f"micro-batch {i}'s forward called {micros[i].last + 1} of the {n} blocks: "
+                                           "train_step needs every block called once, in order")
+                    leaves = self._last_leaves.pop(i)
+                    wanted = [t for t in leaves if t is not None and t.requires_grad]
+                    grads = torch.autograd.grad(loss, wanted, allow_unused=True) if loss.requires_grad and wanted \
+                        else [None] * len(wanted)
+                    it = iter(grads)
+                    self.store.put(("g", n - 1, i), [next(it) if t is not None and t.requires_grad else None
+                                                     for t in leaves])
+                    micros[i].loss = loss.detach()
+                    micros[i].rng = None
+                self.turns.advance()
+            except _Aborted:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+                errors.append(exc)
+                self.turns.abort(exc)
+
+        self._last_leaves: dict[int, list] = {}
+        self._local = threading.local()
+        threads = [threading.Thread(target=work, args=(i,), name=f"fuyou-micro{i}", daemon=True) for i in range(k)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def _context(self):
+        """The calling thread's autocast, device and stream, for the micro-batches' threads."""
+        kind = self.device.torch_device.type
+        autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        stream = torch.cuda.current_stream(self.cuda) if self.cuda is not None else None
+
+        @contextmanager
+        def context():
+            with torch.autocast(kind, dtype=autocast[1], enabled=autocast[0]), \
+                    (torch.cuda.device(self.cuda) if stream is not None else nullcontext()), \
+                    (torch.cuda.stream(stream) if stream is not None else nullcontext()):
+                yield
+        return context
+
+    def _forward_turn(self, l: int, args, kwargs):
+        """Block ``l`` for the micro-batch whose thread calls it, on its turn."""
+        i = self._local.i
+        micro, n, k = self.micros[i], len(self.blocks), len(self.micros)
+        if micro.last != l - 1:
+            raise RuntimeError(f"micro-batch {i} called block {l} after block {micro.last}: train_step needs every "
+                               "block called once, in order")
+        micro.rng = _rng(self.cuda)
+        self.turns.advance()  # (its prologue or previous block is done)
+        self.turns.wait((l, i))
+        _set_rng(micro.rng, self.cuda)
+        module, og, forward = self.blocks[l]
+        call, carried = self._record(l, i, args, kwargs)
+        if i == 0 and og is not None:
+            self.engine.offloader._before_forward(og)  # (weights in, the next blocks' fetches started)
+        if l > 0:
+            carried = self.store.take(("x", l, i), keep=True)
+        for nxt in ([("x", l, i + 1)] if i + 1 < k else [("x", l + 1, 0)] if l + 1 < n else []):
+            self.store.prefetch(nxt)
+        self.rng[(l, i)] = _rng(self.cuda)
+        args, kwargs = self._rebuild(call, carried)
+        with torch.no_grad():
+            out = forward(*args, **kwargs)
+        del args, kwargs, carried
+        if i == k - 1 and og is not None:
+            self.engine.offloader._after_forward(og)
+        leaves, spec = tree_flatten(out)
+        floating = [j for j, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+        self.out_specs.setdefault(l, (spec, floating))
+        tensors = [leaves[j] for j in floating]
+        self.store.put(("x", l + 1, i), tensors)
+        micro.last = l
+        if l == n - 1:  # the tail: with a graph, from leaves
+            given = [t.detach().requires_grad_() for t in tensors]
+            self._last_leaves[i] = given
+            micro.tail = _rng(self.cuda)
+        else:
+            given = [torch.empty_like(t, device="meta") for t in tensors]
+            micro.ghosts = {id(g): j for j, g in enumerate(given)}
+            micro.ghost_refs = given
+            micro.rng = _rng(self.cuda)
+        for j, t in zip(floating, given):
+            leaves[j] = t
+        return tree_unflatten(leaves, spec)
+
+    def _record(self, l: int, i: int, args, kwargs) -> tuple[_Call, list]:
+        leaves, spec = tree_flatten((args, kwargs))
+        carried, sources, tensors = [], [], []
+        micro = self.micros[i]
+        for j, x in enumerate(leaves):
+            if _is_cache(x):
+                leaves[j] = None
+            elif isinstance(x, torch.Tensor):
+                if l > 0 and id(x) in micro.ghosts:
+                    carried.append(j)
+                    sources.append(micro.ghosts[id(x)])
+                elif x.device.type == "meta":
+                    raise RuntimeError(f"block {l} of micro-batch {i} got a tensor computed between blocks: train_step "
+                                       "needs each block's input to be the previous block's output, unchanged")
+                elif l == 0 and x.is_floating_point() and x.requires_grad:
+                    carried.append(j)
+                    sources.append(len(tensors))
+                    tensors.append(x)
+                elif x.requires_grad:
+                    raise RuntimeError(f"block {l} of micro-batch {i} got an input that needs a gradient besides "
+                                       "the previous block's output: train_step cannot carry it")
+        if l == 0:
+            self.store.reserve(sum(t.numel() * t.element_size() for t in tensors) or 1,
+                               (len(self.blocks) + 2) * len(self.micros))
+            self.store.put(("x", 0, i), tensors)
+        for j in carried:
+            leaves[j] = None  # (the stored tensors stand in for them)
+        call = _Call(spec, leaves, carried, sources)
+        self.calls[(l, i)] = call
+        return call, [t.detach() for t in tensors]
+
+    @staticmethod
+    def _rebuild(call: _Call, stored: list, grad: bool = False):
+        leaves = list(call.leaves)
+        inputs = []
+        for j, s in zip(call.carried, call.sources):
+            t = stored[s]
+            if grad:
+                t = t.detach().requires_grad_()
+                inputs.append(t)
+            leaves[j] = t
+        args, kwargs = tree_unflatten(leaves, call.spec)
+        return (args, kwargs, inputs) if grad else (args, kwargs)
+
+    # -- backward -------------------------------------------------------------------------
+    def _backward(self, k: int) -> None:
+        n = len(self.blocks)
+        offloader = self.engine.offloader
+        for l in reversed(range(n)):
+            module, og, forward = self.blocks[l]
+            if og is not None:
+                offloader.ensure_for_backward(og)
+                og.busy = True
+                offloader._begin_backward(og)
+            _, floating = self.out_specs[l]
+            for i in range(k):
+                for nxt in ([("x", l, i + 1), ("g", l, i + 1)] if i + 1 < k else
+                            [("x", l - 1, 0), ("g", l - 1, 0)] if l > 0 else []):
+                    self.store.prefetch(nxt)
+                call = self.calls.pop((l, i))
+                stored = self.store.take(("x", l, i))
+                args, kwargs, inputs = self._rebuild(call, stored, grad=True)
+                grads = self.store.take(("g", l, i))
+                _set_rng(self.rng.pop((l, i)), self.cuda)
+                with torch.enable_grad():
+                    out = forward(*args, **kwargs)
+                leaves, _ = tree_flatten(out)
+                pairs = [(leaves[j], g) for j, g in zip(floating, grads)
+                         if g is not None and leaves[j].requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                del out, leaves, pairs
+                d_inputs = [None] * len(stored)  # (aligned with the previous block's outputs)
+                for x, s in zip(inputs, call.sources):
+                    if x.grad is not None:
+                        d_inputs[s] = x.grad if d_inputs[s] is None else d_inputs[s] + x.grad
+                self.store.put(("g", l - 1, i), d_inputs)
+                del stored, inputs, args, kwargs
+            if og is not None and og.slot is not None:  # (a frozen block: no gradient released it)
+                og.busy = False
+
+    # -- the rest -------------------------------------------------------------------------
+    def _rest(self, micro_batches, loss_fn, micros) -> None:
+        """The embeddings', head's and final norm's gradients: each micro-batch's loss_fn
+        again, the blocks answered from the checkpoints, one backward each."""
+        n = len(self.blocks)
+        state = {}
+
+        def turn(l: int, args, kwargs):
+            spec, floating = self.out_specs[l]
+            if l == 0:
+                leaves, _ = tree_flatten((args, kwargs))
+                state["inputs"] = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()
+                                   and x.requires_grad]
+            if l == n - 1:
+                tensors = state["last"]
+                _set_rng(state["tail"], self.cuda)
+            else:
+                tensors = [None] * len(floating)
+            leaves = [None] * spec.num_leaves
+            for j, t in zip(floating, tensors):
+                leaves[j] = t if t is not None else torch.empty(0, device="meta")
+            return tree_unflatten(leaves, spec)
+
+        with self._stand_ins(turn):
+            for i in range(len(micro_batches)):
+                if i + 1 < len(micro_batches):
+                    self.store.prefetch(("x", n, i + 1))
+                    self.store.prefetch(("g", -1, i + 1))
+                state["last"] = self.store.take(("x", n, i))
+                state["tail"] = micros[i].tail
+                d_inputs = self.store.take(("g", -1, i))
+                _set_rng(micros[i].initial, self.cuda)
+                loss = loss_fn(micro_batches[i])
+                heads = [loss] if loss.requires_grad else []
+                pairs = [(x, g) for x, g in zip(state.pop("inputs", []), d_inputs) if g is not None]
+                outputs = heads + [x for x, _ in pairs]
+                if outputs:
+                    torch.autograd.backward(outputs, [None] * len(heads) + [g for _, g in pairs])
+
+
+class _StandIn(nn.Module):
+    """Where a block was, during train_step: hands the call to the schedule."""
+
+    def __init__(self, turn, index: int):
+        super().__init__()
+        self._turn, self._index = turn, index
+
+    def forward(self, *args, **kwargs):
+        return self._turn(self._index, args, kwargs)
+
+
+def check_micro_batches(micro_batches, loss_fn) -> None:
+    """Refuse, before any work, what train_step cannot run: no micro-batches, micro-batches
+    of mixed structure or shapes, a loss_fn that is not callable."""
+    if not isinstance(micro_batches, (list, tuple)) or not micro_batches:
+        raise ValueError("train_step needs a non-empty list of micro-batches")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (micro_batch -> scalar loss), got {type(loss_fn).__name__}")
+    first, spec = tree_flatten(micro_batches[0])
+    for i, mb in enumerate(micro_batches[1:], 1):
+        leaves, other = tree_flatten(mb)
+        if other != spec:
+            raise ValueError(f"micro-batch {i} is structured differently from micro-batch 0: {other} vs {spec}")
+        for a, b in zip(first, leaves):
+            if isinstance(a, torch.Tensor) and (a.shape != b.shape or a.dtype != b.dtype):
+                raise ValueError(f"micro-batch {i} holds a {b.dtype} tensor of shape {tuple(b.shape)} where "
+                                 f"micro-batch 0 has {a.dtype} {tuple(a.shape)}: train_step needs micro-batches "
+                                 "of one shape (pad them, or call it once per shape)")
+    if not torch.is_grad_enabled():
+        raise RuntimeError("train_step under torch.no_grad() or inference_mode: it trains, so it needs gradients")

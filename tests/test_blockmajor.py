@@ -1,0 +1,179 @@
+"""engine.train_step(micro_batches, loss_fn): block-major order over micro-batches
+(client/fuyou_client/blockmajor.py).
+
+The spec: it trains bitwise as today's engine does over the same micro-batches with
+``accumulation_steps=K`` (fp32, and bf16 compute), on GPT-2 (tied embeddings: the head's
+and the embeddings' gradients must add up as torch adds them) and Llama, with and without
+clipping, offloaded, on the host or resident, on the CPU and on the stand-in for a device
+with its own memory (whose late copies turn a missing wait into wrong bytes). On the
+stand-in the bytes on each link are the schedule's: each block's weights up once in
+forward and once in backward (the last block once: backward starts with it), every
+gradient down once per iteration, and the checkpoints' traffic as counted below.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fuyou_client
+from conftest import HYPER, tiny_gpt2, tiny_llama
+from discrete_device import LateCopyDevice
+from test_attach import daemon  # noqa: F401 (a module-scoped fuyoud)
+
+pytest.importorskip("transformers")
+K, STEPS, SHAPE = 3, 2, (2, 16)
+
+
+def batches(seed: int = 1, steps: int = STEPS, k: int = K):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, 256, SHAPE, generator=gen) for _ in range(k)] for _ in range(steps)]
+
+
+def pair(make_model, daemon, dtype=torch.float32, device_pair=(None, None), **kwargs):
+    """The same model twice: one for train_step, one for the ordinary loop (accumulation K)."""
+    torch.manual_seed(0)
+    a = make_model().to(dtype)
+    b = copy.deepcopy(a)
+    ours = fuyou_client.attach(a, fuyou_client.AdamW(**HYPER), socket=daemon.socket, device=device_pair[0], **kwargs)
+    loop = fuyou_client.attach(b, fuyou_client.AdamW(**HYPER), socket=daemon.socket, device=device_pair[1],
+                               accumulation_steps=K, **kwargs)
+    return a, ours, b, loop
+
+
+def loop_step(model, engine, micro_batches, seed=None):
+    """Today's engine: one backward per micro-batch, then the barrier."""
+    losses = []
+    for i, x in enumerate(micro_batches):
+        with fuyou_client.micro_batch_rng(seed, i) if seed is not None else torch.enable_grad():
+            loss = model(x, labels=x).loss / len(micro_batches)
+            loss.backward()
+        losses.append(loss.detach())
+    engine.step()
+    engine.zero_grad()
+    return torch.stack(losses)
+
+
+def assert_same(a, b):
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), f"{name}: max diff {(x.float() - y.float()).abs().max().item()}"
+
+
+CASES = {
+    "gpt2": dict(make_model=tiny_gpt2),
+    "llama-clip": dict(make_model=tiny_llama, max_grad_norm=0.05),
+    "gpt2-clip-host": dict(make_model=tiny_gpt2, max_grad_norm=0.05, offload="host"),
+    "llama-resident": dict(make_model=tiny_llama, offload=False),
+    "gpt2-bf16": dict(make_model=tiny_gpt2, dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("where", ["cpu", "stand-in"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_train_step_is_bitwise_the_ordinary_loop(daemon, case, where):
+    kwargs = dict(CASES[case])
+    devices = (LateCopyDevice(seed=len(case)), LateCopyDevice(seed=7)) if where == "stand-in" else (None, None)
+    a, ours, b, loop = pair(daemon=daemon, device_pair=devices, **kwargs)
+    for micro_batches in batches():
+        got = ours.train_step(micro_batches, lambda x: a(x, labels=x).loss / K)
+        want = loop_step(b, loop, micro_batches)
+        assert torch.equal(got, want)
+    assert ours.part_steps() == loop.part_steps() == {0: STEPS}
+    ours.close()
+    loop.close()
+    assert_same(a, b)
+
+
+def test_dropout_draws_what_micro_batch_rng_gives_the_loop(daemon):
+    """Each micro-batch's dropout (embeddings, attention, residual) as under
+    micro_batch_rng(seed, k): the same masks in forward, recomputation and replay."""
+    def dropping():
+        m = tiny_gpt2()
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.Dropout):
+                mod.p = 0.2
+        return m
+    a, ours, b, loop = pair(dropping, daemon)
+    for micro_batches in batches():
+        gen_state = torch.get_rng_state()
+        got = ours.train_step(micro_batches, lambda x: a(x, labels=x).loss / K)
+        after = torch.get_rng_state()
+        torch.set_rng_state(gen_state)
+        seed = int(torch.randint(0, 2**62, (1,)).item())  # (the one draw train_step makes)
+        assert torch.equal(torch.get_rng_state(), after)
+        want = loop_step(b, loop, micro_batches, seed=seed)
+        assert torch.equal(got, want)
+    ours.close()
+    loop.close()
+    assert_same(a, b)
+
+
+def test_bytes_on_each_link_are_the_schedules(daemon):
+    """Per iteration on the stand-in: weights up once per block in forward and once in
+    backward (the last block stays between them), the rest's new weights up once, every
+    gradient down once; and the checkpoints: each micro-batch's input to every block, the
+    last output, the head's and every block's input gradient down once; inputs up once in
+    forward (blocks after the first) and once in backward, the gradients up once."""
+    device = LateCopyDevice(seed=5)
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    twin = copy.deepcopy(model)
+    all_bytes = sum(p.numel() * 4 for p in model.parameters())
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), socket=daemon.socket, device=device)
+    blocks = [g for g in engine.groups if g.spec.module is not None]
+    layers = len(blocks)
+    block_bytes = [g.numel * 4 for g in blocks]
+    hidden = SHAPE[0] * SHAPE[1] * model.config.n_embd * 4
+    loop_device = LateCopyDevice(seed=6)
+    reference = fuyou_client.attach(twin, fuyou_client.AdamW(**HYPER), socket=daemon.socket,
+                                    device=loop_device, accumulation_steps=K)
+    for micro_batches in batches():
+        up, down = device.bytes_up, device.bytes_down
+        engine.train_step(micro_batches, lambda x: model(x, labels=x).loss / K)
+        weights_up = 2 * sum(block_bytes) - block_bytes[-1] + (all_bytes - sum(block_bytes))
+        checkpoints_down = ((layers + 1) + 1 + layers) * K * hidden
+        checkpoints_up = ((layers - 1) + 2 * layers + 2) * K * hidden
+        assert device.bytes_up - up == weights_up + checkpoints_up
+        assert device.bytes_down - down == all_bytes + checkpoints_down
+        up, down = loop_device.bytes_up, loop_device.bytes_down
+        loop_step(reference.model, reference, micro_batches)
+        assert loop_device.bytes_up - up > device.bytes_up - up  # (the loop moves each block per micro-batch)
+    engine.close()
+    reference.close()
+
+
+def test_bad_input_is_refused_before_any_step(daemon):
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    before = copy.deepcopy(model.state_dict())
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), socket=daemon.socket)
+    x = torch.randint(0, 256, SHAPE)
+    loss = lambda b: model(b, labels=b).loss  # noqa: E731
+    with pytest.raises(ValueError, match="non-empty list"):
+        engine.train_step([], loss)
+    with pytest.raises(ValueError, match="micro-batch 1 holds .* shape \\(2, 8\\)"):
+        engine.train_step([x, x[:, :8]], loss)
+    with pytest.raises(TypeError, match="callable"):
+        engine.train_step([x], None)
+    with pytest.raises(ValueError, match="must return a scalar"):
+        engine.train_step([x, x], lambda b: model(b, labels=b).logits)
+    with pytest.raises(RuntimeError, match="no_grad"), torch.no_grad():
+        engine.train_step([x], loss)
+    assert engine.part_steps() == {0: 0}
+    engine.train_step([x, x], loss)  # (and it still trains)
+    assert engine.part_steps() == {0: 1}
+    engine.close()
+    assert any(not torch.equal(before[n], t) for n, t in model.state_dict().items())
+
+
+def test_a_host_budget_too_small_for_the_checkpoints_is_named(daemon):
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), socket=daemon.socket,
+                                 device=LateCopyDevice(), host_budget=64 << 10)
+    x = torch.randint(0, 256, SHAPE)
+    with pytest.raises(ValueError, match="host_budget=.*fewer or smaller micro-batches"):
+        engine.train_step([x] * K, lambda b: model(b, labels=b).loss)
+    assert engine.part_steps() == {0: 0}
+    engine.close()
