@@ -11,6 +11,7 @@ one layer group at a time; `from_pretrained` loads the directory).
 
     python examples/finetune.py [--steps 60] [--model PATH] [--out DIR] [--socket PATH]
                                 [--state-dtype fp32|bf16|int8] [--losses FILE.json] [--trainer]
+                                [--block-major K]
 
 --state-dtype is what the AdamW moments are kept in on the SSD (master weights stay fp32):
 fp32 (exact, 24 SSD bytes per parameter per step), bf16 (16) or block-wise int8 (about
@@ -18,6 +19,9 @@ fp32 (exact, 24 SSD bytes per parameter per step), bf16 (16) or block-wise int8 
 every step's loss (and the settings) as JSON. --trainer trains the same model on the same
 corpus through Hugging Face's Trainer instead of the hand-written loop (FuyouTrainer:
 fuyou_client/integrations/transformers.py; the same schedule, warm-up then cosine).
+--block-major K trains K micro-batches of --batch sequences per step with
+`engine.train_step` (block-major order: each block's weights and gradients cross once per
+step, not once per micro-batch; docs/guide/gpu.md).
 """
 from __future__ import annotations
 
@@ -80,6 +84,8 @@ def main() -> int:
     ap.add_argument("--socket", help="use the fuyoud at this control socket instead of a private one")
     ap.add_argument("--state-dir", default=str(ROOT / ".fuyou" / "finetune"))
     ap.add_argument("--trainer", action="store_true", help="train through Hugging Face's Trainer (FuyouTrainer)")
+    ap.add_argument("--block-major", type=int, default=0, metavar="K",
+                    help="K micro-batches of --batch sequences per step through engine.train_step")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
 
@@ -112,20 +118,28 @@ def main() -> int:
         losses = []
         t0 = time.perf_counter()
         bar = tqdm(range(args.steps), desc="fine-tuning", unit="step", dynamic_ncols=True)
-        for step in bar:
+        micro = max(1, args.block_major)
+
+        def draw():
             idx = torch.randint(0, len(tokens) - args.seq - 1, (args.batch,), generator=gen)
-            batch = torch.stack([tokens[i:i + args.seq] for i in idx]).to(args.device)
-            loss = model(batch, labels=batch).loss
-            loss.backward()
-            engine.step()
-            engine.zero_grad()
+            return torch.stack([tokens[i:i + args.seq] for i in idx]).to(args.device)
+        for step in bar:
+            if args.block_major:
+                batches = [draw() for _ in range(micro)]
+                last = engine.train_step(batches, lambda b: model(b, labels=b).loss / micro).sum().item()
+            else:
+                batch = draw()
+                loss = model(batch, labels=batch).loss
+                loss.backward()
+                engine.step()
+                engine.zero_grad()
+                last = loss.item()
             sched.step()
-            last = loss.item()
             losses.append(last)
             first = last if first is None else first
             st = engine.session.status()
             elapsed = time.perf_counter() - t0
-            bar.set_postfix(loss=f"{last:.3f}", tok_s=f"{(step + 1) * batch.numel() / elapsed:.0f}",
+            bar.set_postfix(loss=f"{last:.3f}", tok_s=f"{(step + 1) * micro * args.batch * args.seq / elapsed:.0f}",
                             ssd_read=f"{(st.bytes_read - start.bytes_read) / 1e9:.2f}GB",
                             ssd_written=f"{(st.bytes_written - start.bytes_written) / 1e9:.2f}GB")
         bar.close()
@@ -139,7 +153,8 @@ def main() -> int:
                 "argv": sys.argv}, indent=1) + "\n")
         out = engine.export(Path(args.out))
         engine.close(materialize=False)
-        print(f"loss {first:.3f} -> {last:.3f} in {args.steps} steps ({elapsed:.0f} s, {args.state_dtype} moments); "
+        how = f", {micro} micro-batches per step in block-major order" if args.block_major else ""
+        print(f"loss {first:.3f} -> {last:.3f} in {args.steps} steps ({elapsed:.0f} s, {args.state_dtype} moments{how}); "
               f"fine-tuned weights saved to {out} (safetensors)")
         if not last < first:
             print("WARNING: the loss did not fall", file=sys.stderr)

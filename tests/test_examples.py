@@ -38,11 +38,11 @@ def test_finetune_demo_takes_a_state_dtype_and_writes_its_losses(short_tmp):
     losses = short_tmp / "losses.json"
     run = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "finetune.py"), "--layers", "1", "--width", "64", "--steps", "4",
-         "--seq", "32", "--lr", "3e-3", "--state-dtype", "int8", "--losses", str(losses),
+         "--seq", "32", "--lr", "3e-3", "--state-dtype", "int8", "--losses", str(losses), "--block-major", "2",
          "--out", str(short_tmp / "out"), "--state-dir", str(short_tmp / "state")],
         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "int8 moments" in run.stdout
+    assert "int8 moments, 2 micro-batches per step in block-major order" in run.stdout
     r = json.loads(losses.read_text())
     assert r["state_dtype"] == "int8" and len(r["losses"]) == 4 and r["final_loss"] == r["losses"][-1]
 

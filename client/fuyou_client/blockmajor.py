@@ -78,6 +78,14 @@ def _is_cache(x) -> bool:
     return hasattr(x, "update") and hasattr(x, "get_seq_length")
 
 
+def _checked(loss, i: int) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+        raise ValueError(f"loss_fn returned {type(loss).__name__}"
+                         f"{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)} for micro-batch {i}: "
+                         "it must return a scalar floating-point tensor")
+    return loss
+
+
 class _Aborted(Exception):
     """Another micro-batch's thread failed: this one stops."""
 
@@ -200,7 +208,10 @@ class Store:
     def discard(self) -> None:
         for key in list(self._entries):
             if not self.device.shares_host_memory:
-                self._free.append(self._entries[key][0])
+                base = self._entries[key][0]
+                if key in self._on_device:  # (an upload ahead still reads the slot)
+                    self._slot_uploaded[base] = self._on_device[key][1]
+                self._free.append(base)
             del self._entries[key]
         self._on_device.clear()
 
@@ -222,7 +233,7 @@ class _Call:
     sources: list[int]  # for each carried leaf, its index in the stored tensors
 
 
-@dataclass
+@dataclass(eq=False)
 class _Micro:
     rng: object = None  # the generators' state now (swapped at every turn)
     initial: object = None  # at the start of its forward
@@ -255,6 +266,13 @@ class BlockMajor:
                 _seed(seed + i, self.cuda)
                 state = _rng(self.cuda)
                 micros.append(_Micro(rng=state, initial=state))
+            if not self.blocks:  # (no repeated blocks: every parameter is in the rest group)
+                for i, (mb, micro) in enumerate(zip(micro_batches, micros)):
+                    _set_rng(micro.initial, self.cuda)
+                    micro.loss = _checked(loss_fn(mb), i)
+                    micro.loss.backward()
+                    micro.loss = micro.loss.detach()
+                return torch.stack([m.loss for m in micros])
             with self._stand_ins(self._forward_turn):
                 self._forward(micro_batches, loss_fn, micros)
             self._backward(k)
@@ -299,11 +317,7 @@ class BlockMajor:
                 with context():
                     self.turns.wait((-1, i))
                     _set_rng(micros[i].rng, self.cuda)
-                    loss = loss_fn(micro_batches[i])
-                    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-                        raise ValueError(f"loss_fn returned {type(loss).__name__}"
-                                         f"{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)} for "
-                                         "micro-batch {i}: it must return a scalar floating-point tensor")
+                    loss = _checked(loss_fn(micro_batches[i]), i)
                     if micros[i].last != n - 1:
                         raise RuntimeError(f"micro-batch {i}'s forward called {micros[i].last + 1} of the {n} blocks: "
                                            "train_step needs every block called once, in order")

@@ -430,6 +430,9 @@ class Engine:
         times the micro-batches of them). ``activations=`` does not apply to it."""
         blockmajor.check_micro_batches(micro_batches, loss_fn)
         self.require_idle("train_step")
+        if hf_checkpointing(self.model):
+            raise RuntimeError("train_step recomputes blocks itself; turn Hugging Face gradient checkpointing off "
+                               "(gradient_checkpointing_disable())")
         if self._train_step_store is None:
             self._train_step_store = blockmajor.Store(self.session, self.device, self.options.host_budget)
         by_module = {id(g.spec.module): g for g in self.groups if g.spec.module is not None}

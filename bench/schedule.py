@@ -1,0 +1,156 @@
+"""The ordinary loop against block-major order (``engine.train_step``), side by side on this machine.
+
+    python bench/schedule.py [--json PATH] [--layers 8] [--width 512] [--seq 128] [--batch 2]
+                             [--accum 8] [--rounds 3] [--dir DIR]
+
+One Hugging Face ``GPT2LMHeadModel`` (random init, seed 0, dropout off, vocabulary 512) is copied
+into two engines on one private fuyoud, both ``offload=True`` (blocks' weights fetched from the SSD
+array per use) with fp32 AdamW state on SSD:
+
+* loop:        ``attach(accumulation_steps=--accum)``; per iteration ``--accum`` micro-batches of
+               ``--batch`` sequences, ``loss.backward()`` each, then ``engine.step()``;
+* block-major: ``attach()``; per iteration ``engine.train_step`` over the same micro-batches.
+
+Both train on the same batches and must agree bitwise (their losses are compared every
+iteration). Rounds run one iteration of each, interleaved (order rotated per round), after one
+warm-up iteration each; after every iteration the script waits until the daemon is quiet, so
+that one case's I/O does not spill into the other's time. Reported (medians over rounds):
+seconds per iteration, tokens/s, the ratio block-major / loop, and the SSD bytes per parameter
+per iteration (the daemon's reads + writes), and of it the weights read for the client (fetches
+the daemon did not serve from its read-ahead of a step's state; those are counted apart). On a CPU the compute is
+the same in both but for block-major's extra forward per block (it recomputes blocks from their
+checkpointed inputs; the loop keeps activations), and the loop fetches every block's weights
+twice per micro-batch where block-major fetches them twice per iteration.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import fuyou_client
+
+
+def quiet(session, settle: float = 0.2, limit: float = 30.0) -> None:
+    """Until the daemon's byte counters stop moving (trailing read-aheads and writes)."""
+    last, t_end = None, time.monotonic() + limit
+    while time.monotonic() < t_end:
+        st = session.status()
+        now = (st.bytes_read, st.bytes_written)
+        if now == last:
+            return
+        last = now
+        time.sleep(settle)
+
+
+class Case:
+    def __init__(self, name: str, model, daemon, accum: int):
+        self.name, self.model, self.accum = name, model, accum
+        block_major = name == "block-major"
+        self.engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=1e-4, weight_decay=0.1), socket=daemon.socket,
+                                          namespace=name, accumulation_steps=1 if block_major else accum)
+        self.block_major = block_major
+
+    def iteration(self, micro_batches) -> dict:
+        session, off = self.engine.session, self.engine.offloader
+        st0, fetched0, served0 = session.status(), off.fetched_bytes, off.served_bytes
+        t0 = time.perf_counter()
+        loss = lambda x: self.model(x, labels=x).loss / len(micro_batches)  # noqa: E731
+        if self.block_major:
+            losses = self.engine.train_step(micro_batches, loss)
+        else:
+            out = []
+            for x in micro_batches:
+                value = loss(x)
+                value.backward()
+                out.append(value.detach())
+            self.engine.step()
+            self.engine.zero_grad()
+            losses = torch.stack(out)
+        seconds = time.perf_counter() - t0
+        quiet(session)
+        st1 = session.status()
+        return {"seconds": seconds, "losses": losses.tolist(),
+                "ssd_bytes": (st1.bytes_read - st0.bytes_read) + (st1.bytes_written - st0.bytes_written),
+                "weights_read": off.fetched_bytes - fetched0, "weights_served": off.served_bytes - served0}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--accum", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", type=Path, help="parent of the daemon's state (default: a temporary directory)")
+    args = ap.parse_args(argv)
+    import transformers
+
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=args.layers, n_embd=args.width, n_head=args.width // 64, vocab_size=512, n_positions=args.seq,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    params = sum(p.numel() for p in base.parameters())
+    root = Path(tempfile.mkdtemp(prefix="fy-sched-", dir=args.dir))
+    daemon = fuyou_client.start_daemon(root / "state", config={
+        "storage": {"capacity_per_device": max(1 << 30, params * 16 * 4) // 4096 * 4096}})
+    try:
+        cases = [Case("loop", copy.deepcopy(base), daemon, args.accum),
+                 Case("block-major", copy.deepcopy(base), daemon, args.accum)]
+        gen = torch.Generator().manual_seed(1)
+        rounds = []
+        for r in range(args.rounds + 1):
+            micro_batches = [torch.randint(0, 512, (args.batch, args.seq), generator=gen) for _ in range(args.accum)]
+            order = cases if r % 2 == 0 else cases[::-1]
+            got = {c.name: c.iteration(micro_batches) for c in order}
+            if got["loop"]["losses"] != got["block-major"]["losses"]:
+                raise SystemExit(f"round {r}: the two orders' losses differ: {got}")
+            print(f"round {r}{' (warm-up)' if r == 0 else ''}: "
+                  + ", ".join(f"{n} {g['seconds']:.2f} s {g['ssd_bytes'] / params:.1f} B/param" for n, g in got.items()),
+                  flush=True)
+            if r > 0:
+                rounds.append(got)
+        tokens = args.accum * args.batch * args.seq
+
+        def median(case: str, key: str) -> float:
+            return statistics.median(g[case][key] for g in rounds)
+        result = {
+            "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+                        "threads": torch.get_num_threads()},
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "params": params, "tokens_per_iteration": tokens,
+            "cases": {name: {"seconds": median(name, "seconds"), "tokens_per_s": tokens / median(name, "seconds"),
+                             "ssd_bytes_per_param_per_iter": median(name, "ssd_bytes") / params,
+                             "weights_read_bytes_per_param_per_iter": median(name, "weights_read") / params,
+                             "weights_served_bytes_per_param_per_iter": median(name, "weights_served") / params}
+                      for name in ("loop", "block-major")},
+            "block_major_over_loop_seconds": statistics.median(
+                g["block-major"]["seconds"] / g["loop"]["seconds"] for g in rounds),
+            "losses_bitwise_equal": True,
+            "rounds": rounds,
+        }
+        print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, indent=1))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+        for c in cases:
+            c.engine.close(materialize=False)
+    finally:
+        daemon.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
