@@ -1,6 +1,8 @@
-"""bench/gpu.py's cases, each run in its own worker process: the in-GPU ceiling, Fuyou and
-ZeRO-Infinity, driven over stdin ("iter", "profile") with one JSON reply line each (see
-gpu.py for what each case is and how the run compares them)."""
+"""bench/gpu.py's cases, each run in its own worker process, driven over stdin ("iter",
+"profile") with one JSON reply line each: what they share (the model, the timed iteration,
+the FLOP count, the profile), Fuyou, and the worker. The in-GPU ceilings are in
+gpu_inmem.py, ZeRO-Infinity in gpu_zero.py; gpu.py says what each case is and how the run
+compares them."""
 from __future__ import annotations
 
 import gc
@@ -12,6 +14,7 @@ import statistics
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,17 +94,89 @@ def gpu_activity(prof) -> dict:
             "longest_kernel_gaps_ms": [round(g / 1e3, 3) for g, _ in sorted(gaps, reverse=True)[:10]]}
 
 
+class MicroTooLarge(Exception):
+    """A case's probe micro-batch ran out of memory within the cap: the run starts the
+    case again with half the micro-batch (ZeRO-Infinity; DeepSpeed cannot be set up twice
+    in one process)."""
+
+
+class Flops:
+    """Hardware FLOPs of real work, recompute included, as the kernels ran it:
+    ``torch.utils.flop_counter.FlopCounterMode`` around the work. ``plain``: FlopCounterMode's
+    own formulas (its ``flop_registry``) counted by a plain dispatch mode, without its module
+    tracker, on the calling thread and on every thread a ``wrap``ped loss_fn runs in. For
+    block-major: train_step's forward runs each micro-batch in a thread of its own, which a
+    mode of the calling thread does not see (the mode is left on such a thread, which ends
+    with the forward), and the tracker's hooks on leaf tensors make train_step's
+    ``autograd.grad`` fail. For ZeRO-Infinity: the tracker's hooks on every module were never
+    tried beside DeepSpeed's."""
+
+    def __init__(self, plain: bool = False):
+        from torch.utils.flop_counter import FlopCounterMode
+        self.plain, self.counts, self.local = plain, [], threading.local()
+        self.mode = _thread_flops(self.counts) if plain else FlopCounterMode(display=False)
+
+    def __enter__(self):
+        self.caller = threading.current_thread()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+    def wrap(self, fn):
+        def counted(*args, **kwargs):
+            if threading.current_thread() is not self.caller and not getattr(self.local, "on", False):
+                self.local.on = True
+                _thread_flops(self.counts).__enter__()
+            return fn(*args, **kwargs)
+        return counted if self.plain else fn
+
+    def total(self) -> int:
+        return sum(self.counts) if self.plain else self.mode.get_total_flops()
+
+
+def _thread_flops(sink: list):
+    """A dispatch mode adding FlopCounterMode's count of each operator into ``sink``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    class ThreadFlops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            count = flop_registry.get(func._overloadpacket)
+            if count is not None:
+                sink.append(count(*args, **kwargs, out_val=out))
+            return out
+    return ThreadFlops()
+
+
+def counting(enabled: bool, plain: bool = False):
+    """A Flops counter around real work, or nothing."""
+    return Flops(plain) if enabled else nullcontext()
+
+
 class Case:
+    capped = True  # (its GPU memory is --cap)
+    plain_flops = False  # (Flops)
+
     def __init__(self, spec: dict):
         import torch
         self.spec, self.torch = spec, torch
         self.cuda = not spec.get("cpu")  # --cpu: the run's plumbing on the CPU (a smoke test, no figures)
         self.where = "cuda" if self.cuda else "cpu"
         self.gen = torch.Generator(device=self.where).manual_seed(1)
-        self.micro, self.accum = spec["micro"], spec["accum"]  # (Fuyou may halve micro and double accum)
+        self.micro, self.accum = spec["micro"], spec["accum"]  # (fits and searches may change them)
+        self.hw_per_token: float | None = None  # FlopCounterMode's count, from the first iteration
         self.info: dict = {}
+        # --cpu --cpu-oom-above N: a capped case's micro-batches of more than N sequences run out of
+        # memory (as if over the cap), so that the smoke test takes the fits' and searches' fallbacks
+        self.oom_above = spec.get("cpu_oom_above", 0) if not self.cuda and self.capped else 0
 
     def batch(self):
+        if self.oom_above and self.micro > self.oom_above:
+            raise self.torch.OutOfMemoryError(f"--cpu-oom-above {self.oom_above}: {self.micro} sequences")
         return self.torch.randint(0, VOCAB, (self.micro, self.spec["seq"]), device=self.where, generator=self.gen)
 
     def sync(self) -> None:
@@ -126,9 +201,18 @@ class Case:
             m = transformers.GPT2LMHeadModel(config(self.spec["width"], layers, self.spec["seq"]))
         return m.to(dtype)
 
-    def iteration(self, accum: int | None = None, profiler=None) -> dict:
+    def result(self, seconds, micro_seconds, step_seconds, micro_batches: int, busy) -> dict:
+        return {"seconds": seconds, "micro_seconds": micro_seconds, "step_seconds": step_seconds,
+                "micro_batches": micro_batches, "micro": self.micro,
+                "tokens": micro_batches * self.micro * self.spec["seq"],
+                "busy": statistics.mean(busy.samples) if busy.samples else None,
+                "peak_bytes": self.torch.cuda.max_memory_allocated() if self.cuda else None,
+                "last_loss": float(self.loss), "hw_flops_per_token": self.hw_per_token}
+
+    def iteration(self, accum: int | None = None, profiler=None, count: bool = False) -> dict:
         """One step of ``accum`` micro-batches (default: the case's). ``profiler``: started
-        before the last PROFILED micro-batches, stopped after the step."""
+        before the last PROFILED micro-batches, stopped after the step. ``count``: the last
+        micro-batch under FlopCounterMode (its FLOPs per token become the case's)."""
         accum = accum or self.accum
         self.sync()
         marks, t0 = [], time.perf_counter()
@@ -136,23 +220,27 @@ class Case:
             for i in range(accum):
                 if profiler is not None and i == max(0, accum - PROFILED):
                     profiler.start()
-                self.micro_batch(self.batch())
+                x = self.batch()
+                with counting(count and i == accum - 1, self.plain_flops) as flops:
+                    self.micro_batch(x)
+                if flops is not None:
+                    self.hw_per_token = flops.total() / x.numel()
                 marks.append(time.perf_counter())
             self.step()
             self.sync()
         t1 = time.perf_counter()
         if profiler is not None:
             profiler.stop()
-        return {"seconds": t1 - t0, "micro_seconds": marks[-1] - t0, "step_seconds": t1 - marks[-1],
-                "micro_batches": accum, "micro": self.micro, "tokens": accum * self.micro * self.spec["seq"],
-                "busy": statistics.mean(busy.samples) if busy.samples else None,
-                "peak_bytes": self.torch.cuda.max_memory_allocated() if self.cuda else None,
-                "last_loss": float(self.loss)}
+        result = self.result(t1 - t0, marks[-1] - t0, t1 - marks[-1], accum, busy)
+        if profiler is not None:
+            result["profiled_micro_batches"] = min(PROFILED, accum)
+        return result
 
     def profile(self, directory: Path) -> dict:
-        """One more step, the last PROFILED micro-batches and the step under torch.profiler:
-        a Chrome trace (gzipped) and the operators' totals in ``directory``, and the share
-        of that window in which the GPU ran anything, from the trace's own intervals."""
+        """One more step under torch.profiler (the last PROFILED micro-batches and the step;
+        block-major: the whole train_step): a Chrome trace (gzipped) and the operators'
+        totals in ``directory``, and the share of that window in which the GPU ran
+        anything, from the trace's own intervals."""
         from torch.profiler import ProfilerActivity, profile
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         prof = profile(activities=activities)
@@ -166,66 +254,11 @@ class Case:
         sort = "cuda_time_total" if self.cuda else "cpu_time_total"
         (directory / f"{name}-ops.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
         result["profile"] = dict(gpu_activity(prof) if self.cuda else {}, trace=f"{trace}.gz",
-                                 micro_batches=min(PROFILED, result["micro_batches"]))
+                                 micro_batches=result.pop("profiled_micro_batches"))
         return result
 
 
-class Ceiling(Case):
-    """The largest depth that trains in the capped GPU memory, with torch's AdamW."""
-
-    def __init__(self, spec):
-        super().__init__(spec)
-        self.search(spec["max_layers"], [])
-
-    def search(self, max_layers: int, tried: list) -> None:
-        torch = self.torch
-        self.net = self.opt = None
-        self.cap(0.9)  # searched with 10% to spare: a long run needs more than the probe
-        for layers in range(max_layers, 0, -1):
-            for ckpt in (False, True):
-                if self.fits(layers, ckpt):
-                    self.cap()
-                    self.info = {"layers": layers, "checkpointing": ckpt, "did_not_fit": tried,
-                                 "params": sum(p.numel() for p in self.net.parameters())}
-                    return
-                tried.append({"layers": layers, "checkpointing": ckpt})
-                self.net = self.opt = None
-                gc.collect()
-                torch.cuda.empty_cache()
-        raise RuntimeError("not even one layer trains within the cap")
-
-    def iteration(self, accum: int | None = None, profiler=None) -> dict:
-        """On running out of memory in a long run, the next smaller model (reported)."""
-        for _ in range(4):
-            try:
-                return dict(super().iteration(accum, profiler), **self.info)
-            except self.torch.OutOfMemoryError:
-                failed = dict(layers=self.info["layers"], checkpointing=self.info["checkpointing"], in_run=True)
-            self.search(failed["layers"] - 1, self.info["did_not_fit"] + [failed])
-        raise RuntimeError("the ceiling kept running out of memory")
-
-    def fits(self, layers: int, ckpt: bool) -> bool:
-        torch = self.torch
-        try:
-            self.net = self.model(layers, torch.float32)
-            if ckpt:
-                checkpoint_activations(self.net)
-            self.opt = torch.optim.AdamW(self.net.parameters(), lr=LR, weight_decay=WD, fused=True)
-            for _ in range(2):  # must fit: forward, backward, the optimizer's state and step, twice
-                Case.iteration(self, 2)
-            return True
-        except torch.OutOfMemoryError:
-            return False
-
-    def micro_batch(self, x) -> None:
-        with self.torch.autocast(self.where, dtype=self.torch.bfloat16):
-            loss = self.net(x, labels=x).loss
-        loss.backward()
-        self.loss = loss.detach()
-
-    def step(self) -> None:
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+OFFLOAD = {"resident": False, "host": "host", "ssd": True}
 
 
 class Fuyou(Case):
@@ -233,18 +266,20 @@ class Fuyou(Case):
         super().__init__(spec)
         import fuyou_client
         self.fuyou, d = fuyou_client, Path(spec["dir"])
-        state = spec["params"] * 12
+        self.block_major = spec["schedule"] == "block-major"
+        state, arena = spec["params"] * 12, spec["arena_bytes"] if self.block_major else 0
         self.daemon = fuyou_client.start_daemon(d / "fuyou-state", config={
             "storage": {"data_dirs": [str(d / "fuyou-data")],
                         "capacity_per_device": max(GiB, int(state * 2.3) // GiB * GiB)},
-            "memory": {"pinned_budget": spec["host_budget"]},
+            "memory": {"pinned_budget": spec["host_budget"] + arena},
             "optimizer": {"buffer_budget": spec["buffer_budget"], "buffers": 3}})
         self.fallbacks: list[dict] = []
         self.attach()
         self.fit()
-        self.info = {"layers": spec["layers"], "params": sum(p.numel() for p in self.net.parameters()),
-                     "micro": self.micro, "accum": self.accum, "micro_fallbacks": self.fallbacks,
-                     "daemon_host_bytes": spec["host_budget"] + spec["buffer_budget"],
+        self.info = {"layers": spec["layers"], "params": self.params, "schedule": spec["schedule"],
+                     "offload": OFFLOAD[spec["weights"]], "grads": spec["grads"], "micro": self.micro,
+                     "accum": self.accum, "micro_fallbacks": self.fallbacks, "arena_bytes": arena or None,
+                     "daemon_host_bytes": spec["host_budget"] + spec["buffer_budget"] + arena,
                      "io_engine": self.engine.session.daemon_status.io_engine}
 
     def attach(self) -> None:
@@ -254,29 +289,81 @@ class Fuyou(Case):
             from discrete_device import LateCopyDevice
             device = LateCopyDevice(max_delay=0.0)
         self.net = self.model(spec["layers"], self.torch.bfloat16)
+        self.params = sum(p.numel() for p in self.net.parameters())  # (before attach empties offloaded ones)
+        if self.block_major:  # (train_step accumulates over its list itself and recomputes every block)
+            mode = dict(accumulation_steps=1, host_budget=spec["arena_bytes"])
+        else:
+            mode = dict(accumulation_steps=self.accum, activations=spec["activations"],
+                        device_budget=spec["act_device_budget"], host_budget=spec["act_host_budget"])
         self.engine = self.fuyou.attach(
             self.net, self.fuyou.AdamW(lr=LR, weight_decay=WD), socket=self.daemon.socket, device=device,
-            offload=False if spec["weights"] == "resident" else "host", accumulation_steps=self.accum,
-            activations=spec["activations"], grad_accumulation=spec["grads"],
-            device_budget=spec["act_device_budget"], host_budget=spec["act_host_budget"])
+            offload=OFFLOAD[spec["weights"]], grad_accumulation=spec["grads"], **mode)
+        if self.block_major and not hasattr(self.engine, "train_step"):
+            raise RuntimeError("--schedule block-major needs engine.train_step, which this client lacks "
+                               "(--schedule loop runs without it)")
         self.cap()  # (attach briefly holds the weights twice on the device while it moves them)
 
-    def iteration(self, accum: int | None = None, profiler=None) -> dict:
-        result = super().iteration(accum, profiler)
+    def train_step(self, batches: list, flops: Flops | None = None):
+        k, net = len(batches), self.net
+
+        def loss_fn(x):
+            return net(x, labels=x).loss / k
+        return self.engine.train_step(batches, loss_fn if flops is None else flops.wrap(loss_fn))
+
+    def iteration(self, accum: int | None = None, profiler=None, count: bool = False) -> dict:
+        if self.block_major:
+            result = self.block_major_iteration(accum or self.accum, profiler, count)
+        else:
+            result = super().iteration(accum, profiler, count)
         if self.engine.plan is not None:  # (--activations auto)
             result["activation_plan"] = str(self.engine.plan)
         return result
 
+    def block_major_iteration(self, k: int, profiler, count: bool) -> dict:
+        """One ``engine.train_step`` over ``k`` micro-batches (each block forward over all of
+        them, backward likewise; its step submitted as its gradient is final; the step's
+        barrier at the end): the micro-batches and the step are not separable in time."""
+        batches = [self.batch() for _ in range(k)]
+        store = getattr(self.engine, "_train_step_store", None)  # (its checkpoint traffic, if it says)
+        moved = (store.bytes_down, store.bytes_up) if store is not None else None
+        self.sync()
+        t0 = time.perf_counter()
+        with Busy(self.cuda) as busy:
+            if profiler is not None:
+                profiler.start()
+            with counting(count, plain=True) as flops:
+                losses = self.train_step(batches, flops)
+            self.sync()  # (train_step ends with the step's barrier and zero_grad)
+        t1 = time.perf_counter()
+        if profiler is not None:
+            profiler.stop()
+        if flops is not None:
+            self.hw_per_token = flops.total() / (k * self.micro * self.spec["seq"])
+        self.loss = losses[-1] * k  # (loss_fn divides by k)
+        result = dict(self.result(t1 - t0, None, None, k, busy), via="engine.train_step",
+                      losses=[float(v) for v in losses])
+        if moved is not None:
+            result["checkpoint_bytes_down"] = store.bytes_down - moved[0]
+            result["checkpoint_bytes_up"] = store.bytes_up - moved[1]
+        if profiler is not None:
+            result["profiled_micro_batches"] = k
+        return result
+
     def fit(self) -> None:
-        """The largest micro-batch up to --micro whose forward and backward run in 90% of
-        the cap (the ceiling's search keeps the same margin); each halving doubles the
-        micro-batches per step, so that a step's tokens stay --micro x --accum."""
+        """The largest micro-batch up to --micro whose forward and backward (block-major: a
+        train_step of two micro-batches) run in 90% of the cap (the ceiling's search keeps
+        the same margin); each halving doubles the micro-batches per step, so that a step's
+        tokens stay --micro x --accum."""
         while True:
             try:
                 self.cap(0.9)
-                self.micro_batch(self.batch())
+                if self.block_major:
+                    self.train_step([self.batch(), self.batch()])  # (a step: it ends with zero_grad)
+                else:
+                    self.micro_batch(self.batch())
+                    self.sync()
+                    self.engine.zero_grad()  # (the probe's gradients are discarded)
                 self.sync()
-                self.engine.zero_grad()  # (the probe's gradients are discarded)
                 self.cap()
                 return
             except self.torch.OutOfMemoryError as exc:
@@ -305,58 +392,6 @@ class Fuyou(Case):
         self.daemon.stop()
 
 
-class Zero(Case):
-    def __init__(self, spec):
-        super().__init__(spec)
-        self.micro = spec["zero_micro"] or spec["micro"]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
-        import deepspeed
-        import transformers
-        torch, nvme = self.torch, Path(spec["dir"]) / "zero-nvme"
-        nvme.mkdir(parents=True, exist_ok=True)
-        largest = VOCAB * spec["width"]
-        cfg = {
-            "train_micro_batch_size_per_gpu": self.micro, "gradient_accumulation_steps": spec["zero_accum"],
-            "bf16": {"enabled": True}, "gradient_clipping": 0.0, "steps_per_print": 1 << 30,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
-            "zero_optimization": {
-                "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": int(1e8),
-                "reduce_bucket_size": int(5e7),  # (default 5e8: a 1 GB bf16 bucket does not fit the cap)
-                # No prefetch: with NVMe parameters and activation checkpointing, DeepSpeed 0.19.8's
-                # NVMe prefetch puts a parameter the trace lists twice into two swap buffers and
-                # fails ("param ... already assigned swap buffer id", seen on the H100 with
-                # prefetch 5e7); 0 skips that path (partitioned_param_coordinator.py).
-                "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": int(1e5),
-                # Parameters swapped in from NVMe each take one pinned buffer until released:
-                # release them after use (reuse distance 0) and keep a block or two live.
-                "stage3_max_live_parameters": int(1e8), "stage3_max_reuse_distance": 0,
-                "offload_param": {"device": "nvme", "nvme_path": str(nvme), "pin_memory": True,
-                                  "buffer_count": 32, "buffer_size": largest, "max_in_cpu": 0},
-                "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme), "pin_memory": True,
-                                      "buffer_count": 4, "pipeline_read": True, "pipeline_write": True}},
-            "aio": {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 1,
-                    "single_submit": False, "overlap_events": True},
-        }
-        self.cap()
-        with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="nvme", dtype=torch.bfloat16):
-            torch.manual_seed(0)
-            net = transformers.GPT2LMHeadModel(config(spec["width"], spec["layers"], spec["seq"]))
-        checkpoint_activations(net)
-        self.engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
-        self.accum = spec["zero_accum"]
-        self.info = {"layers": spec["layers"], "deepspeed": deepspeed.__version__, "config": cfg}
-
-    def micro_batch(self, x) -> None:
-        loss = self.engine(x, labels=x).loss
-        self.engine.backward(loss)
-        if not self.engine.is_gradient_accumulation_boundary():
-            self.engine.step()  # (counts the micro-batch; the boundary's step is step() below)
-        self.loss = loss.detach()
-
-    def step(self) -> None:
-        self.engine.step()  # the optimizer step: state read from and written to NVMe
-
-
 _replies = None  # the worker's channel to the run: its original stdout
 
 
@@ -369,12 +404,26 @@ def worker(name: str, spec: dict) -> None:
     global _replies
     _replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever the libraries print goes to the worker's log, not into the channel
-    case = {"ceiling": Ceiling, "fuyou": Fuyou, "zero": Zero}[name](spec)
+    if spec.get("cpu"):  # (the smoke test: several workers and a daemon share a few cores)
+        import torch
+        torch.set_num_threads(1)
+    if name == "zero":
+        from gpu_zero import Zero as case_type
+    elif name in ("ceiling", "inmem"):
+        import gpu_inmem
+        case_type = {"ceiling": gpu_inmem.Ceiling, "inmem": gpu_inmem.InMem}[name]
+    else:
+        case_type = {"fuyou": Fuyou}[name]
+    try:
+        case = case_type(spec)
+    except MicroTooLarge as exc:
+        reply({"ready": False, "micro_too_large": str(exc)})
+        return
     reply({"ready": True, **case.info})
     for line in sys.stdin:
         command = line.strip()
-        if command == "iter":
-            reply(case.iteration())
+        if command == "iter":  # (the first one counts its FLOPs)
+            reply(case.iteration(count=case.hw_per_token is None))
         elif command == "profile":
             reply(case.profile(Path(spec["profile_dir"])))
         else:
