@@ -66,6 +66,7 @@ CASES = {
     "gpt2-clip-host": dict(make_model=tiny_gpt2, max_grad_norm=0.05, offload="host"),
     "llama-resident": dict(make_model=tiny_llama, offload=False),
     "gpt2-bf16": dict(make_model=tiny_gpt2, dtype=torch.bfloat16),
+    "llama-host-accumulation": dict(make_model=tiny_llama, grad_accumulation="host"),
 }
 
 
@@ -109,18 +110,22 @@ def test_dropout_draws_what_micro_batch_rng_gives_the_loop(daemon):
     assert_same(a, b)
 
 
-def test_bytes_on_each_link_are_the_schedules(daemon):
+@pytest.mark.parametrize("grad_accumulation", ["device", "host"])
+def test_bytes_on_each_link_are_the_schedules(daemon, grad_accumulation):
     """Per iteration on the stand-in: weights up once per block in forward and once in
     backward (the last block stays between them), the rest's new weights up once, every
     gradient down once; and the checkpoints: each micro-batch's input to every block, the
     last output, the head's and every block's input gradient down once; inputs up once in
-    forward (blocks after the first) and once in backward, the gradients up once."""
+    forward (blocks after the first) and once in backward, the gradients up once. With
+    grad_accumulation="host" too: the micro-batches' sum leaves the device once, no
+    host additions."""
     device = LateCopyDevice(seed=5)
     torch.manual_seed(0)
     model = tiny_gpt2()
     twin = copy.deepcopy(model)
     all_bytes = sum(p.numel() * 4 for p in model.parameters())
-    engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), socket=daemon.socket, device=device)
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), socket=daemon.socket, device=device,
+                                 grad_accumulation=grad_accumulation)
     blocks = [g for g in engine.groups if g.spec.module is not None]
     layers = len(blocks)
     block_bytes = [g.numel * 4 for g in blocks]

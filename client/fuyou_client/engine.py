@@ -254,7 +254,10 @@ class Engine:
                 f"group {g.spec.name} got gradients from {g.backwards} backward passes since the last "
                 f"engine.step(), but accumulation_steps={self.accumulation_steps}: its step may already be "
                 "reading them; call engine.step() after each backward or attach with accumulation_steps=N")
-        g.strategy.on_backward(g, first=g.backwards == 1)  # (before the weights go: views need their shapes)
+        if not self._block_major:
+            g.strategy.on_backward(g, first=g.backwards == 1)  # (before the weights go: views need their shapes)
+        elif g.backwards == self.accumulation_steps:  # (train_step: the micro-batches' sum, made on the device)
+            g.strategy.on_backward(g, first=True)
         if g.offloaded is not None and (not self._block_major or g.backwards == self.accumulation_steps):
             g.offloaded.busy = False
             self.offloader.release(g.offloaded)  # backward is done with these weights
@@ -427,7 +430,10 @@ class Engine:
         micro-batches would, each micro-batch's dropout drawn as under
         ``fuyou_client.micro_batch_rng``. Each micro-batch's input to each block is kept
         until backward: on a GPU in host memory (``host_budget`` must hold blocks + 2
-        times the micro-batches of them). ``activations=`` does not apply to it."""
+        times the micro-batches of them). ``activations=`` does not apply to it, and each
+        group's gradients add up on the compute device over the micro-batches (in the
+        parameters' dtype, as torch adds them) whatever ``grad_accumulation`` says: they
+        leave it once per step."""
         blockmajor.check_micro_batches(micro_batches, loss_fn)
         self.require_idle("train_step")
         if hf_checkpointing(self.model):
