@@ -41,9 +41,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fuyou_client.device import DONE, Device
-
-SLOT_ALIGN = 4096
+from fuyou_client import layergroup
+from fuyou_client.block_store import Store
 
 
 @contextmanager
@@ -120,107 +119,6 @@ class _Turns:
             self.error = exc
         for event in self.ready:
             event.set()
-
-
-class Store:
-    """Tensors kept between the passes, keyed (kind, block, micro-batch): on the CPU the
-    tensors themselves; on a device with its own memory, equal slots of a host arena in
-    shared memory, downloaded when put and uploaded (ahead, by ``prefetch``) when taken."""
-
-    def __init__(self, session, device: Device, budget: int):
-        self.session, self.device, self.budget = session, device, budget
-        self.arena = None
-        self.slot = 0
-        self._free: list[int] = []
-        self._entries: dict = {}  # key -> (slot, [(offset, shape, dtype) | None], downloaded event)
-        self._on_device: dict = {}  # key -> ([tensor | None], upload event)
-        self._slot_uploaded: dict[int, object] = {}
-        self.bytes_down = self.bytes_up = 0
-
-    def reserve(self, nbytes: int, count: int) -> None:
-        """Room for ``count`` entries of up to ``nbytes`` each (on a discrete device)."""
-        if self.device.shares_host_memory:
-            return
-        slot = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
-        if slot * count > self.budget:
-            raise ValueError(
-                f"train_step keeps {count} checkpoints and gradients of {nbytes} bytes each (blocks + 2, times the "
-                f"micro-batches) in host memory: {slot * count} bytes, but host_budget is {self.budget}; attach with "
-                f"host_budget={slot * count} or more, or use fewer or smaller micro-batches")
-        if self.arena is None or self.slot != slot or len(self._free) + len(self._entries) < count:
-            self.close()
-            self.arena = self.session.allocate(slot * count)
-            self.slot = slot
-            self._free = [i * slot for i in range(count)]
-            self._slot_uploaded = {}
-
-    def put(self, key, tensors: list) -> None:
-        if self.device.shares_host_memory:
-            self._entries[key] = [None if t is None else t.detach() for t in tensors]
-            return
-        if not self._free:
-            raise RuntimeError("train_step's host arena is full (a model whose checkpoints changed size mid-step)")
-        base, layout, off = self._free.pop(0), [], 0
-        events = []
-        for t in tensors:
-            if t is None:
-                layout.append(None)
-                continue
-            n = t.numel() * t.element_size()
-            if off + n > self.slot:
-                raise RuntimeError(f"a checkpoint of {off + n} bytes does not fit train_step's slots of {self.slot}")
-            dst = self.arena.tensor(torch.uint8)[base + off:base + off + n].view(t.dtype).view(t.shape)
-            events.append(self.device.download(dst, t.detach(), after=self._slot_uploaded.pop(base, None)))
-            layout.append((base + off, t.shape, t.dtype))
-            off += -(-n // 64) * 64
-            self.bytes_down += n
-        self._entries[key] = (base, layout, events)
-
-    def prefetch(self, key) -> None:
-        if self.device.shares_host_memory or key in self._on_device or key not in self._entries:
-            return
-        base, layout, events = self._entries[key]
-        out, last = [], DONE
-        for spec, downloaded in zip((s for s in layout if s is not None), events):
-            off, shape, dtype = spec
-            n = shape.numel() * dtype.itemsize
-            t, last = self.device.upload_new(self.arena.tensor(torch.uint8)[off:off + n].view(dtype).view(shape),
-                                             after=downloaded)
-            out.append(t)
-            self.bytes_up += n
-        it = iter(out)
-        self._on_device[key] = ([None if s is None else next(it) for s in layout], last)
-
-    def take(self, key, keep: bool = False) -> list:
-        """The entry's tensors on the compute device (the compute stream waits for them);
-        ``keep``: the entry stays for a later take."""
-        if self.device.shares_host_memory:
-            return self._entries[key] if keep else self._entries.pop(key)
-        self.prefetch(key)
-        tensors, uploaded = self._on_device.pop(key)
-        self.device.wait(uploaded)
-        if not keep:
-            base, _, _ = self._entries.pop(key)
-            self._slot_uploaded[base] = uploaded  # the next download into the slot waits for this upload
-            self._free.append(base)
-        return tensors
-
-    def discard(self) -> None:
-        for key in list(self._entries):
-            if not self.device.shares_host_memory:
-                base = self._entries[key][0]
-                if key in self._on_device:  # (an upload ahead still reads the slot)
-                    self._slot_uploaded[base] = self._on_device[key][1]
-                self._free.append(base)
-            del self._entries[key]
-        self._on_device.clear()
-
-    def close(self) -> None:
-        self.discard()
-        if self.arena is not None:
-            self.device.synchronize()
-            self.arena.free()
-            self.arena = None
 
 
 @dataclass
@@ -557,3 +455,51 @@ def check_micro_batches(micro_batches, loss_fn) -> None:
                                  "of one shape (pad them, or call it once per shape)")
     if not torch.is_grad_enabled():
         raise RuntimeError("train_step under torch.no_grad() or inference_mode: it trains, so it needs gradients")
+
+
+
+def train_step(engine, micro_batches, loss_fn) -> torch.Tensor:
+    """Engine.train_step's work: check, run BlockMajor, the step's barrier. A failure
+    leaves the steps already sent landed and the rest forgotten."""
+    check_micro_batches(micro_batches, loss_fn)
+    engine.require_idle("train_step")
+    if engine._train_step_store is None:
+        engine._train_step_store = Store(engine.session, engine.device, engine.options.host_budget)
+    by_module = {id(g.spec.module): g for g in engine.groups if g.spec.module is not None}
+    blocks = []
+    for module in engine._block_modules:
+        g = by_module.get(id(module))
+        name = g.spec.name if g is not None else None
+        blocks.append((module, g.offloaded if g is not None else None, engine._originals.get(name, module.forward)))
+    accumulation, engine.accumulation_steps = engine.accumulation_steps, len(micro_batches)
+    engine._block_major = True
+    try:
+        losses = BlockMajor(engine, blocks, engine._train_step_store).run(micro_batches, loss_fn)
+        engine.step()
+    except BaseException:
+        _abandon(engine)
+        raise
+    finally:
+        engine.accumulation_steps, engine._block_major = accumulation, False
+        engine._train_step_store.discard()
+    engine.zero_grad()
+    return losses
+
+
+def _abandon(engine) -> None:
+    """A train_step that failed: the steps already sent land, the rest is forgotten."""
+    for g in engine.groups:
+        if g.future is not None:
+            try:
+                g.future.result()
+                layergroup.upload_weights(engine.device, g)
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                pass
+        g.future, g.submitted = None, False
+        if g.offloaded is not None:
+            g.offloaded.busy = False
+    for strategy in engine._strategies:
+        strategy.reclaim()
+    if engine.offloader is not None:
+        engine.offloader.release_all()
+    engine.zero_grad()

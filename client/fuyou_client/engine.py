@@ -434,50 +434,10 @@ class Engine:
         group's gradients add up on the compute device over the micro-batches (in the
         parameters' dtype, as torch adds them) whatever ``grad_accumulation`` says: they
         leave it once per step."""
-        blockmajor.check_micro_batches(micro_batches, loss_fn)
-        self.require_idle("train_step")
         if hf_checkpointing(self.model):
             raise RuntimeError("train_step recomputes blocks itself; turn Hugging Face gradient checkpointing off "
                                "(gradient_checkpointing_disable())")
-        if self._train_step_store is None:
-            self._train_step_store = blockmajor.Store(self.session, self.device, self.options.host_budget)
-        by_module = {id(g.spec.module): g for g in self.groups if g.spec.module is not None}
-        blocks = []
-        for module in self._block_modules:
-            g = by_module.get(id(module))
-            name = g.spec.name if g is not None else None
-            blocks.append((module, g.offloaded if g is not None else None, self._originals.get(name, module.forward)))
-        accumulation, self.accumulation_steps = self.accumulation_steps, len(micro_batches)
-        self._block_major = True
-        try:
-            losses = blockmajor.BlockMajor(self, blocks, self._train_step_store).run(micro_batches, loss_fn)
-            self.step()
-        except BaseException:
-            self._abandon()
-            raise
-        finally:
-            self.accumulation_steps, self._block_major = accumulation, False
-            self._train_step_store.discard()
-        self.zero_grad()
-        return losses
-
-    def _abandon(self) -> None:
-        """A train_step that failed: the steps already sent land, the rest is forgotten."""
-        for g in self.groups:
-            if g.future is not None:
-                try:
-                    g.future.result()
-                    layergroup.upload_weights(self.device, g)
-                except Exception:  # noqa: BLE001 - the first error is the one raised
-                    pass
-            g.future, g.submitted = None, False
-            if g.offloaded is not None:
-                g.offloaded.busy = False
-        for strategy in self._strategies:
-            strategy.reclaim()
-        if self.offloader is not None:
-            self.offloader.release_all()
-        self.zero_grad()
+        return blockmajor.train_step(self, micro_batches, loss_fn)
 
     def _report(self, t_start: float) -> None:
         """Send this iteration's time and the part of it spent waiting in step() to the
