@@ -29,7 +29,9 @@ one micro-batch's activations at a time.
 Dropout: micro-batch k draws from the default generators seeded ``seed + k``, with
 ``seed`` drawn once per call from the default CPU generator, in forward and recomputation
 alike (``micro_batch_rng`` gives the same draws to an ordinary loop). The result is
-bitwise that of the ordinary loop over the same micro-batches (fp32; tests/test_blockmajor.py).
+bitwise that of the ordinary loop over the same micro-batches with
+``accumulation_steps=K`` (fp32 and bf16 compute: tests/test_blockmajor.py). The
+checkpoints are kept by block_store.py.
 """
 from __future__ import annotations
 
