@@ -41,6 +41,22 @@ def host_info(directory: Path) -> dict:
             "fs_source": fs[0] if fs else None, "fs_type": fs[1] if len(fs) > 1 else None}
 
 
+def quiet_counters(session, stable: int = 3, wait: float = 0.1, tries: int = 100) -> tuple[int, int]:
+    """The daemon's (bytes_read, bytes_written) once it is quiet: unchanged over ``stable``
+    waits of ``wait`` seconds (a step's read-ahead of the next group may trail
+    ``engine.step()``, and the daemon counts a read when it completes)."""
+    prev, same = None, 0
+    for _ in range(tries):
+        st = session.status()
+        cur = (st.bytes_read, st.bytes_written)
+        same = same + 1 if cur == prev else 0
+        if same == stable:
+            break
+        prev = cur
+        time.sleep(wait)
+    return cur
+
+
 class BareLoop:
     """The disk as a bare loop sees it: fuyoud's engine called directly (no daemon, no
     gRPC) over a private 2 MiB-aligned huge-page buffer, O_DIRECT, on a preallocated file

@@ -95,7 +95,7 @@ try:
     OPTIMIZER_KEYS = set(OptimizerSection.__dataclass_fields__)
 except ImportError:  # pragma: no cover
     OPTIMIZER_KEYS = set()
-from common import BareLoop, gbps, host_info, summarize
+from common import BareLoop, gbps, host_info, quiet_counters, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 KiB, MiB = 1 << 10, 1 << 20
@@ -280,16 +280,7 @@ class Fuyou:
 
     def counters(self) -> tuple[int, int]:
         """The daemon's (bytes_read, bytes_written) once it is quiet: unchanged over three 0.1 s waits."""
-        prev, same = None, 0
-        for _ in range(100):
-            st = self.session.status()
-            cur = (st.bytes_read, st.bytes_written)
-            same = same + 1 if cur == prev else 0
-            if same == 3:
-                break
-            prev = cur
-            time.sleep(0.1)
-        return cur
+        return quiet_counters(self.session)
 
     def daemon_memory(self) -> dict[str, int]:
         return proc_status(self.daemon.pid)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import shutil
 import statistics
 import sys
@@ -38,18 +37,7 @@ from pathlib import Path
 import torch
 
 import fuyou_client
-
-
-def quiet(session, settle: float = 0.2, limit: float = 30.0) -> None:
-    """Until the daemon's byte counters stop moving (trailing read-aheads and writes)."""
-    last, t_end = None, time.monotonic() + limit
-    while time.monotonic() < t_end:
-        st = session.status()
-        now = (st.bytes_read, st.bytes_written)
-        if now == last:
-            return
-        last = now
-        time.sleep(settle)
+from common import host_info, quiet_counters
 
 
 class Case:
@@ -62,7 +50,7 @@ class Case:
 
     def iteration(self, micro_batches) -> dict:
         session, off = self.engine.session, self.engine.offloader
-        st0, fetched0, served0 = session.status(), off.fetched_bytes, off.served_bytes
+        (read0, written0), fetched0, served0 = quiet_counters(session), off.fetched_bytes, off.served_bytes
         t0 = time.perf_counter()
         loss = lambda x: self.model(x, labels=x).loss / len(micro_batches)  # noqa: E731
         if self.block_major:
@@ -77,10 +65,8 @@ class Case:
             self.engine.zero_grad()
             losses = torch.stack(out)
         seconds = time.perf_counter() - t0
-        quiet(session)
-        st1 = session.status()
-        return {"seconds": seconds, "losses": losses.tolist(),
-                "ssd_bytes": (st1.bytes_read - st0.bytes_read) + (st1.bytes_written - st0.bytes_written),
+        read, written = quiet_counters(session)  # (untimed: the daemon's trailing read-ahead and writes)
+        return {"seconds": seconds, "losses": losses.tolist(), "ssd_bytes": (read - read0) + (written - written0),
                 "weights_read": off.fetched_bytes - fetched0, "weights_served": off.served_bytes - served0}
 
 
@@ -126,8 +112,7 @@ def main(argv=None) -> int:
         def median(case: str, key: str) -> float:
             return statistics.median(g[case][key] for g in rounds)
         result = {
-            "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-                        "threads": torch.get_num_threads()},
+            "host": host_info(root),
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "params": params, "tokens_per_iteration": tokens,
             "cases": {name: {"seconds": median(name, "seconds"), "tokens_per_s": tokens / median(name, "seconds"),

@@ -72,7 +72,7 @@ import transformers
 
 import fuyou_client
 from fuyoud.optimizer import kernels
-from common import host_info, summarize
+from common import host_info, quiet_counters, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 LR, WD = 1e-4, 0.01
@@ -207,17 +207,8 @@ class Fuyou:
                 "last_submit_before_backward_end_s": -max(st["submitted"] for st in steps), "steps": steps}
 
     def snapshot(self) -> dict:
-        """Counters once the daemon is quiet: a step's read-ahead of the next group may trail it,
-        and the daemon counts a read when it completes, so: unchanged over two 0.1 s waits."""
-        prev, same = None, 0
-        for _ in range(50):
-            st = self.engine.session.status()
-            cur = (st.bytes_read, st.bytes_written)
-            same = same + 1 if cur == prev else 0
-            if same == 2:
-                break
-            prev = cur
-            time.sleep(0.1)
+        """Counters once the daemon is quiet (unchanged over two 0.1 s waits)."""
+        cur = quiet_counters(self.engine.session, stable=2, tries=50)
         off = self.engine.offloader
         return {"read": cur[0], "written": cur[1], "fetched": off.fetched_bytes if off else 0,
                 "daemon_cpu_s": cpu_seconds(self.daemon.pid)}

@@ -43,7 +43,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fuyou_client import layergroup
 from fuyou_client.block_store import Store
 
 
@@ -280,7 +279,7 @@ class BlockMajor:
             carried = self.store.take(("x", l, i), keep=True)
         for nxt in ([("x", l, i + 1)] if i + 1 < k else [("x", l + 1, 0)] if l + 1 < n else []):
             self.store.prefetch(nxt)
-        self.rng[(l, i)] = _rng(self.cuda)
+        self.rng[(l, i)] = micro.rng  # (the state the block starts from, for its recomputation)
         args, kwargs = self._rebuild(call, carried)
         with torch.no_grad():
             out = forward(*args, **kwargs)
@@ -490,18 +489,12 @@ def train_step(engine, micro_batches, loss_fn) -> torch.Tensor:
 
 def _abandon(engine) -> None:
     """A train_step that failed: the steps already sent land, the rest is forgotten."""
+    engine._land({}, [])  # (the error raised is train_step's own)
+    for strategy in engine._strategies:
+        strategy.discard()
     for g in engine.groups:
-        if g.future is not None:
-            try:
-                g.future.result()
-                layergroup.upload_weights(engine.device, g)
-            except Exception:  # noqa: BLE001 - the first error is the one raised
-                pass
-        g.future, g.submitted = None, False
         if g.offloaded is not None:
             g.offloaded.busy = False
-    for strategy in engine._strategies:
-        strategy.reclaim()
     if engine.offloader is not None:
         engine.offloader.release_all()
     engine.zero_grad()

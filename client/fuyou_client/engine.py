@@ -388,20 +388,7 @@ class Engine:
                 if not g.submitted and touched:
                     self._submit(g, scale)
         finally:  # wait for everything in flight, whatever failed, so no buffer is left in use
-            for g in self.groups:
-                if g.future is not None:
-                    try:
-                        infos[g.spec.name] = g.future.result()
-                        layergroup.upload_weights(self.device, g)  # (GPU: the new weights into the parameters)
-                    except Exception as exc:  # noqa: BLE001 - re-raised below
-                        errors.append(exc)
-                g.future, g.submitted, g.backwards = None, False, 0
-                g.pending = len(g.spec.params)  # (a loop may zero with torch's model.zero_grad() instead of ours)
-                grad_guard.release(g.spec.params)  # (the daemon is done with them)
-            for strategy in self._strategies:  # steps whose futures a strategy kept
-                kept, kept_errors = strategy.reclaim()
-                infos.update(kept)
-                errors.extend(kept_errors)
+            self._land(infos, errors)
         self.last_step_infos = [infos[g.spec.name] for g in self.groups if g.spec.name in infos]  # group order
         if errors:
             for strategy in self._strategies:  # (additions of groups never stepped must not land in the next sum)
@@ -438,6 +425,24 @@ class Engine:
             raise RuntimeError("train_step recomputes blocks itself; turn Hugging Face gradient checkpointing off "
                                "(gradient_checkpointing_disable())")
         return blockmajor.train_step(self, micro_batches, loss_fn)
+
+    def _land(self, infos: dict, errors: list) -> None:
+        """Wait for every step in flight and put its new weights into the parameters; each
+        group's result goes to ``infos`` (by name), each failure to ``errors``."""
+        for g in self.groups:
+            if g.future is not None:
+                try:
+                    infos[g.spec.name] = g.future.result()
+                    layergroup.upload_weights(self.device, g)  # (GPU: the new weights into the parameters)
+                except Exception as exc:  # noqa: BLE001 - the caller raises
+                    errors.append(exc)
+            g.future, g.submitted, g.backwards = None, False, 0
+            g.pending = len(g.spec.params)  # (a loop may zero with torch's model.zero_grad() instead of ours)
+            grad_guard.release(g.spec.params)  # (the daemon is done with them)
+        for strategy in self._strategies:  # steps whose futures a strategy kept
+            kept, kept_errors = strategy.reclaim()
+            infos.update(kept)
+            errors.extend(kept_errors)
 
     def _report(self, t_start: float) -> None:
         """Send this iteration's time and the part of it spent waiting in step() to the
