@@ -172,9 +172,22 @@ class FuyouServicer(CheckpointMethods, rpc.FuyouServicer):
     def CreateGroup(self, request, context):
         session = self._session(context)
         name = _check_name(request.name)
-        weights = self.pool.view(session.id, _ref(request.weights), request.offset, request.numel * 4)
+        spec, numel = _spec(request.optimizer), request.numel
+        if request.step and not request.with_state:
+            raise InvalidArgument(f"group {shown(name)}: step {request.step} without with_state (a group created "
+                                  "from weights only starts at step 0)")
+        if request.with_state:
+            nbytes = state_bytes(spec, numel) - HEADER
+            what = f"the whole state of {numel} parameters ({spec.kind}, state dtype {spec.state_dtype})"
+        else:
+            nbytes, what = numel * 4, f"the fp32 weights of {numel} parameters"
+        try:
+            body = self.pool.view(session.id, _ref(request.weights), request.offset, nbytes)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"group {shown(name)}: {what} take {nbytes} bytes from offset {request.offset}: "
+                                  f"{exc}") from None
         self.sessions.claim_namespace(session)
-        group = self.optimizer.create(session.namespace, session.id, name, _spec(request.optimizer), weights)
+        group = self.optimizer.create(session.namespace, session.id, name, spec, body, numel, request.step)
         return group_info(group)
 
     @_handler

@@ -341,12 +341,20 @@ class Session:
 
     # -- optimizer groups ---------------------------------------------------------------
     def create_group(self, name: str, weights: SharedBuffer, optimizer: AdamW | SGD, offset: int = 0,
-                     numel: int | None = None) -> GroupInfo:
+                     numel: int | None = None, *, state: bool = False, step: int = 0) -> GroupInfo:
         """A parameter group whose fp32 master weights start as ``weights[offset:]`` and whose
-        optimizer state lives on the SSD array (persistent object ``optim/<name>``)."""
+        optimizer state lives on the SSD array (persistent object ``optim/<name>``).
+
+        With ``state``, ``weights[offset:]`` holds the whole state of ``numel`` parameters
+        instead (moments too, as the state object lays it out after its header:
+        ``optimizer.state_bytes(numel) - HEADER`` bytes, what swap_in of ``optim/<g>``
+        from ``weights_offset`` gives) and the group starts at step count ``step``: a
+        job resuming at another world size re-shards its optimizer state so."""
+        if state and numel is None:
+            raise ValueError("create_group(state=True) needs numel: the buffer's size does not tell it")
         numel = (weights.size - offset) // 4 if numel is None else numel
         req = pb.CreateGroupRequest(name=name, optimizer=optimizer.to_pb(), weights=weights.ref, offset=offset,
-                                    numel=numel)
+                                    numel=numel, with_state=state, step=step)
         return GroupInfo.from_pb(_call(self._stub.CreateGroup, req, self._metadata))
 
     def group(self, name: str) -> GroupInfo:

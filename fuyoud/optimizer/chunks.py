@@ -54,7 +54,7 @@ import torch
 from fuyoud.errors import ResourceExhausted
 from fuyoud.io.engine import Op
 from fuyoud.memory.hugepages import HUGE
-from fuyoud.optimizer.layout import Layout
+from fuyoud.optimizer.layout import HEADER, Layout
 from fuyoud.storage import checksums
 from fuyoud.storage.index import ObjectMeta
 from fuyoud.storage.pending import PendingWrite, commit_all
@@ -556,31 +556,29 @@ def step(store: Store, bufs: list[memoryview], plan: ChunkPlan, namespace: str, 
 
 
 def create(store: Store, buf: memoryview, plan: ChunkPlan, namespace: str, name: str, header: bytes,
-           weights: memoryview, session_id: int) -> None:
-    """A new state object, in pieces through ``buf``: ``header``, the master weights
-    ``weights`` (fp32, copied into ``buf`` first: the client's memory may change while
-    they are written) and zero moments; committed at the end or not at all."""
+           body: memoryview, session_id: int) -> None:
+    """A new state object, in pieces through ``buf``: ``header``, then ``body`` (copied
+    into ``buf`` first: the client's memory may change while it is written) and zeros
+    to the object's end. A body of fp32 master weights gives zero moments; one of the
+    whole slot area, a state as given. Committed at the end or not at all."""
     blocks = plan.scratch([buf])
     area = buf[plan.scratch_bytes:plan.buffer_bytes(0)]
     piece = len(area) // 8192 * 8192
+    raw = torch.frombuffer(area, dtype=torch.uint8)
     pending = BatchedWrite(PendingWrite.start(store, namespace, name, plan.size, True, session_id))
     try:
         out = BlockWriter(pending, blocks)
         out.put(0, memoryview(header))
-        nbytes = len(weights)
-        sizes = [plan.layout.slot_bytes(s) for s in plan.layout.slots]
-        for off in range(0, sizes[0], piece):  # the weights, then the slot's padding
-            m = min(piece, sizes[0] - off)
-            real = max(0, min(m, nbytes - off))
-            area[:real] = weights[off:off + real]
-            area[real:m] = bytes(m - real)
-            out.put(plan.offsets[0] + off, area[:m])
+        size, clean = plan.size - HEADER, 0  # area[:clean] holds zeros already
+        for off in range(0, size, piece):
+            m = min(piece, size - off)
+            real = max(0, min(m, len(body) - off))
+            area[:real] = body[off:off + real]
+            if real or clean < m:
+                raw[real:m].zero_()
+            clean = 0 if real else m
+            out.put(HEADER + off, area[:m])
             out.flush()
-        area[:piece] = bytes(piece)
-        for start, size in zip(plan.offsets[1:], sizes[1:]):  # the moments (and their scales): zeros
-            for off in range(0, size, piece):
-                out.put(start + off, area[:min(piece, size - off)])
-                out.flush()
         out.finish()
         commit_all(store, [pending.pending])
     except BaseException:

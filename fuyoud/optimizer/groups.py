@@ -157,25 +157,32 @@ class Optimizer:
         self._current: dict[str, list[str]] = {}
 
     # -- groups -----------------------------------------------------------------------------
-    def create(self, namespace: str, session_id: int, name: str, spec: OptimizerSpec,
-               weights: memoryview) -> Group:
-        """A new group whose master weights start as ``weights`` (fp32) and moments at zero.
-        Creating an existing group replaces it (its step count restarts at 0)."""
-        numel = len(weights) // 4
-        if numel == 0 or len(weights) % 4:
-            raise InvalidArgument(f"initial weights must be fp32, a positive multiple of 4 bytes (got {len(weights)})")
-        group = Group(namespace, name, spec, numel, 0)
+    def create(self, namespace: str, session_id: int, name: str, spec: OptimizerSpec, body: memoryview,
+               numel: int, step: int = 0) -> Group:
+        """A new group of ``numel`` parameters at step count ``step``. ``body`` is what
+        follows the header in its state object: either the fp32 master weights only
+        (``numel * 4`` bytes; the rest, moments and padding, starts at zero) or the whole
+        slot area (``state_bytes - HEADER``: a state assembled from other groups', to
+        re-shard a job's optimizer state). Creating an existing group replaces it."""
+        layout = spec.layout(numel)
+        if numel <= 0 or len(body) not in (numel * 4, layout.size - HEADER):
+            raise InvalidArgument(
+                f"group {name!r}: {numel} parameters take {numel * 4} bytes of fp32 weights or {layout.size - HEADER} "
+                f"bytes of whole state ({spec.kind}, {spec.state_dtype}), got {len(body)}")
+        if step and len(body) != layout.size - HEADER:
+            raise InvalidArgument(f"group {name!r}: a step count ({step}) needs the whole state, not weights only")
+        group = Group(namespace, name, spec, numel, step)
+        header = spec.header(numel, step).ljust(HEADER, b"\0")
         if self.chunked(group):  # the state in pieces, never whole in memory
             plan = group.chunk_plan(self.buffers.per_buffer)
             with self.buffers.acquire(plan.buffer_bytes(0)) as buf:
-                chunks.create(self.store, buf, plan, namespace, state_name(name), spec.header(numel, 0).ljust(
-                    HEADER, b"\0"), weights, session_id)
+                chunks.create(self.store, buf, plan, namespace, state_name(name), header, body, session_id)
         else:
-            with self.buffers.acquire(group.nbytes) as buf:
-                buf[:HEADER] = spec.header(numel, 0).ljust(HEADER, b"\0")
+            with self.buffers.acquire(group.nbytes) as buf:  # (a copy: the client's memory may change meanwhile)
+                buf[:HEADER] = header
                 slots = buf[HEADER:]
-                slots[:numel * 4] = weights
-                torch.frombuffer(slots, dtype=torch.uint8)[numel * 4:].zero_()  # padding, moments, scales
+                slots[:len(body)] = body
+                torch.frombuffer(slots, dtype=torch.uint8)[len(body):].zero_()  # padding, moments, scales
                 self.store.write([WriteItem(namespace, state_name(name), buf, persistent=True,
                                             session_id=session_id)])
         with self._lock:

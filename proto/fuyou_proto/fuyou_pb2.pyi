@@ -170,18 +170,22 @@ class OptimizerSpec(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., nesterov: _Optional[bool] = ..., state_dtype: _Optional[_Union[StateDType, str]] = ...) -> None: ...
 
 class CreateGroupRequest(_message.Message):
-    __slots__ = ("name", "optimizer", "weights", "offset", "numel")
+    __slots__ = ("name", "optimizer", "weights", "offset", "numel", "with_state", "step")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
+    WITH_STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     name: str
     optimizer: OptimizerSpec
     weights: BufferRef
     offset: int
     numel: int
-    def __init__(self, name: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., weights: _Optional[_Union[BufferRef, _Mapping]] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
+    with_state: bool
+    step: int
+    def __init__(self, name: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., weights: _Optional[_Union[BufferRef, _Mapping]] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., with_state: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
 
 class GetGroupRequest(_message.Message):
     __slots__ = ("name",)
