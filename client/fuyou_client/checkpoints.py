@@ -138,7 +138,18 @@ def export(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | 
     to ``directory``; holds one layer group in memory at a time."""
     engine.require_idle("export")
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    writes = engine.world is None or engine.world.rank == 0  # (data parallel: every rank gathers, rank 0 writes)
+    if writes:
+        out.mkdir(parents=True, exist_ok=True)
+    if engine.world is not None:
+        from fuyou_client.dp_checkpoints import gather_masters
+
+        def masters(session, spec):
+            return gather_masters(session, engine.world, engine.collectives, spec)
+    else:
+        def masters(session, spec):
+            buf, _ = read_masters(session, spec)
+            return buf
     model = engine.model
     names = {}
     for name, p in model.named_parameters():
@@ -148,18 +159,21 @@ def export(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | 
     count = len(engine.groups)
     weight_map, total, done = {}, 0, set()
     for i, g in enumerate(engine.groups):
-        tensors = _group_tensors(engine.session, g, names, dtype)
+        tensors = _group_tensors(engine.session, g, names, dtype, masters)
         done.update(id(p) for p in (g.offloaded.params if g.offloaded is not None else [p for _, p in g.spec.params]))
         if i == count - 1:  # the parameters no group holds (frozen, resident) and the buffers
             tensors.update({names[id(p)]: p.detach().to("cpu", dtype or p.dtype, copy=True)
                             for p in model.parameters() if id(p) not in done})
             tensors.update(buffers)
         shard = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-        save_file(tensors, out / shard, metadata={"format": "pt"})
+        if writes:
+            save_file(tensors, out / shard, metadata={"format": "pt"})
         for key, t in tensors.items():
             weight_map[key] = shard
             total += t.numel() * t.element_size()
         del tensors
+    if not writes:
+        return out
     (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                              indent=2))
     config = getattr(model, "config", None)
@@ -171,20 +185,22 @@ def export(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | 
     return out
 
 
-def _group_tensors(session: "Session", g, names: dict[int, str], dtype: torch.dtype | None) -> dict:
-    """A layer group's parameters by name: the trained ones from their fp32 masters, an
-    offloaded block's frozen ones from the object they were stored in."""
+def _group_tensors(session: "Session", g, names: dict[int, str], dtype: torch.dtype | None, masters) -> dict:
+    """A layer group's parameters by name: the trained ones from their fp32 masters
+    (``masters(session, spec)``: a shared buffer, or a tensor), an offloaded block's
+    frozen ones from the object they were stored in."""
     tensors = {}
     shapes = g.offloaded.shapes if g.offloaded is not None else [p.shape for _, p in g.spec.params]
     if g.spec.numel:
-        buf, _ = read_masters(session, g.spec)
+        buf = masters(session, g.spec)
         try:
-            flat = buf.tensor(torch.float32)[:g.spec.numel]
+            flat = buf[:g.spec.numel] if isinstance(buf, torch.Tensor) else buf.tensor(torch.float32)[:g.spec.numel]
             trained = shapes[:len(g.spec.params)]
             for (_, p), shape, part in zip(g.spec.params, trained, flat_parts(flat, trained)):
                 tensors[names[id(p)]] = part.view(shape).to(dtype or g.dtype, copy=True)
         finally:
-            buf.free()
+            if not isinstance(buf, torch.Tensor):
+                buf.free()
     frozen = g.offloaded.params[len(g.spec.params):] if g.offloaded is not None else []
     if frozen:
         source = next(s for s in g.offloaded.sources if not s.part)  # (frozen/<group>: no optimizer group)

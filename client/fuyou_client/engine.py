@@ -30,15 +30,17 @@ import time
 import torch
 from torch import nn
 
-from fuyou_client import blockmajor, checkpoints, clipping, grad_guard, heap, layergroup
+from fuyou_client import blockmajor, checkpoints, clipping, dp_checkpoints, grad_guard, heap, layergroup, sharded
 from fuyou_client.activations import ActivationSwapper, treatments
 from fuyou_client.autoplan import AutoPlanner
 from fuyou_client.device import Device
+from fuyou_client.distributed import Collectives
 from fuyou_client.errors import NonFinite
 from fuyou_client.gradstrategy import GradientStrategy, HostAccumulated, Pooled, Resident
 from fuyou_client.grouping import ParamGroup
 from fuyou_client.layergroup import LayerGroup
 from fuyou_client.offload import Offloader, Saved
+from fuyou_client.sharded import Sharded
 from fuyou_client.optim import StepInfo
 from fuyou_client.options import AttachOptions
 from fuyou_client.param_groups import TorchGroups
@@ -67,8 +69,11 @@ def _size(nbytes: int) -> str:
 class Engine:
     def __init__(self, model: nn.Module, session: Session, torch_groups: TorchGroups, groups: list[ParamGroup],
                  options: AttachOptions, device: Device, owns_session: bool, resume: bool = False,
-                 materializer=None):
+                 materializer=None, world=None):
         options = options.for_device(device.shares_host_memory)
+        self.world = world  # data parallelism (distributed.World), or None
+        self.peers: list | None = None  # data parallelism: each rank's (host, daemon)
+        self.collectives = Collectives(world, options.check_collectives) if world is not None else None
         self.options = options
         self.model = model
         self.device = device
@@ -96,8 +101,11 @@ class Engine:
         # each group's own buffer, or accumulate in host memory instead of on the device.
         resident, pooled, host = Resident(self.device), Pooled(), HostAccumulated()
         pool_grads = bool(offload) and accumulation_steps == 1 and max_grad_norm is None
+        self.sharding = Sharded(world, self.collectives, options.reduce) if world is not None else None
 
         def strategy_for(mode) -> GradientStrategy:
+            if self.sharding is not None:
+                return self.sharding
             if mode and pool_grads:
                 return pooled
             return host if options.grad_accumulation == "host" else resident
@@ -111,8 +119,12 @@ class Engine:
                 if materializer is not None:  # a model on the meta device: this group's values, now
                     materializer.fill(spec, self.device.torch_device)
                 optimizers = [torch_groups.spec(part.index) for part in spec.parts]
+                shards = self.sharding.shards(spec.numel) if self.sharding is not None and spec.params else None
                 self.groups.append(layergroup.upload(session, self.device, spec, optimizers, mode, index,
-                                                     strategy_for(mode) if spec.params else resident, self._resume))
+                                                     strategy_for(mode) if spec.params else resident, self._resume,
+                                                     shards))
+                if shards is not None:
+                    self.sharding.bind(session, self.groups[-1])
             if materializer is not None:
                 materializer.finish(self.device.torch_device)
         except BaseException:  # leave the user's model as it was
@@ -138,7 +150,8 @@ class Engine:
                 if by_name[og.name].strategy is pooled:  # (a frozen block has no gradients)
                     self.gradients.assign(by_name[og.name])
             self.offloader.on_backward = on_backward
-        self._strategies = [st for st in (resident, pooled, host) if any(g.strategy is st for g in self.groups)]
+        self._strategies = [st for st in (resident, pooled, host, self.sharding)
+                            if st is not None and any(g.strategy is st for g in self.groups)]
         grouped = {id(p) for g in self.groups for _, p in g.spec.params}
         self._frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in grouped]  # (at attach)
         self._hooks.append(model.register_load_state_dict_pre_hook(self._refuse_load))
@@ -181,7 +194,8 @@ class Engine:
         ahead, the step and the write-back at once), and offloaded weights other than
         fp32 (fp32 ones are read from the state in place)."""
         states = sorted(torch_groups.spec(part.index).state_bytes(part.numel) for g in groups for part in g.parts)
-        need = (0 if self._resume else sum(states)) + sum(states[-3:])
+        share = self.world.size if self.world is not None else 1  # (data parallel: this rank's shards)
+        need = ((0 if self._resume else sum(states)) + sum(states[-3:])) // share
         if offload and offload != "host":
             need += sum(g.numel * g.params[0][1].dtype.itemsize for g in groups
                         if g.params and g.params[0][1].dtype != torch.float32)
@@ -232,6 +246,7 @@ class Engine:
 
     def _before_grad(self, g: LayerGroup) -> None:
         """Before autograd accumulates a gradient into a parameter's .grad."""
+        g.strategy.before_grad(g)
         if g.submitted:  # its step may be reading the gradient buffer right now
             raise RuntimeError(
                 f"group {g.spec.name} got a gradient after its step was submitted (accumulation_steps="
@@ -273,12 +288,17 @@ class Engine:
                  for part in g.spec.parts]
         gsize, wsize = g.grad_dtype.itemsize, g.dtype.itemsize
 
-        def start(grads):
+        def start(grads, out=None, pieces=None):
+            """The steps of the parts (or of ``pieces``: (part, element offset) in ``grads``
+            and ``out``, a shard's), gradients from ``grads``, weights into ``out``."""
             g.host_weights_read().synchronize()  # the step overwrites what the last upload read
+            at = {id(part): start for part, start in pieces} if pieces is not None else \
+                {id(part): part.start for part, _, _ in parts}
             return gather([session.step_group_async(
-                part.name, grads, lr, grads_offset=part.start * gsize, grad_dtype=g.grad_dtype, out=g.weights,
-                out_offset=part.start * wsize, out_dtype=g.dtype, grad_scale=scale, hyper=hyper,
-                weights_object=f"weights/{part.name}" if offloaded_bf else "") for part, lr, hyper in parts],
+                part.name, grads, lr, grads_offset=at[id(part)] * gsize, grad_dtype=g.grad_dtype,
+                out=g.weights if out is None else out, out_offset=at[id(part)] * wsize, out_dtype=g.dtype,
+                grad_scale=scale, hyper=hyper, weights_object=f"weights/{part.name}" if offloaded_bf else "")
+                for part, lr, hyper in parts if id(part) in at],
                 combine=StepInfo.combine)
 
         g.submitted = True
@@ -370,7 +390,8 @@ class Engine:
                 g.strategy.before_step(g)
         if self.max_grad_norm is not None:
             try:
-                scale = clipping.coefficient(self.model, self.groups, self.max_grad_norm)
+                scale = sharded.coefficient(self.sharding, self.groups, self.max_grad_norm) \
+                    if self.sharding is not None else clipping.coefficient(self.model, self.groups, self.max_grad_norm)
             except NonFinite:  # nothing was submitted: the gradients stay for zero_grad() to clear
                 if self.offloader is not None:
                     self.offloader.release_all()
@@ -429,6 +450,9 @@ class Engine:
     def _land(self, infos: dict, errors: list) -> None:
         """Wait for every step in flight and put its new weights into the parameters; each
         group's result goes to ``infos`` (by name), each failure to ``errors``."""
+        for g in self.groups:  # (data parallel: the weights gathered from the shards, in group order)
+            if g.future is not None:
+                g.future = g.strategy.landing(g, g.future)
         for g in self.groups:
             if g.future is not None:
                 try:
@@ -489,6 +513,8 @@ class Engine:
         is a new path on the daemon's host; on the SSD array's filesystem the checkpoint is
         a snapshot (no bytes copied), elsewhere a copy (``mode`` forces either)."""
         self.require_idle("save_checkpoint")
+        if self.world is not None:  # (every rank calls it: dp_checkpoints.py)
+            return dp_checkpoints.save(self, directory, extra, mode, timeout)
         return self.session.checkpoint(directory, timeout, mode, checkpoints.client_state(self, extra))
 
     def resume_lr(self) -> None:
@@ -507,16 +533,20 @@ class Engine:
         group's parameter dtype."""
         return checkpoints.export(self, directory, dtype)
 
+    def _held_parts(self):
+        """The parts whose daemon groups this process holds (data parallel: its shards')."""
+        for g in self.groups:
+            yield from ((part for part, _, _ in g.shard.pieces) if g.shard is not None else g.spec.parts)
+
     def state_dict(self) -> dict:
         return {"lr": self.lr, "group_steps": {part.name: self.session.group(part.name).step
-                                               for g in self.groups for part in g.spec.parts}}
+                                               for part in self._held_parts()}}
 
     def part_steps(self) -> dict[int, int]:
         """The daemon's step count of each torch param group (of its first part)."""
         steps: dict[int, int] = {}
-        for g in self.groups:
-            for part in g.spec.parts:
-                steps.setdefault(part.index, self.session.group(part.name).step)
+        for part in self._held_parts():
+            steps.setdefault(part.index, self.session.group(part.name).step)
         return steps
 
     def close(self, materialize: bool = True) -> None:
@@ -526,6 +556,8 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self.collectives is not None:
+            self.collectives.close()
         if self._train_step_store is not None:
             self._train_step_store.close()
         self.apply_treatments({name: "keep" for name in self._by_name})  # unpatch recomputed forwards

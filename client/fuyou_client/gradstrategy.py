@@ -1,8 +1,8 @@
 """Where a layer group's gradients live between its backward and its step, and how they
 reach the daemon: one interface, one class per strategy. The engine calls only this
-interface (``on_backward``, ``before_step``, ``submit``, ``zero``, ``reclaim``,
-``discard``, ``norm_grads``); a new way of moving gradients (a reduce-scatter to a
-shard, say) is one more class.
+interface (``on_backward``, ``before_step``, ``before_grad``, ``submit``, ``landing``,
+``zero``, ``reclaim``, ``discard``, ``norm_grads``); a new way of moving gradients is
+one more class (sharded.py: a reduce-scatter to a shard, for data parallelism).
 
 * ``Resident``: a buffer per group, for the whole run (shared memory on the CPU; on a
   GPU device memory, downloaded into shared memory at the step). What accumulation
@@ -52,10 +52,18 @@ class GradientStrategy:
         """At ``engine.step()``, for a group whose last backward left some of its
         parameters without a gradient (so ``on_backward`` never came)."""
 
+    def before_grad(self, g) -> None:
+        """Before autograd adds a gradient to one of the group's parameters."""
+
     def submit(self, g, start: Start) -> None:
         """Send the group's step: ``start(buffer)`` issues it once the gradients are
         there; the step's future goes to ``g.future`` unless the strategy keeps it."""
         raise NotImplementedError
+
+    def landing(self, g, stepped: Future) -> Future:
+        """At the barrier, in group order: what to wait for before the group's step is
+        done (data parallelism: the weights gathered from the shards)."""
+        return stepped
 
     def zero(self, g, device: Device) -> None:
         """Forget the group's gradients (engine.zero_grad)."""

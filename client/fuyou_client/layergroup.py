@@ -46,6 +46,8 @@ class LayerGroup:
     strategy: GradientStrategy | None = None  # where the gradients live until the step (gradstrategy.py)
     uploaded: object = DONE  # event: the last upload of new weights into device_weights
     downloaded: object = DONE  # event: the last download of device_grads
+    shard: object = None  # data parallelism: this rank's shard of the group (sharded.ShardState)
+    shard_padded: int = 0  # data parallelism: the flat vectors' length, padded to the shards' sum
 
     @property
     def numel(self) -> int:
@@ -123,7 +125,7 @@ def flat_copy(params, out: torch.Tensor) -> None:
 
 
 def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list, offload: bool | str, index: int,
-           strategy: GradientStrategy, resume: bool) -> LayerGroup:
+           strategy: GradientStrategy, resume: bool, shards=None) -> LayerGroup:
     """Create the group's optimizer state in the daemon from the parameters, one daemon
     group per part with ``optimizers[k]`` (its torch group's hyperparameters), or with
     ``resume`` take the restored groups' weights; then the parameters become views of
@@ -131,7 +133,11 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
     array, or with ``offload="host"`` in a shared host buffer the step writes, uploaded
     per use), and their gradients views of the buffer ``strategy`` keeps (if any). An
     offloaded block's frozen parameters go to the SSD array too, after its trained ones
-    (the transient object ``frozen/<group>``, written once, read with the rest)."""
+    (the transient object ``frozen/<group>``, written once, read with the rest).
+
+    With data parallelism (``shards``: distributed.Shards) the daemon's groups are this
+    rank's shard of each part (``resume``: restored ones, whose masters the caller put in
+    the parameters), and the flat weights and gradients are padded to the shards' sum."""
     frozen = [p for _, p in spec.frozen] if offload is True else []
     dtypes = {p.dtype for _, p in spec.params} | {p.dtype for p in frozen}
     if len(dtypes) != 1:
@@ -144,7 +150,10 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
     shapes = [p.shape for p in params]
     frozen_shapes = [p.shape for p in frozen]  # (before they are emptied)
     frozen_numel = spec.frozen_numel if frozen else 0
-    master, infos = _masters(session, spec, optimizers, resume)
+    if shards is None:
+        master, infos = _masters(session, spec, optimizers, resume)
+    else:
+        master, infos = _shard_masters(session, spec, optimizers, shards, resume), []
     grad_bytes = strategy.host_buffer_bytes(n, dtype) if n else 0
     grads = session.allocate(grad_bytes) if grad_bytes else None
     on_host = offload == "host"
@@ -156,7 +165,7 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
         sources = [Source(state_object(part.name), info.weights_offset, part.start * 4, part.numel * 4, part.name)
                    for part, info in zip(spec.parts, infos)]
     else:
-        weights = session.allocate(n * size)
+        weights = session.allocate((shards.padded if shards is not None else n) * size)
         if offload or device.shares_host_memory:  # (a GPU's resident group: the step fills it, nothing reads it now)
             flat_copy(params, weights.tensor(dtype)[:n])
         if offload and not on_host:
@@ -169,7 +178,8 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
         master.free()
     if frozen:
         sources.append(_store_frozen(session, spec.name, frozen, frozen_numel, dtype, n * size))
-    group = LayerGroup(spec, weights, grads, dtype, strategy=strategy)
+    group = LayerGroup(spec, weights, grads, dtype, strategy=strategy,
+                       shard_padded=shards.padded if shards is not None else 0)
     if device.shares_host_memory:  # (offload="host" does not come here: on the CPU it is resident)
         flat_w = weights.tensor(dtype)[:n] if weights is not None else None
         flat_g = grads.tensor(dtype)[:n] if grads is not None else None
@@ -223,6 +233,31 @@ def _masters(session: Session, spec: ParamGroup, optimizers: list, resume: bool)
         for p, part in zip(params, flat_parts(master.tensor(torch.float32), [p.shape for p in params])):
             p.copy_(part.view(p.shape))
     return master, infos
+
+
+def _shard_masters(session: Session, spec: ParamGroup, optimizers: list, shards, resume: bool):
+    """This rank's daemon groups: its shard of each part, created from the parameters'
+    values (or, with ``resume``, restored ones: their sizes checked)."""
+    pieces = shards.pieces(spec.parts)
+    if resume:
+        for part, lo, hi in pieces:
+            info = session.group(part.name)
+            if info.numel != hi - lo:
+                raise ValueError(f"group {part.name} has {info.numel} parameters in this rank's checkpoint shard, "
+                                 f"{hi - lo} in this model's: the checkpoint is of another model or world")
+        return None
+    if not pieces:
+        return None
+    lo0, hi0 = pieces[0][1], pieces[-1][2]
+    master = session.allocate((hi0 - lo0) * 4)
+    params = [p for _, p in spec.params]
+    flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+    master.tensor(torch.float32)[:hi0 - lo0].copy_(flat[lo0:hi0])
+    del flat
+    by_part = {id(part): optimizer for part, optimizer in zip(spec.parts, optimizers)}
+    for part, lo, hi in pieces:
+        session.create_group(part.name, master, by_part[id(part)], offset=(lo - lo0) * 4, numel=hi - lo)
+    return master
 
 
 def _store_frozen(session: Session, name: str, frozen: list, count: int, dtype: torch.dtype, offset: int) -> Source:

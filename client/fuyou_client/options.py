@@ -81,6 +81,20 @@ class AttachOptions:
       dict of those by group name; or "auto": the planner chooses per block after
       profiling the first iteration, fastest within ``device_budget`` bytes of
       activations on the compute device (None: no limit).
+
+    Several processes (data parallelism, docs/guide/distributed.md): when
+    torch.distributed is initialised with more than one rank (or ``process_group`` is
+    given), attach joins that group: each rank's daemon keeps its shard of every layer
+    group's optimizer state, gradients are reduce-scattered and weights all-gathered.
+      ``process_group``: the group to train over (default: torch.distributed's default).
+      ``reduce``: when gradients are reduce-scattered: "step" (after the last backward of
+      an accumulation: the micro-batches add up locally, as in DDP's ``no_sync``) or
+      "backward" (after every backward; each rank's shard adds up in fp32 in host memory).
+      ``check_collectives``: before each collective the ranks compare what they are about
+      to run, and a rank that diverges (a group it did not use, another model) is an error
+      naming both instead of a hang (costs a small collective each).
+      ``reshard``: with ``resume``, allow a checkpoint written at another world size (its
+      shards are cut again; the checkpoint must be readable from every rank's daemon).
     """
     session: Any = None
     socket: str | None = None
@@ -100,6 +114,10 @@ class AttachOptions:
     activations: str | dict[str, str] = "keep"
     host_budget: int = 256 << 20
     device_budget: int | None = None
+    process_group: Any = None
+    reduce: str = "step"
+    check_collectives: bool = False
+    reshard: bool = False
 
     def __post_init__(self) -> None:
         _count("accumulation_steps", self.accumulation_steps, 1)
@@ -114,6 +132,8 @@ class AttachOptions:
                              f"inf without clipping) or None, not {mgn!r}")
         if not (self.offload is True or self.offload is False or self.offload == "host"):
             raise ValueError(f"offload must be True, False or 'host', not {self.offload!r}")
+        if self.reduce not in ("step", "backward"):
+            raise ValueError(f"reduce must be 'step' or 'backward', not {self.reduce!r}")
         if self.grad_accumulation not in ("device", "host"):
             raise ValueError(f"grad_accumulation must be 'device' or 'host', not {self.grad_accumulation!r}")
         acts = self.activations

@@ -1,0 +1,224 @@
+"""ZeRO-2-style gradients and weights for data parallelism (distributed.py has the world).
+
+Each layer group's flat vector is cut into one shard per rank (``distributed.Shards``);
+rank r's daemon holds the fp32 master weights, the moments and the step count of shard r
+only (a daemon group per torch param group the shard meets, named as the part is).
+
+* Gradients: when a group's gradients are final, its full flat gradient (padded with
+  zeros to the shards' sum) is reduce-scattered so that this rank's shard of the mean
+  lands in a shared-memory buffer the daemon reads, and the shard's step is submitted.
+  With ``reduce="step"`` (the default) the micro-batches accumulate locally and the
+  reduce-scatter comes once, after the last (DDP's ``no_sync``); with
+  ``reduce="backward"`` each backward's gradients are reduce-scattered at once and the
+  shard accumulates in fp32 in shared memory. Before a shard steps, the ranks agree that
+  every shard of the group is finite: a non-finite gradient anywhere steps the group
+  nowhere (its state kept on every rank) and raises NonFinite on every rank.
+* Weights: the step writes the shard's new weights (the compute dtype) into a shared
+  buffer; at the barrier the group's weights are all-gathered from the shards, in group
+  order, on every rank.
+* Clipping: the global norm is the square root of an all-reduce of the shards' sums of
+  squares (padding is zero: it adds nothing).
+
+Every collective goes through the engine's ``Collectives`` thread, in the order the
+training thread asks (distributed.py). This version trains on the CPU (gloo), with the
+weights resident (``offload=False``).
+"""
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fuyou_client import distributed
+from fuyou_client.distributed import Collectives, Shards, World
+from fuyou_client.errors import NonFinite
+from fuyou_client.gradstrategy import GradientStrategy, Start
+from fuyou_client.optim import StepInfo
+
+REDUCE_MODES = ("step", "backward")
+
+
+@dataclass(eq=False)
+class ShardState:
+    shards: Shards
+    pieces: list  # (part, lo, hi): the daemon groups of this rank's shard
+    grads: object  # SharedBuffer: this rank's shard of the mean gradient (what the step reads)
+    weights: object  # SharedBuffer: this rank's shard of the weights (what the step writes)
+    reduced: Future | None = None  # the reduce-scatter(s) of this iteration's gradients so far
+    stepped: bool = False  # this iteration's step was submitted (its weights are gathered at the barrier)
+
+
+def flatten(outer: Future) -> Future:
+    """A future of a future's result."""
+    out: Future = Future()
+
+    def inner_done(inner: Future) -> None:
+        exc = inner.exception()
+        out.set_exception(exc) if exc is not None else out.set_result(inner.result())
+
+    def outer_done(f: Future) -> None:
+        exc = f.exception()
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            f.result().add_done_callback(inner_done)
+
+    outer.add_done_callback(outer_done)
+    return out
+
+
+class Sharded(GradientStrategy):
+    name = "sharded"
+
+    def __init__(self, world: World, collectives: Collectives, reduce: str):
+        self.world = world
+        self.collectives = collectives
+        self.per_backward = reduce == "backward"
+
+    def shards(self, numel: int) -> Shards:
+        return Shards(numel, self.world.size, self.world.rank)
+
+    def host_buffer_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        return self.shards(numel).padded * dtype.itemsize  # (the reduce-scatter reads the padding: zeros)
+
+    def grad_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if self.per_backward else dtype
+
+    def bind(self, session, g) -> None:
+        """The group's shard buffers, its weights' shard as they are now."""
+        shards = self.shards(g.numel)
+        weights = session.allocate(shards.per * g.dtype.itemsize)
+        grads = session.allocate(shards.per * g.grad_dtype.itemsize)
+        full = self.full_weights(g)
+        weights.tensor(g.dtype)[:shards.per].copy_(full[shards.rank * shards.per:(shards.rank + 1) * shards.per])
+        g.shard = ShardState(shards, shards.pieces(g.spec.parts), grads, weights)
+
+    # -- the group's flat vectors --------------------------------------------------------
+    @staticmethod
+    def full_weights(g) -> torch.Tensor:
+        return g.weights.tensor(g.dtype)[:g.shard_padded]
+
+    @staticmethod
+    def full_grads(g) -> torch.Tensor:
+        return g.grads.tensor(g.dtype)[:g.shard_padded]
+
+    def _shard_grads(self, g) -> torch.Tensor:
+        return g.shard.grads.tensor(g.grad_dtype)[:g.shard.shards.per]
+
+    # -- gradients ---------------------------------------------------------------------
+    def _reduce_scatter(self, g, first: bool) -> None:
+        """(collective thread) This rank's shard of the ranks' mean gradient: into the
+        shard buffer, or (per backward) added to it in fp32."""
+        full, out = self.full_grads(g), self._shard_grads(g)
+        if not self.per_backward:
+            distributed.reduce_scatter(out, full, self.world.group)
+            out.div_(self.world.size)
+            return
+        part = torch.empty(g.shard.shards.per, dtype=g.dtype)
+        distributed.reduce_scatter(part, full, self.world.group)
+        part = part.div_(self.world.size)
+        if first:
+            out.copy_(part)
+        else:
+            out.add_(part)
+        full.zero_()  # (the next backward accumulates afresh: the host holds the sum)
+
+    def reduce(self, g) -> Future:
+        """Issue the group's reduce-scatter (``reduce="step"``), once per iteration."""
+        if g.shard.reduced is None:
+            g.adopt_grads()
+            g.shard.reduced = self.collectives.submit(f"reduce-scatter {g.spec.name}",
+                                                      lambda: self._reduce_scatter(g, True))
+        return g.shard.reduced
+
+    def on_backward(self, g, first: bool) -> None:
+        if self.per_backward:
+            g.adopt_grads()
+            g.shard.reduced = self.collectives.submit(f"reduce-scatter {g.spec.name}",
+                                                      lambda: self._reduce_scatter(g, first))
+
+    def before_step(self, g) -> None:
+        if self.per_backward:
+            self.on_backward(g, first=g.backwards == 0)
+
+    def before_grad(self, g) -> None:
+        """Before autograd adds to the group's gradients: the reduce-scatter that reads
+        (and then zeroes) them is done."""
+        if self.per_backward and g.shard.reduced is not None:
+            g.shard.reduced.result()
+
+    def submit(self, g, start: Start) -> None:
+        reduced = g.shard.reduced if self.per_backward else self.reduce(g)
+        g.shard.stepped = True
+        g.future = flatten(self.collectives.submit(f"finite {g.spec.name}", lambda: self._step(g, start),
+                                                   after=reduced))
+
+    def _step(self, g, start: Start) -> Future:
+        """(collective thread) Step the shard, if every rank's shard is finite."""
+        ok = torch.tensor([int(bool(torch.isfinite(self._shard_grads(g)).all()))], dtype=torch.int32)
+        distributed.all_reduce(ok, self.world.group, dist.ReduceOp.MIN)
+        if not ok.item():
+            raise NonFinite(f"group {g.spec.name}: the mean gradient holds NaN or inf (on some rank's shard); not "
+                            "stepped on any rank, its state kept")
+        if not g.shard.pieces:  # (a group smaller than the ranks before this one hold)
+            done: Future = Future()
+            done.set_result(StepInfo(0, 0.0, 0.0, 0.0, False))
+            return done
+        return start(g.shard.grads, g.shard.weights, [(part, lo - g.shard.shards.start) for part, lo, _ in
+                                                       g.shard.pieces])
+
+    def landing(self, g, stepped: Future) -> Future:
+        """At the barrier, in group order: the group's weights gathered from the shards,
+        once its step here is done (or failed: the shard then holds its old weights)."""
+        full, shard = self.full_weights(g), g.shard.weights.tensor(g.dtype)[:g.shard.shards.per]
+
+        def gather():
+            distributed.all_gather(full, shard, self.world.group)
+            return stepped.result()
+        g.shard.stepped = False
+        return self.collectives.submit(f"all-gather {g.spec.name}", gather, after=stepped)
+
+    def zero(self, g, device) -> None:
+        if g.shard.reduced is not None:
+            try:
+                g.shard.reduced.result()  # (it reads the gradients)
+            except Exception:  # noqa: BLE001 - reported where the step waits for it
+                pass
+        g.shard.reduced = None
+        self.full_grads(g).zero_()
+
+    def discard(self) -> None:
+        pass  # (the next first backward overwrites the shard)
+
+    def sum_of_squares(self, g) -> torch.Tensor:
+        """(after the reduce) This rank's shard's contribution to the squared norm."""
+        return torch.linalg.vector_norm(self._shard_grads(g).float(), 2.0) ** 2
+
+
+def coefficient(strategy: Sharded, groups, max_norm: float) -> float:
+    """Clipping across the ranks: every touched group's gradients reduced (in reverse
+    group order, as backward would), then the global norm from the shards."""
+    touched = [g for g in groups if g.backwards > 0 or g.pending != len(g.spec.params)]
+    for g in reversed(touched):
+        strategy.reduce(g) if not strategy.per_backward else None
+    for g in touched:
+        if g.shard.reduced is not None:
+            g.shard.reduced.result()
+    local = torch.zeros(1, dtype=torch.float32)
+    for g in touched:
+        local += strategy.sum_of_squares(g)
+    total = strategy.collectives.run("gradient norm", lambda: _all_reduce(local, strategy.world))
+    norm = math.sqrt(total)
+    if not math.isfinite(norm):
+        raise NonFinite(f"the total gradient norm is {norm} (across the ranks): some gradient holds NaN or inf, or the "
+                        "norm overflows float32; no group was stepped on any rank (the optimizer state is unchanged): "
+                        "call engine.zero_grad() and go on with the next batch")
+    return float(torch.clamp(max_norm / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0))
+
+
+def _all_reduce(t: torch.Tensor, world: World) -> float:
+    distributed.all_reduce(t, world.group)
+    return t.item()

@@ -1,0 +1,326 @@
+"""One rank of the data-parallel tests (test_distributed.py), run under torchrun.
+
+    torchrun --nproc-per-node N tests/dp_worker.py CASE OUT_DIR [key=value ...]
+
+Each case trains a tiny model through ``attach`` on the gloo group torchrun set up, next
+to its reference (torch DDP with torch's fused AdamW, or the same collectives around
+torch's fused AdamW by hand), and writes ``OUT_DIR/<case>-rank<r>.json`` with what the
+test asserts (mismatches, losses). The daemon is the one at $FUYOUD_SOCKET.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import HYPER, tiny_gpt2, tiny_llama  # noqa: E402
+
+import fuyou_client  # noqa: E402
+from fuyou_client import distributed  # noqa: E402
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+
+
+def batch(step: int, micro: int, rank: int, size: int = 2, seq: int = 16, vocab: int = 256) -> torch.Tensor:
+    """Rank ``rank``'s micro-batch ``micro`` of iteration ``step`` (the same on every run)."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randint(0, vocab, (size, seq), generator=g)
+
+
+def model_for(kind: str, dtype: torch.dtype):
+    torch.manual_seed(0)
+    m = tiny_llama(layers=2, width=32) if kind == "llama" else tiny_gpt2(layers=2, width=32)
+    return m.to(dtype)
+
+
+def differ(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
+    sb = dict(b.named_parameters())
+    return [n for n, p in a.named_parameters() if not torch.equal(p.detach(), sb[n].detach())]
+
+
+def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    sb = dict(b.named_parameters())
+    return max(float((p.detach().float() - sb[n].detach().float()).abs().max()) for n, p in a.named_parameters())
+
+
+class Masters:
+    """The reference's fp32 master weights, stepped by torch's fused AdamW and copied into
+    the (maybe bf16) model after each step, as fuyoud keeps them."""
+
+    def __init__(self, model):
+        self.params = list(model.parameters())
+        self.masters = [p.detach().float().clone().requires_grad_() for p in self.params]
+        self.opt = torch.optim.AdamW(self.masters, **HYPER, fused=True)
+
+    def step(self, clip: float | None, grads=None) -> None:
+        if grads is not None:  # (the mean gradients, as the collectives made them)
+            for p, g in zip(self.params, grads):
+                p.grad = g.clone()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, clip)
+        for m, p in zip(self.masters, self.params):
+            m.grad = p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for m, p in zip(self.masters, self.params):
+                p.copy_(m)
+                p.grad = None
+
+
+def run_ddp(cfg: dict, steps: int) -> tuple[torch.nn.Module, list[float]]:
+    """torch DDP (gloo) around fused AdamW: the reference of N=2."""
+    model = model_for(cfg["model"], cfg["dtype"])
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = Masters(model)
+    losses = []
+    k = cfg["accum"]
+    for step in range(steps):
+        for micro in range(k):
+            x = batch(step, micro, RANK)
+            if micro < k - 1:
+                with ddp.no_sync():
+                    loss = ddp(x, labels=x).loss / k
+                    loss.backward()
+            else:
+                loss = ddp(x, labels=x).loss / k
+                loss.backward()
+            losses.append(loss.item())
+        opt.step(cfg["clip"])
+    return model, losses
+
+
+def run_manual(cfg: dict, steps: int) -> tuple[torch.nn.Module, list[float]]:
+    """The same collectives as the engine around torch's fused AdamW: reduce-scatter each
+    layer group's flat gradient (padded as the engine pads it), divide by N (with
+    ``reduce="backward"`` after every backward, the shard summed in fp32), all-gather;
+    the reference where DDP's arithmetic is not the engine's (N=3, per-backward)."""
+    model = model_for(cfg["model"], cfg["dtype"])
+    opt = Masters(model)
+    groups = _layer_groups(model)
+    per_backward = cfg["reduce"] == "backward"
+    losses = []
+    k = cfg["accum"]
+    for step in range(steps):
+        sums = [None] * len(groups)
+        for micro in range(k):
+            x = batch(step, micro, RANK)
+            loss = model(x, labels=x).loss / k
+            loss.backward()
+            losses.append(loss.item())
+            if per_backward or micro == k - 1:
+                for i, params in enumerate(groups):
+                    part = _reduce_scatter(params)
+                    if per_backward:
+                        sums[i] = part.float() if sums[i] is None else sums[i].add_(part)
+                        for p in params:
+                            p.grad = None
+                    else:
+                        sums[i] = part
+        grads = []
+        for params, mine in zip(groups, sums):
+            shards = distributed.Shards(sum(p.numel() for p in params), WORLD, RANK)
+            flat = torch.empty(shards.padded, dtype=mine.dtype)
+            distributed.all_gather(flat, mine, None)
+            at = 0
+            for p in params:
+                grads.append(flat[at:at + p.numel()].view(p.shape))
+                at += p.numel()
+        order = {id(p): i for i, p in enumerate(q for params in groups for q in params)}
+        opt.step(cfg["clip"], [grads[order[id(p)]] for p in opt.params])
+    return model, losses
+
+
+def _reduce_scatter(params) -> torch.Tensor:
+    numel = sum(p.numel() for p in params)
+    shards = distributed.Shards(numel, WORLD, RANK)
+    flat = torch.zeros(shards.padded, dtype=params[0].dtype)
+    flat[:numel] = torch.cat([p.grad.reshape(-1) for p in params])
+    mine = torch.empty(shards.per, dtype=flat.dtype)
+    distributed.reduce_scatter(mine, flat, None)
+    return mine.div_(WORLD)
+
+
+def _layer_groups(model) -> list[list[torch.nn.Parameter]]:
+    from fuyou_client.grouping import split
+    from fuyou_client.param_groups import resolve
+
+    tg = resolve(model, fuyou_client.AdamW(**HYPER), None, None)
+    return [[p for _, p in spec.params] for spec in split(model, None, tg.index) if spec.params]
+
+
+def run_ours(cfg: dict, steps: int, engine_out: list | None = None, **extra) -> tuple[torch.nn.Module, list[float]]:
+    model = model_for(cfg["model"], cfg["dtype"])
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), offload=False, accumulation_steps=cfg["accum"],
+                                 max_grad_norm=cfg["clip"], reduce=cfg["reduce"], namespace=cfg.get("namespace"),
+                                 **extra)
+    losses = []
+    k = cfg["accum"]
+    for step in range(steps):
+        for micro in range(k):
+            x = batch(step, micro, RANK)
+            loss = model(x, labels=x).loss / k
+            loss.backward()
+            losses.append(loss.item())
+        engine.step()
+        engine.zero_grad()
+    if engine_out is not None:
+        engine_out.append(engine)
+    else:
+        engine.close()
+    return model, losses
+
+
+def config(**kw) -> dict:
+    cfg = {"model": "gpt2", "dtype": torch.float32, "accum": 1, "clip": None, "reduce": "step"}
+    cfg.update(kw)
+    return cfg
+
+
+MATRIX = {
+    "plain": config(),
+    "llama": config(model="llama"),
+    "accum": config(accum=2),
+    "accum-backward": config(accum=2, reduce="backward"),
+    "clip": config(clip=0.05),
+    "bf16": config(dtype=torch.bfloat16),
+}
+
+
+def case_exact(out: Path, names: str = "plain") -> dict:
+    """Bitwise against DDP at N=2 (within 1e-6 with clipping: the norm's sums differ),
+    against the same collectives by hand otherwise."""
+    result = {}
+    for name in names.split(","):
+        cfg = config(**MATRIX[name]) if name in MATRIX else config()
+        ref_fn = run_ddp if WORLD == 2 and cfg["reduce"] == "step" else run_manual
+        ref, ref_losses = ref_fn(cfg, 3)
+        ours, losses = run_ours(cfg, 3)
+        result[name] = {"differ": differ(ours, ref), "max_diff": max_diff(ours, ref), "losses": losses,
+                        "ref_losses": ref_losses, "reference": ref_fn.__name__}
+    return result
+
+
+def case_single(out: Path, lr: str = "1e-4") -> dict:
+    """One step of N ranks against one process on the concatenated batch (the gradients'
+    sums differ in order; AdamW's first step, lr * g / (|g| + eps), magnifies that by
+    lr / eps where |g| is below eps, hence a moderate ``lr``)."""
+    hyper = dict(HYPER, lr=float(lr))
+    model = model_for("gpt2", torch.float32)
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(**hyper), offload=False)
+    x = batch(0, 0, RANK)
+    model(x, labels=x).loss.backward()
+    engine.step()
+    engine.close()
+    ours = model
+    model = model_for("gpt2", torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), **hyper, fused=True)
+    x = torch.cat([batch(0, 0, r) for r in range(WORLD)])
+    model(x, labels=x).loss.backward()
+    opt.step()
+    return {"max_diff": max_diff(ours, model)}
+
+
+def _train(model, engine, steps) -> None:
+    for step in steps:
+        x = batch(step, 0, RANK)
+        model(x, labels=x).loss.backward()
+        engine.step()
+        engine.zero_grad()
+
+
+def _saved(out: Path, name: str):
+    ref = model_for("gpt2", torch.float32)
+    ref.load_state_dict(torch.load(out / name))
+    return ref
+
+
+def case_checkpoint(out: Path, phase: str = "save", ckpt: str = "", save_to: str = "", steps: str = "0") -> dict:
+    """save (N=2): 2 steps, checkpoint, the weights then (at_ckpt.pt), 2 more steps
+    (continued.pt), export. resume: attach(resume=ckpt, reshard=True) at this world
+    size: the weights must be at_ckpt's; then a checkpoint to ``save_to``, or ``steps``
+    more steps compared with continued.pt (the same data only at N=2)."""
+    if phase == "save":
+        engines = []
+        model, _ = run_ours(config(namespace=f"ck{WORLD}"), 2, engines)
+        engine = engines[0]
+        engine.save_checkpoint(ckpt, extra={"data_position": 2})
+        if RANK == 0:
+            torch.save(model.state_dict(), out / "at_ckpt.pt")
+        _train(model, engine, range(2, 4))
+        engine.export(out / f"export{WORLD}")
+        engine.close()
+        if RANK == 0:
+            torch.save(model.state_dict(), out / "continued.pt")
+        return {"lr": engine.lr}
+    model = model_for("gpt2", torch.float32)
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), offload=False, resume=ckpt, reshard=True)
+    result = {"at_resume": differ(model, _saved(out, "at_ckpt.pt")), "extra": engine.checkpoint_extra}
+    if save_to:
+        engine.save_checkpoint(save_to, extra=engine.checkpoint_extra)
+    _train(model, engine, range(2, 2 + int(steps)))
+    if int(steps):
+        ref = _saved(out, "continued.pt")
+        result.update(differ=differ(model, ref), max_diff=max_diff(model, ref), steps=engine.part_steps())
+    engine.close()
+    return result
+
+
+def case_kill(out: Path) -> dict:
+    """Rank 1 dies (SIGKILL) after its backward; rank 0 reports how it ended."""
+    model = model_for("gpt2", torch.float32)
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), offload=False, namespace="killed")
+    x = batch(0, 0, RANK)
+    model(x, labels=x).loss.backward()
+    engine.step()
+    engine.zero_grad()
+    x = batch(1, 0, RANK)
+    if RANK == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        model(x, labels=x).loss.backward()
+        engine.step()
+        return {"error": None}
+    except Exception as exc:  # noqa: BLE001 - what the test reads
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+
+
+def case_bad(out: Path, what: str = "model") -> dict:
+    """A rank that attaches differently: every rank must get an error, none hang."""
+    cfg = config()
+    model = model_for("llama" if (what == "model" and RANK == 1) else "gpt2", torch.float32)
+    try:
+        fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), offload=False)
+        return {"error": None}
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+CASES = {"exact": case_exact, "single": case_single, "checkpoint": case_checkpoint, "kill": case_kill,
+         "bad": case_bad}
+
+
+def main() -> None:
+    case, out = sys.argv[1], Path(sys.argv[2])
+    kwargs = dict(a.split("=", 1) for a in sys.argv[3:])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=float(
+        os.environ.get("FY_PG_TIMEOUT", "60"))))
+    try:
+        result = CASES[case](out, **kwargs)
+    finally:
+        pass
+    (out / f"{case}-rank{RANK}.json").write_text(json.dumps(result, default=str))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
