@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -262,7 +263,8 @@ def case_checkpoint(out: Path, phase: str = "save", ckpt: str = "", save_to: str
         return {"lr": engine.lr}
     model = model_for("gpt2", torch.float32)
     engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), offload=False, resume=ckpt, reshard=True)
-    result = {"at_resume": differ(model, _saved(out, "at_ckpt.pt")), "extra": engine.checkpoint_extra}
+    result = {"at_resume": differ(model, _saved(out, "at_ckpt.pt")), "extra": engine.checkpoint_extra,
+              "world": json.loads((Path(ckpt) / "world.json").read_text())["world_size"]}
     if save_to:
         engine.save_checkpoint(save_to, extra=engine.checkpoint_extra)
     _train(model, engine, range(2, 2 + int(steps)))
@@ -273,35 +275,59 @@ def case_checkpoint(out: Path, phase: str = "save", ckpt: str = "", save_to: str
     return result
 
 
-def case_kill(out: Path) -> dict:
-    """Rank 1 dies (SIGKILL) after its backward; rank 0 reports how it ended."""
-    model = model_for("gpt2", torch.float32)
-    engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), offload=False, namespace="killed")
-    x = batch(0, 0, RANK)
+def case_kill(out: Path, ckpt: str = "") -> dict:
+    """2 steps and a checkpoint as case_checkpoint's, then rank 1 dies (SIGKILL) after its
+    backward of step 3; rank 0 reports how it ended, how soon its daemon had reclaimed
+    the dead session, and the step counts left in rank 1's namespace."""
+    engines = []
+    model, _ = run_ours(config(namespace="killed"), 2, engines)
+    engine = engines[0]
+    engine.save_checkpoint(ckpt, extra={"data_position": 2})
+    x = batch(2, 0, RANK)
     model(x, labels=x).loss.backward()
-    engine.step()
-    engine.zero_grad()
-    x = batch(1, 0, RANK)
     if RANK == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     t0 = time.monotonic()
     try:
-        model(x, labels=x).loss.backward()
         engine.step()
         return {"error": None}
     except Exception as exc:  # noqa: BLE001 - what the test reads
-        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+        result = {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+    while engine.session.status().sessions > 1 and time.monotonic() - t0 < 30:
+        time.sleep(0.05)
+    result["reclaimed_seconds"] = time.monotonic() - t0
+    with fuyou_client.connect(namespace="killed.r1") as s:  # (free again once reclaimed)
+        result["steps_r1"] = sorted({s.group(o.name[len("optim/"):]).step for o in s.objects("optim/")})
+    result["steps_r0"] = sorted(set(engine.part_steps().values()))
+    return result
 
 
-def case_bad(out: Path, what: str = "model") -> dict:
-    """A rank that attaches differently: every rank must get an error, none hang."""
-    cfg = config()
-    model = model_for("llama" if (what == "model" and RANK == 1) else "gpt2", torch.float32)
-    try:
-        fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), offload=False)
-        return {"error": None}
-    except Exception as exc:  # noqa: BLE001
-        return {"error": f"{type(exc).__name__}: {exc}"}
+def case_bad(out: Path, what: str = "model", ckpt: str = "") -> dict:
+    """Ranks that attach inconsistently: every rank must get an error, none hang, and the
+    process group stays usable (the cases run one after another)."""
+    result = {}
+    for kind in what.split(","):
+        model = model_for("llama" if (kind == "model" and RANK == 1) else "gpt2", torch.float32)
+        options = dict(offload=False, namespace=f"bad-{kind}")
+        held = None
+        if kind == "daemon" and RANK == 1:
+            options["socket"] = str(out / "no-daemon-here.sock")
+        if kind == "namespace":
+            if RANK == 0:
+                held = fuyou_client.connect(namespace="bad-namespace.r1")  # a live session holds rank 1's
+            dist.barrier()
+        if kind == "world":
+            options["resume"] = ckpt
+        try:
+            engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), **options)
+            engine.close()
+            result[kind] = None
+        except Exception as exc:  # noqa: BLE001
+            result[kind] = f"{type(exc).__name__}: {exc}"
+        if held is not None:
+            held.close()
+    dist.barrier()  # (still usable)
+    return result
 
 
 CASES = {"exact": case_exact, "single": case_single, "checkpoint": case_checkpoint, "kill": case_kill,
@@ -309,16 +335,16 @@ CASES = {"exact": case_exact, "single": case_single, "checkpoint": case_checkpoi
 
 
 def main() -> None:
-    case, out = sys.argv[1], Path(sys.argv[2])
-    kwargs = dict(a.split("=", 1) for a in sys.argv[3:])
+    """CASE may be several, joined by "+": they run in one launch (arguments "case.key=value")."""
+    cases, out = sys.argv[1].split("+"), Path(sys.argv[2])
+    args = dict(a.split("=", 1) for a in sys.argv[3:])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=float(
-        os.environ.get("FY_PG_TIMEOUT", "60"))))
-    try:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("FY_PG_TIMEOUT", "60"))))
+    for case in cases:
+        kwargs = {k.split(".", 1)[1] if "." in k else k: v for k, v in args.items()
+                  if "." not in k or k.split(".", 1)[0] == case}
         result = CASES[case](out, **kwargs)
-    finally:
-        pass
-    (out / f"{case}-rank{RANK}.json").write_text(json.dumps(result, default=str))
+        (out / f"{case}-rank{RANK}.json").write_text(json.dumps(result, default=str))
     dist.destroy_process_group()
 
 
