@@ -2,7 +2,8 @@
 # Fuyou's two entry points, each doing every set-up step first (idempotent):
 #
 #   ./run.sh demo [args]    the main job: fine-tune a GPT-style model through fuyoud
-#                           (examples/finetune.py)
+#                           (examples/finetune.py; --nproc N: N data-parallel ranks
+#                           under torchrun)
 #   ./run.sh test [args]    the test suite (pytest; args go to pytest)
 #   ./run.sh swap [args]    swap a 1 GiB tensor to SSD and back (examples/swap_roundtrip.py)
 #
@@ -111,7 +112,22 @@ test_tools() {
 
 cmd="${1:-}"; shift || true
 case "$cmd" in
-    demo) setup; exec .venv/bin/python examples/finetune.py "$@" ;;
+    demo)
+        setup
+        # --nproc N: the demo data parallel, N ranks on this host under torchrun
+        nproc=1 args=()
+        while [ $# -gt 0 ]; do
+            case "$1" in
+                --nproc) nproc="$2"; shift 2 ;;
+                --nproc=*) nproc="${1#*=}"; shift ;;
+                *) args+=("$1"); shift ;;
+            esac
+        done
+        if [ "$nproc" -gt 1 ]; then
+            export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( ($(nproc) + nproc - 1) / nproc ))}"
+            exec .venv/bin/torchrun --standalone --nproc-per-node "$nproc" examples/finetune.py "${args[@]}"
+        fi
+        exec .venv/bin/python examples/finetune.py "${args[@]}" ;;
     swap) setup; exec .venv/bin/python examples/swap_roundtrip.py "$@" ;;
     test) setup; test_tools; exec .venv/bin/python -m pytest "$@" ;;
     setup) setup ;;

@@ -22,13 +22,22 @@ fuyou_client/integrations/transformers.py; the same schedule, warm-up then cosin
 --block-major K trains K micro-batches of --batch sequences per step with
 `engine.train_step` (block-major order: each block's weights and gradients cross once per
 step, not once per micro-batch; docs/guide/gpu.md).
+
+Under torchrun (``./run.sh demo --nproc 2``, or ``torchrun --nproc-per-node 2
+examples/finetune.py``) every rank trains on its own batches, data parallel: each keeps
+its shard of the optimizer state in its host's daemon (local rank 0 starts a private one
+per host unless --socket or $FUYOUD_SOCKET names one), gradients are reduce-scattered and
+weights all-gathered (docs/guide/distributed.md). The weights stay in memory on every
+rank (offload=False).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import shutil
+import socket as socketlib
 import sys
 import time
 from pathlib import Path
@@ -88,6 +97,20 @@ def main() -> int:
                     help="K micro-batches of --batch sequences per step through engine.train_step")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if world > 1:
+        import torch.distributed as dist
+
+        if args.device == "cuda":
+            args.device = f"cuda:{local}"
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+        if args.socket is None:
+            args.socket = os.environ.get("FUYOUD_SOCKET")
+        if args.trainer or args.block_major:
+            ap.error("--trainer and --block-major train one process; under torchrun use the plain loop")
+    quiet = rank != 0
 
     model, encode = load_model(args)
     model = model.to(torch.bfloat16 if args.bf16 else torch.float32).to(args.device)
@@ -95,29 +118,27 @@ def main() -> int:
     tokens = torch.tensor(encode(Path(args.corpus).read_text()), dtype=torch.long)
     opt = fuyou_client.AdamW(lr=args.lr, weight_decay=0.01, state_dtype=args.state_dtype)
     per_param = {"fp32": 12, "bf16": 8, "int8": 6 + 8 / 256}[args.state_dtype]  # fuyoud/optimizer/layout.py
-    print(f"model: {type(model).__name__}, {params / 1e6:.1f}M parameters on {args.device}; corpus: {len(tokens)} tokens; "
-          f"optimizer state on SSD ({args.state_dtype} moments): {params * per_param / 2**30:.2f} GiB", flush=True)
+    if not quiet:
+        print(f"model: {type(model).__name__}, {params / 1e6:.1f}M parameters on {args.device}"
+              f"{f' x {world} ranks (data parallel)' if world > 1 else ''}; corpus: {len(tokens)} tokens; optimizer "
+              f"state on SSD ({args.state_dtype} moments): {params * per_param / 2**30:.2f} GiB", flush=True)
 
     daemon = None
     if args.socket is None:
-        shutil.rmtree(args.state_dir, ignore_errors=True)
-        daemon = fuyou_client.start_daemon(args.state_dir, config={
-            "storage": {"capacity_per_device": max(1 << 30, params * 12 * 3) // 4096 * 4096},
-            "optimizer": {"buffer_budget": "1GiB"}})
+        daemon, args.socket = private_daemon(args, params, world, local)
     try:
         if args.trainer:
-            return with_trainer(args, model, tokens, args.socket or daemon.socket)
-        engine = fuyou_client.attach(model, opt,
-                                     socket=args.socket or daemon.socket, namespace="finetune-demo",
-                                     max_grad_norm=None)
+            return with_trainer(args, model, tokens, args.socket)
+        engine = fuyou_client.attach(model, opt, socket=args.socket, namespace="finetune-demo", max_grad_norm=None,
+                                     offload=world == 1)
         sched = torch.optim.lr_scheduler.LambdaLR(
             engine.optimizer, lambda s: min(1.0, (s + 1) / 5) * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
-        gen = torch.Generator().manual_seed(0)
+        gen = torch.Generator().manual_seed(rank)  # (each rank its own batches)
         start = engine.session.status()
         first = last = None
         losses = []
         t0 = time.perf_counter()
-        bar = tqdm(range(args.steps), desc="fine-tuning", unit="step", dynamic_ncols=True)
+        bar = tqdm(range(args.steps), desc="fine-tuning", unit="step", dynamic_ncols=True, disable=quiet)
         micro = max(1, args.block_major)
 
         def draw():
@@ -139,12 +160,13 @@ def main() -> int:
             first = last if first is None else first
             st = engine.session.status()
             elapsed = time.perf_counter() - t0
-            bar.set_postfix(loss=f"{last:.3f}", tok_s=f"{(step + 1) * micro * args.batch * args.seq / elapsed:.0f}",
+            bar.set_postfix(loss=f"{last:.3f}",
+                            tok_s=f"{(step + 1) * micro * args.batch * args.seq * world / elapsed:.0f}",
                             ssd_read=f"{(st.bytes_read - start.bytes_read) / 1e9:.2f}GB",
                             ssd_written=f"{(st.bytes_written - start.bytes_written) / 1e9:.2f}GB")
         bar.close()
         elapsed = time.perf_counter() - t0
-        if args.losses:  # (before the export: the curve is the point of a quality run)
+        if args.losses and not quiet:  # (before the export: the curve is the point of a quality run)
             tail = losses[-10:]
             Path(args.losses).write_text(json.dumps({
                 "state_dtype": args.state_dtype, "steps": args.steps, "batch": args.batch, "seq": args.seq,
@@ -154,16 +176,50 @@ def main() -> int:
         out = engine.export(Path(args.out))
         engine.close(materialize=False)
         how = f", {micro} micro-batches per step in block-major order" if args.block_major else ""
+        how += f", {world} ranks, data parallel" if world > 1 else ""
+        if quiet:
+            return 0
         print(f"loss {first:.3f} -> {last:.3f} in {args.steps} steps ({elapsed:.0f} s, {args.state_dtype} moments{how}); "
               f"fine-tuned weights saved to {out} (safetensors)")
         if not last < first:
             print("WARNING: the loss did not fall", file=sys.stderr)
             return 1
     finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()  # (every rank is done with the daemon before it stops)
         if daemon is not None:
             daemon.stop()
-            shutil.rmtree(args.state_dir, ignore_errors=True)
+            shutil.rmtree(daemon_dir(args, world), ignore_errors=True)
+            daemon_dir(args, world).with_suffix(".socket").unlink(missing_ok=True)
     return 0
+
+
+def daemon_dir(args, world: int) -> Path:
+    """The private daemon's state: per host under torchrun (local rank 0 runs it)."""
+    if world == 1:
+        return Path(args.state_dir)
+    return Path(args.state_dir) / f"{socketlib.gethostname()}-{os.environ.get('GROUP_RANK', '0')}"
+
+
+def private_daemon(args, params: int, world: int, local: int):
+    """(daemon or None, its socket): local rank 0 starts it and announces its socket in a
+    file; the other ranks of the host read it after a barrier."""
+    where = daemon_dir(args, world)
+    announce = where.with_suffix(".socket")
+    daemon = None
+    if local == 0:
+        shutil.rmtree(where, ignore_errors=True)
+        daemon = fuyou_client.start_daemon(where, config={
+            "storage": {"capacity_per_device": max(1 << 30, params * 12 * 3) // 4096 * 4096},
+            "optimizer": {"buffer_budget": "1GiB"}})
+        announce.write_text(str(daemon.socket))
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+    return daemon, str(daemon.socket) if daemon is not None else announce.read_text()
 
 
 def with_trainer(args, model, tokens, socket: str) -> int:

@@ -59,3 +59,21 @@ def test_finetune_demo_through_the_trainer(short_tmp):
     assert "through FuyouTrainer" in run.stdout and "saved to" in run.stdout
     transformers.GPT2LMHeadModel.from_pretrained(out)
     assert not (short_tmp / "state").exists()  # (the Trainer's folder went with the daemon's state)
+
+
+def test_finetune_demo_under_torchrun(short_tmp):
+    """The demo data parallel: two ranks under torchrun share the private daemon local
+    rank 0 starts; the export (every rank gathers, rank 0 writes) loads."""
+    transformers = pytest.importorskip("transformers")
+    out = short_tmp / "finetuned"
+    env = dict(__import__("os").environ, OMP_NUM_THREADS="1")
+    env.pop("FUYOUD_SOCKET", None)
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node=2",
+         str(ROOT / "examples" / "finetune.py"), "--layers", "2", "--width", "128", "--steps", "6", "--seq", "64",
+         "--lr", "3e-3", "--out", str(out), "--state-dir", str(short_tmp / "state")],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "2 ranks, data parallel" in run.stdout and "saved to" in run.stdout
+    transformers.GPT2LMHeadModel.from_pretrained(out)
+    assert not (short_tmp / "state").exists() or not any((short_tmp / "state").iterdir())
