@@ -62,13 +62,17 @@ class Masters:
         self.opt = torch.optim.AdamW(self.masters, **HYPER, fused=True)
 
     def step(self, clip: float | None, grads=None) -> None:
-        if grads is not None:  # (the mean gradients, as the collectives made them)
-            for p, g in zip(self.params, grads):
-                p.grad = g.clone()
+        """``grads``: the mean gradients as the collectives made them (default: .grad), in
+        whatever dtype they were summed in; clipped as they are."""
+        holders = self.params
+        if grads is not None:
+            holders = [torch.zeros_like(g).requires_grad_() for g in grads]
+            for h, g in zip(holders, grads):
+                h.grad = g.clone()
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, clip)
-        for m, p in zip(self.masters, self.params):
-            m.grad = p.grad.float()
+            torch.nn.utils.clip_grad_norm_(holders, clip)
+        for m, h in zip(self.masters, holders):
+            m.grad = h.grad.float()
         self.opt.step()
         with torch.no_grad():
             for m, p in zip(self.masters, self.params):
@@ -159,11 +163,16 @@ def _layer_groups(model) -> list[list[torch.nn.Parameter]]:
 
 def run_ours(cfg: dict, steps: int, engine_out: list | None = None, **extra) -> tuple[torch.nn.Module, list[float]]:
     model = model_for(cfg["model"], cfg["dtype"])
+    if cfg.get("stand_in"):  # a device with its own memory and late copies (discrete_device.py)
+        from discrete_device import LateCopyDevice
+        extra["device"] = LateCopyDevice(seed=RANK)
     engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), offload=False, accumulation_steps=cfg["accum"],
                                  max_grad_norm=cfg["clip"], reduce=cfg["reduce"], namespace=cfg.get("namespace"),
                                  **extra)
     losses = []
     k = cfg["accum"]
+    device = extra.get("device")
+    before = (device.bytes_up, device.bytes_down) if device is not None else None
     for step in range(steps):
         for micro in range(k):
             x = batch(step, micro, RANK)
@@ -172,11 +181,19 @@ def run_ours(cfg: dict, steps: int, engine_out: list | None = None, **extra) -> 
             losses.append(loss.item())
         engine.step()
         engine.zero_grad()
+    if device is not None:  # what crossed "PCIe": the shards only, once per reduction and per step
+        shard_bytes = sum(g.shard.shards.per * g.dtype.itemsize for g in engine.groups)
+        reductions = k if cfg["reduce"] == "backward" else 1
+        PCIE.update(up=device.bytes_up - before[0], down=device.bytes_down - before[1],
+                    want_up=steps * shard_bytes, want_down=steps * reductions * shard_bytes)
     if engine_out is not None:
         engine_out.append(engine)
     else:
         engine.close()
     return model, losses
+
+
+PCIE: dict = {}  # the stand-in device's byte counts of the last run_ours
 
 
 def config(**kw) -> dict:
@@ -192,6 +209,9 @@ MATRIX = {
     "accum-backward": config(accum=2, reduce="backward"),
     "clip": config(clip=0.05),
     "bf16": config(dtype=torch.bfloat16),
+    "stand-in": config(accum=2, stand_in=True),
+    "stand-in-backward": config(accum=2, reduce="backward", stand_in=True, dtype=torch.bfloat16),
+    "stand-in-clip": config(clip=0.05, stand_in=True),
 }
 
 
@@ -203,9 +223,10 @@ def case_exact(out: Path, names: str = "plain") -> dict:
         cfg = config(**MATRIX[name]) if name in MATRIX else config()
         ref_fn = run_ddp if WORLD == 2 and cfg["reduce"] == "step" else run_manual
         ref, ref_losses = ref_fn(cfg, 3)
+        PCIE.clear()
         ours, losses = run_ours(cfg, 3)
         result[name] = {"differ": differ(ours, ref), "max_diff": max_diff(ours, ref), "losses": losses,
-                        "ref_losses": ref_losses, "reference": ref_fn.__name__}
+                        "ref_losses": ref_losses, "reference": ref_fn.__name__, "pcie": dict(PCIE)}
     return result
 
 

@@ -60,16 +60,20 @@ def out(tmp_path):
 def test_two_ranks_bitwise_against_ddp_and_inconsistent_ranks_refused(daemon, out):
     """N=2: bitwise against torch DDP + fused AdamW (fp32 masters for bf16) for GPT-2,
     Llama, accumulation, bf16; per-backward reduction against the same collectives by
-    hand; clipping (the norm is summed by shards, not by parameters) within 1e-6. Then
+    hand; clipping (the norm is summed by shards, not by parameters) within 1e-6; the
+    same on the stand-in for a device with its own memory (late copies), whose links carry
+    exactly the shards (1/N of a single process's bytes). Then
     ranks that attach inconsistently all get an error and the group stays usable."""
-    torchrun(daemon, 2, "exact+bad", out, "exact.names=plain,llama,accum,accum-backward,clip,bf16",
-             "bad.what=model,daemon,namespace")
+    torchrun(daemon, 2, "exact+bad", out, "exact.names=plain,llama,accum,accum-backward,clip,bf16,stand-in,"
+             "stand-in-backward,stand-in-clip", "bad.what=model,daemon,namespace")
     for rank in results(out, "exact", 2):
         for name, r in rank.items():
-            if name == "clip":
+            if "clip" in name:
                 assert r["max_diff"] < 1e-6, (name, r)
             else:
                 assert r["differ"] == [] and r["losses"] == r["ref_losses"], (name, r)
+            if "stand-in" in name:  # a device with its own memory: only this rank's shards cross the link
+                assert r["pcie"]["up"] == r["pcie"]["want_up"] and r["pcie"]["down"] == r["pcie"]["want_down"], r
         assert rank["accum-backward"]["reference"] == "run_manual"
         assert rank["plain"]["reference"] == "run_ddp"
     bad = results(out, "bad", 2)

@@ -101,7 +101,7 @@ class Engine:
         # each group's own buffer, or accumulate in host memory instead of on the device.
         resident, pooled, host = Resident(self.device), Pooled(), HostAccumulated()
         pool_grads = bool(offload) and accumulation_steps == 1 and max_grad_norm is None
-        self.sharding = Sharded(world, self.collectives, options.reduce) if world is not None else None
+        self.sharding = Sharded(world, self.collectives, options.reduce, device) if world is not None else None
 
         def strategy_for(mode) -> GradientStrategy:
             if self.sharding is not None:
@@ -457,7 +457,8 @@ class Engine:
             if g.future is not None:
                 try:
                     infos[g.spec.name] = g.future.result()
-                    layergroup.upload_weights(self.device, g)  # (GPU: the new weights into the parameters)
+                    if g.shard is None:  # (data parallel: the all-gather put them there)
+                        layergroup.upload_weights(self.device, g)  # (GPU: the new weights into the parameters)
                 except Exception as exc:  # noqa: BLE001 - the caller raises
                     errors.append(exc)
             g.future, g.submitted, g.backwards = None, False, 0
@@ -563,7 +564,7 @@ class Engine:
         self.apply_treatments({name: "keep" for name in self._by_name})  # unpatch recomputed forwards
         try:
             for g in self.groups:  # steps in flight still write into shared buffers: let them land
-                if g.future is not None and g.future.exception() is None:
+                if g.future is not None and g.future.exception() is None and g.shard is None:
                     layergroup.upload_weights(self.device, g)  # (GPU: into the parameters)
             for strategy in self._strategies:
                 strategy.reclaim()

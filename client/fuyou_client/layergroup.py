@@ -178,20 +178,20 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
         master.free()
     if frozen:
         sources.append(_store_frozen(session, spec.name, frozen, frozen_numel, dtype, n * size))
-    group = LayerGroup(spec, weights, grads, dtype, strategy=strategy,
-                       shard_padded=shards.padded if shards is not None else 0)
+    padded = shards.padded if shards is not None else n
+    group = LayerGroup(spec, weights, grads, dtype, strategy=strategy, shard_padded=padded if shards else 0)
     if device.shares_host_memory:  # (offload="host" does not come here: on the CPU it is resident)
         flat_w = weights.tensor(dtype)[:n] if weights is not None else None
         flat_g = grads.tensor(dtype)[:n] if grads is not None else None
     else:
         flat_w = None
         if weights is not None and not offload:
-            flat_w = group.device_weights = device.empty(n * dtype.itemsize).view(dtype)
-            flat_copy(params, flat_w)
-        flat_g = group.device_grads = device.empty(n * dtype.itemsize).view(dtype) \
+            flat_w = group.device_weights = device.empty(padded * dtype.itemsize).view(dtype)
+            flat_copy(params, flat_w[:n])
+        flat_g = group.device_grads = device.empty(padded * dtype.itemsize).view(dtype) \
             if grads is not None and strategy.keeps_device_grads() else None
-    grad_parts = flat_parts(flat_g, shapes) if flat_g is not None else [None] * len(params)
-    weight_parts = flat_parts(flat_w, shapes) if flat_w is not None else [None] * len(params)
+    grad_parts = flat_parts(flat_g[:n], shapes) if flat_g is not None else [None] * len(params)
+    weight_parts = flat_parts(flat_w[:n], shapes) if flat_w is not None else [None] * len(params)
     empty = torch.empty(0, dtype=dtype, device=device.torch_device)
     with torch.no_grad():
         for p, shape, g, w in zip(params, shapes, grad_parts, weight_parts):
