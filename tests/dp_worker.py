@@ -28,18 +28,20 @@ from fuyou_client import distributed  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
+BACKEND = os.environ.get("FY_BACKEND", "gloo")  # "nccl": each rank on cuda:LOCAL_RANK
+DEVICE = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if BACKEND == "nccl" else "cpu"
 
 
 def batch(step: int, micro: int, rank: int, size: int = 2, seq: int = 16, vocab: int = 256) -> torch.Tensor:
     """Rank ``rank``'s micro-batch ``micro`` of iteration ``step`` (the same on every run)."""
     g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
-    return torch.randint(0, vocab, (size, seq), generator=g)
+    return torch.randint(0, vocab, (size, seq), generator=g).to(DEVICE)
 
 
 def model_for(kind: str, dtype: torch.dtype):
     torch.manual_seed(0)
     m = tiny_llama(layers=2, width=32) if kind == "llama" else tiny_gpt2(layers=2, width=32)
-    return m.to(dtype)
+    return m.to(dtype).to(DEVICE)
 
 
 def differ(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
@@ -83,7 +85,7 @@ class Masters:
 def run_ddp(cfg: dict, steps: int) -> tuple[torch.nn.Module, list[float]]:
     """torch DDP (gloo) around fused AdamW: the reference of N=2."""
     model = model_for(cfg["model"], cfg["dtype"])
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[DEVICE] if BACKEND == "nccl" else None)
     opt = Masters(model)
     losses = []
     k = cfg["accum"]
@@ -132,7 +134,7 @@ def run_manual(cfg: dict, steps: int) -> tuple[torch.nn.Module, list[float]]:
         grads = []
         for params, mine in zip(groups, sums):
             shards = distributed.Shards(sum(p.numel() for p in params), WORLD, RANK)
-            flat = torch.empty(shards.padded, dtype=mine.dtype)
+            flat = torch.empty(shards.padded, dtype=mine.dtype, device=DEVICE)
             distributed.all_gather(flat, mine, None)
             at = 0
             for p in params:
@@ -146,9 +148,9 @@ def run_manual(cfg: dict, steps: int) -> tuple[torch.nn.Module, list[float]]:
 def _reduce_scatter(params) -> torch.Tensor:
     numel = sum(p.numel() for p in params)
     shards = distributed.Shards(numel, WORLD, RANK)
-    flat = torch.zeros(shards.padded, dtype=params[0].dtype)
+    flat = torch.zeros(shards.padded, dtype=params[0].dtype, device=DEVICE)
     flat[:numel] = torch.cat([p.grad.reshape(-1) for p in params])
-    mine = torch.empty(shards.per, dtype=flat.dtype)
+    mine = torch.empty(shards.per, dtype=flat.dtype, device=DEVICE)
     distributed.reduce_scatter(mine, flat, None)
     return mine.div_(WORLD)
 
@@ -360,7 +362,9 @@ def main() -> None:
     cases, out = sys.argv[1].split("+"), Path(sys.argv[2])
     args = dict(a.split("=", 1) for a in sys.argv[3:])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("FY_PG_TIMEOUT", "60"))))
+    if BACKEND == "nccl":
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group(BACKEND, timeout=timedelta(seconds=float(os.environ.get("FY_PG_TIMEOUT", "60"))))
     for case in cases:
         kwargs = {k.split(".", 1)[1] if "." in k else k: v for k, v in args.items()
                   if "." not in k or k.split(".", 1)[0] == case}

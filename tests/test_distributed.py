@@ -84,6 +84,18 @@ def test_two_ranks_bitwise_against_ddp_and_inconsistent_ranks_refused(daemon, ou
     assert "NamespaceBusy" in bad[1]["namespace"] and "rank 1" in bad[0]["namespace"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_gpus_on_nccl_bitwise_against_ddp(daemon, out):
+    """NCCL: the collectives on the GPUs' flat tensors, only the shards over PCIe."""
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node=2", WORKER, "exact", str(out), "names=plain,accum,bf16"]
+    done = subprocess.run(cmd, env=dict(env_for(daemon), FY_BACKEND="nccl"), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    for rank in results(out, "exact", 2):
+        for name, r in rank.items():
+            assert r["differ"] == [] and r["reference"] == "run_ddp", (name, r)
+
+
 def test_three_ranks_pad_and_match_the_collectives_and_one_process(daemon, out):
     """N=3 (the shards are padded): bitwise against the same collectives around fused
     AdamW; one step against one process on the concatenated batch within 1e-6."""
