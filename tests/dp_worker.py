@@ -168,7 +168,7 @@ def run_ours(cfg: dict, steps: int, engine_out: list | None = None, **extra) -> 
     if cfg.get("stand_in"):  # a device with its own memory and late copies (discrete_device.py)
         from discrete_device import LateCopyDevice
         extra["device"] = LateCopyDevice(seed=RANK)
-    engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), offload=False, accumulation_steps=cfg["accum"],
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), offload=cfg["offload"], accumulation_steps=cfg["accum"],
                                  max_grad_norm=cfg["clip"], reduce=cfg["reduce"], namespace=cfg.get("namespace"),
                                  **extra)
     losses = []
@@ -199,7 +199,7 @@ PCIE: dict = {}  # the stand-in device's byte counts of the last run_ours
 
 
 def config(**kw) -> dict:
-    cfg = {"model": "gpt2", "dtype": torch.float32, "accum": 1, "clip": None, "reduce": "step"}
+    cfg = {"model": "gpt2", "dtype": torch.float32, "accum": 1, "clip": None, "reduce": "step", "offload": False}
     cfg.update(kw)
     return cfg
 
@@ -211,6 +211,10 @@ MATRIX = {
     "accum-backward": config(accum=2, reduce="backward"),
     "clip": config(clip=0.05),
     "bf16": config(dtype=torch.bfloat16),
+    "offload": config(offload=True),
+    "offload-accum": config(offload=True, accum=2),
+    "offload-bf16": config(offload=True, dtype=torch.bfloat16),
+    "offload-clip": config(offload=True, clip=0.05),
     "stand-in": config(accum=2, stand_in=True),
     "stand-in-backward": config(accum=2, reduce="backward", stand_in=True, dtype=torch.bfloat16),
     "stand-in-clip": config(clip=0.05, stand_in=True),

@@ -59,13 +59,14 @@ def out(tmp_path):
 
 def test_two_ranks_bitwise_against_ddp_and_inconsistent_ranks_refused(daemon, out):
     """N=2: bitwise against torch DDP + fused AdamW (fp32 masters for bf16) for GPT-2,
-    Llama, accumulation, bf16; per-backward reduction against the same collectives by
+    Llama, accumulation, bf16, offloaded weights (each fetch reads the rank's shard and
+    gathers the rest); per-backward reduction against the same collectives by
     hand; clipping (the norm is summed by shards, not by parameters) within 1e-6; the
     same on the stand-in for a device with its own memory (late copies), whose links carry
     exactly the shards (1/N of a single process's bytes). Then
     ranks that attach inconsistently all get an error and the group stays usable."""
-    torchrun(daemon, 2, "exact+bad", out, "exact.names=plain,llama,accum,accum-backward,clip,bf16,stand-in,"
-             "stand-in-backward,stand-in-clip", "bad.what=model,daemon,namespace")
+    torchrun(daemon, 2, "exact+bad", out, "exact.names=plain,llama,accum,accum-backward,clip,bf16,offload,"
+             "offload-accum,offload-bf16,offload-clip,stand-in,stand-in-backward,stand-in-clip", "bad.what=model,daemon,namespace")
     for rank in results(out, "exact", 2):
         for name, r in rank.items():
             if "clip" in name:
@@ -99,7 +100,7 @@ def test_two_gpus_on_nccl_bitwise_against_ddp(daemon, out):
 def test_three_ranks_pad_and_match_the_collectives_and_one_process(daemon, out):
     """N=3 (the shards are padded): bitwise against the same collectives around fused
     AdamW; one step against one process on the concatenated batch within 1e-6."""
-    torchrun(daemon, 3, "exact+single", out, "exact.names=plain,accum-backward,clip")
+    torchrun(daemon, 3, "exact+single", out, "exact.names=plain,accum-backward,clip,offload")
     for rank in results(out, "exact", 3):
         for name, r in rank.items():
             assert r["reference"] == "run_manual"

@@ -56,6 +56,10 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) ->
         if materializer is not None:
             materializer.bind(block_list(model, blocks))
         device = resolve(opts.device, model)
+        if world is not None and opts.offload and not device.shares_host_memory:
+            raise ValueError(f"attach(offload={opts.offload!r}) with data parallelism on a device with its own memory "
+                             "is not built yet: pass offload=False (each rank keeps the weights on its device; the "
+                             "optimizer state is still sharded over the daemons)")
     except BaseException as exc:
         if materializer is not None:
             materializer.undo()
@@ -116,9 +120,6 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) ->
 
 def _check_world_options(opts: AttachOptions) -> None:
     """What this version does not do with data parallelism, refused on every rank alike."""
-    if opts.offload is True:
-        raise ValueError("attach(offload=True) is not built for data parallelism yet: pass offload=False (each rank "
-                         "keeps the weights in memory; the optimizer state is still sharded over the daemons)")
     if opts.session is not None:
         raise ValueError("with data parallelism attach opens each rank's session itself (in the job's namespace); "
                          "pass socket= rather than session=")

@@ -137,6 +137,9 @@ class Engine:
         del originals
         offloaded = [g.offloaded for g in self.groups if g.offloaded is not None]
         self.offloader = Offloader(session, self.device, offloaded, prefetch, keep) if offloaded else None
+        if self.offloader is not None and self.sharding is not None:
+            self.offloader.gather = self.sharding.gather_fetch(session, {g.spec.name: g.shard.shards for g in self.groups
+                                                                         if g.offloaded is not None and g.shard})
         accumulated = [g for g in self.groups if g.strategy is host]
         self.host_grads = host.bind(session, self.device, max(g.numel for g in accumulated) * 4) \
             if accumulated else None
@@ -557,8 +560,6 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        if self.collectives is not None:
-            self.collectives.close()
         if self._train_step_store is not None:
             self._train_step_store.close()
         self.apply_treatments({name: "keep" for name in self._by_name})  # unpatch recomputed forwards
@@ -581,6 +582,8 @@ class Engine:
                     if g.offloaded is not None:
                         self.offloader.release(g.offloaded, keep_params=materialize)
         finally:
+            if self.collectives is not None:  # (after the last fetches: with offload they gather from the ranks)
+                self.collectives.close()
             if self.offloader is not None:
                 self.offloader.close()
             self.device.synchronize()

@@ -152,8 +152,13 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
     frozen_numel = spec.frozen_numel if frozen else 0
     if shards is None:
         master, infos = _masters(session, spec, optimizers, resume)
-    else:
-        master, infos = _shard_masters(session, spec, optimizers, shards, resume), []
+        pieces = [(part, part.start, part.start + part.numel) for part in spec.parts]
+    else:  # (data parallel: this rank's shard of each part)
+        if frozen:
+            raise ValueError(f"block {spec.name} has frozen parameters: offloading them with data parallelism is not "
+                             "built yet; attach with offload=False")
+        master, infos = _shard_masters(session, spec, optimizers, shards, resume)
+        pieces = shards.pieces(spec.parts)
     grad_bytes = strategy.host_buffer_bytes(n, dtype) if n else 0
     grads = session.allocate(grad_bytes) if grad_bytes else None
     on_host = offload == "host"
@@ -162,15 +167,15 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
         weights = None
     elif offload and not on_host and dtype == torch.float32:  # the compute weights are the masters: read in place
         weights = None
-        sources = [Source(state_object(part.name), info.weights_offset, part.start * 4, part.numel * 4, part.name)
-                   for part, info in zip(spec.parts, infos)]
+        sources = [Source(state_object(part.name), info.weights_offset, lo * 4, (hi - lo) * 4, part.name)
+                   for (part, lo, hi), info in zip(pieces, infos)]
     else:
         weights = session.allocate((shards.padded if shards is not None else n) * size)
         if offload or device.shares_host_memory:  # (a GPU's resident group: the step fills it, nothing reads it now)
             flat_copy(params, weights.tensor(dtype)[:n])
         if offload and not on_host:
-            sources = [Source(f"weights/{part.name}", 0, part.start * size, part.numel * size, part.name)
-                       for part in spec.parts]
+            sources = [Source(f"weights/{part.name}", 0, lo * size, (hi - lo) * size, part.name)
+                       for part, lo, hi in pieces]
             session.swap_out_many([Out(s.object, weights, s.offset, s.length) for s in sources])
             weights.free()
             weights = None
@@ -204,7 +209,7 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
             p.data = empty
     if offload:
         group.offloaded = OffloadedGroup(index, spec.name, spec.module, params + frozen, dtype, sources,
-                                         n + frozen_numel, shapes=shapes + frozen_shapes,
+                                         padded + frozen_numel, shapes=shapes + frozen_shapes,
                                          host=weights if on_host else None)
     return group
 
@@ -240,14 +245,14 @@ def _shard_masters(session: Session, spec: ParamGroup, optimizers: list, shards,
     values (or, with ``resume``, restored ones: their sizes checked)."""
     pieces = shards.pieces(spec.parts)
     if resume:
-        for part, lo, hi in pieces:
-            info = session.group(part.name)
+        infos = [session.group(part.name) for part, _, _ in pieces]
+        for (part, lo, hi), info in zip(pieces, infos):
             if info.numel != hi - lo:
                 raise ValueError(f"group {part.name} has {info.numel} parameters in this rank's checkpoint shard, "
                                  f"{hi - lo} in this model's: the checkpoint is of another model or world")
-        return None
+        return None, infos
     if not pieces:
-        return None
+        return None, []
     lo0, hi0 = pieces[0][1], pieces[-1][2]
     master = session.allocate((hi0 - lo0) * 4)
     params = [p for _, p in spec.params]
@@ -255,9 +260,8 @@ def _shard_masters(session: Session, spec: ParamGroup, optimizers: list, shards,
     master.tensor(torch.float32)[:hi0 - lo0].copy_(flat[lo0:hi0])
     del flat
     by_part = {id(part): optimizer for part, optimizer in zip(spec.parts, optimizers)}
-    for part, lo, hi in pieces:
-        session.create_group(part.name, master, by_part[id(part)], offset=(lo - lo0) * 4, numel=hi - lo)
-    return master
+    return master, [session.create_group(part.name, master, by_part[id(part)], offset=(lo - lo0) * 4, numel=hi - lo)
+                    for part, lo, hi in pieces]
 
 
 def _store_frozen(session: Session, name: str, frozen: list, count: int, dtype: torch.dtype, offset: int) -> Source:

@@ -125,6 +125,9 @@ class Offloader:
         self.fetched_bytes = 0  # weight bytes read from the SSD array for this client
         self.served_bytes = 0  # weight bytes served from optimizer-state read-aheads (no extra read)
         self.on_backward = lambda g: None  # called when a group's backward begins (weights resident)
+        # Data parallelism (sharded.py): the sources are this rank's shard; gather(g, slot,
+        # fetch) returns the future of the whole group in the slot, gathered from the ranks.
+        self.gather = None
         for g in groups:
             g.placeholders = [p.data for p in g.params]  # empty since the upload
             self._hooks.append(g.module.register_forward_pre_hook(lambda m, a, g=g: self._before_forward(g)))
@@ -157,6 +160,8 @@ class Offloader:
                               if s.part else self._read([s], slot) for s in g.sources])
         else:
             g.fetch = self._read(g.sources, slot)
+        if self.gather is not None:  # (every rank starts its fetches in the same order)
+            g.fetch = self.gather(g, slot, g.fetch)
 
     def _read(self, sources: list[Source], slot: Slot) -> Future:
         return self.session.swap_in_async([In(s.object, slot.host, s.offset, s.length, s.object_offset)

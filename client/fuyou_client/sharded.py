@@ -40,6 +40,7 @@ from fuyou_client.distributed import Collectives, Shards, World
 from fuyou_client.errors import NonFinite
 from fuyou_client.gradstrategy import GradientStrategy, Start
 from fuyou_client.optim import StepInfo
+from fuyou_client.session import In
 
 REDUCE_MODES = ("step", "backward")
 
@@ -99,8 +100,9 @@ class Sharded(GradientStrategy):
         shards = self.shards(g.numel)
         weights = session.allocate(shards.per * g.dtype.itemsize)
         grads = session.allocate(shards.per * g.grad_dtype.itemsize)
-        full = self.full_weights(g)
-        weights.tensor(g.dtype)[:shards.per].copy_(full[shards.rank * shards.per:(shards.rank + 1) * shards.per])
+        if g.offloaded is None:  # (an offloaded group's weights are on the SSD array: each fetch gathers them)
+            full = self.full_weights(g)
+            weights.tensor(g.dtype)[:shards.per].copy_(full[shards.rank * shards.per:(shards.rank + 1) * shards.per])
         g.shard = ShardState(shards, shards.pieces(g.spec.parts), grads, weights)
         if not self.device.shares_host_memory:
             g.shard.device_grads = self.device.empty(shards.per * g.dtype.itemsize).view(g.dtype)
@@ -198,6 +200,9 @@ class Sharded(GradientStrategy):
     def landing(self, g, stepped: Future) -> Future:
         """At the barrier, in group order: the group's weights gathered from the shards,
         once its step here is done (or failed: the shard then holds its old weights)."""
+        if g.offloaded is not None:  # (the next fetch reads the new shards and gathers them)
+            g.shard.stepped = False
+            return stepped
         full, shard = self.full_weights(g), g.shard.weights.tensor(g.dtype)[:g.shard.shards.per]
         on_device = g.shard.device_weights
 
@@ -208,6 +213,28 @@ class Sharded(GradientStrategy):
             return stepped.result()
         g.shard.stepped = False
         return self.collectives.submit(f"all-gather {g.spec.name}", gather, after=stepped)
+
+    def gather_fetch(self, session, shards_of):
+        """The offloader's ``gather``: once this rank's shard of an offloaded group has
+        landed in a slot (sources the daemon declined to serve are read first), the
+        group's weights gathered from the ranks' shards into the slot."""
+        def gather(og, slot, fetch: Future) -> Future:
+            shards = shards_of[og.name]
+
+            def run():
+                served = fetch.result()  # (its failure: reported after the all-gather, which the others wait for)
+                if isinstance(served, list):
+                    declined = [s for s, ok in zip(og.sources, served) if ok is False]
+                    if declined:
+                        session.swap_in_many([In(s.object, slot.host, s.offset, s.length, s.object_offset)
+                                              for s in declined])
+                    served = [None if ok is False else ok for ok in served]
+                flat = slot.host.tensor(og.dtype)
+                mine = flat[shards.rank * shards.per:(shards.rank + 1) * shards.per].clone()
+                distributed.all_gather(flat[:shards.padded], mine, self.world.group)
+                return served
+            return self.collectives.submit(f"all-gather weights {og.name}", run)
+        return gather
 
     def zero(self, g, device) -> None:
         if g.shard.reduced is not None:
