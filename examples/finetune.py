@@ -27,8 +27,9 @@ Under torchrun (``./run.sh demo --nproc 2``, or ``torchrun --nproc-per-node 2
 examples/finetune.py``) every rank trains on its own batches, data parallel: each keeps
 its shard of the optimizer state in its host's daemon (local rank 0 starts a private one
 per host unless --socket or $FUYOUD_SOCKET names one), gradients are reduce-scattered and
-weights all-gathered (docs/guide/distributed.md). The weights stay in memory on every
-rank (offload=False).
+weights all-gathered (docs/guide/distributed.md). On GPUs the weights stay in device
+memory on every rank (offload=False: offloading is not built for data parallelism on a
+GPU yet).
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def main() -> int:
         if args.trainer:
             return with_trainer(args, model, tokens, args.socket)
         engine = fuyou_client.attach(model, opt, socket=args.socket, namespace="finetune-demo", max_grad_norm=None,
-                                     offload=world == 1)
+                                     offload=world == 1 or args.device == "cpu")  # (offload: CPU only when parallel)
         sched = torch.optim.lr_scheduler.LambdaLR(
             engine.optimizer, lambda s: min(1.0, (s + 1) / 5) * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
         gen = torch.Generator().manual_seed(rank)  # (each rank its own batches)

@@ -140,6 +140,11 @@ class OptimizerSection:
     buffer_budget: int = 1 << 30
     buffers: int = 6
     state_cache: bool = True
+    # The most of those buffers one session (a rank of a data-parallel job) holds at once:
+    # its steps, read-aheads and cached states together; a session at its budget waits
+    # even with buffers free. 0: no limit beyond the pool. Steps of all sessions are
+    # served first come, first served either way.
+    session_buffers: int = 0
 
 
 @dataclass
@@ -232,6 +237,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[memory.session_budget] exceeds [memory.pinned_budget]")
     if cfg.optimizer.buffer_budget < cfg.optimizer.buffers * (2 << 20):
         raise ConfigError("[optimizer.buffer_budget] must give each of [optimizer.buffers] at least 2 MiB")
+    if not 0 <= cfg.optimizer.session_buffers <= cfg.optimizer.buffers:
+        raise ConfigError(f"[optimizer.session_buffers]: {cfg.optimizer.session_buffers} is not a number of buffers "
+                          f"from 1 to [optimizer.buffers] ({cfg.optimizer.buffers}), or 0 for no limit per session")
     if cfg.daemon.socket_mode & ~0o777 or cfg.daemon.socket_mode & 0o007:
         raise ConfigError(f"[daemon.socket_mode]: {cfg.daemon.socket_mode:#o} must be a file mode giving others "
                           "no access (e.g. 0o660)")

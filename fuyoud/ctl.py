@@ -1,8 +1,8 @@
 """`fuyouctl`: see and steer a running fuyoud.
 
     fuyouctl status                 engine, devices, memory, throughput now, sessions
-    fuyouctl sessions               the live sessions: uid, pid, model size, last activity
-                                    (the operator's view: needs the admin token)
+    fuyouctl sessions               the live sessions: uid, pid, job and rank, model size,
+                                    last activity (the operator's view: needs the admin token)
     fuyouctl drain [--wait]         stop accepting new sessions; --cancel reopens
     fuyouctl checkpoint SESSION DIR copy a session's state to DIR on the daemon's host
     fuyouctl health                 the grpc.health.v1 status (exit 0 when serving)
@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fuyou_proto import ADMIN_METADATA_KEY, pb, rpc
 from fuyoud.config import ConfigError, load
+from fuyoud.names import job_rank
 from fuyoud.units import format_size
 
 
@@ -84,12 +85,25 @@ def _params(n: int) -> str:
     return str(n)
 
 
+def _by_job(session) -> tuple:
+    """Sessions of one data-parallel job together, by rank; the others (no job) first, by id."""
+    job, rank = job_rank(session.namespace)
+    return job, -1 if rank is None else rank, session.id
+
+
 def sessions_table(sessions) -> str:
+    """JOB and RANK come from namespaces ``<job>.r<rank>`` (one session per rank of a
+    data-parallel job), empty for others."""
     if not sessions:
         return "no sessions"
-    rows = [[s.id, s.uid, s.pid, s.namespace, _params(s.model_params), s.groups, s.step, format_size(s.pinned_bytes),
-             format_size(s.persistent_bytes), _ago(s.last_active)] for s in sessions]
-    return table(["ID", "UID", "PID", "NAMESPACE", "PARAMS", "GROUPS", "STEP", "PINNED", "ON SSD", "LAST ACTIVE"], rows)
+    rows = []
+    for s in sorted(sessions, key=_by_job):
+        job, rank = job_rank(s.namespace)
+        rows.append([s.id, s.uid, s.pid, s.namespace, job, "" if rank is None else rank, _params(s.model_params),
+                     s.groups, s.step, format_size(s.pinned_bytes), format_size(s.persistent_bytes),
+                     _ago(s.last_active)])
+    return table(["ID", "UID", "PID", "NAMESPACE", "JOB", "RANK", "PARAMS", "GROUPS", "STEP", "PINNED", "ON SSD",
+                  "LAST ACTIVE"], rows)
 
 
 def cmd_status(args, channel) -> int:

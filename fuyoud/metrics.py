@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from fuyoud import __version__
+from fuyoud.names import job_rank
 from fuyoud.snapshot import Snapshot
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -159,6 +160,22 @@ class _DaemonCollector:
         for sid, nbytes in pool.by_session.items():
             by_session.add_metric([str(sid)], nbytes)
         yield by_session
+        # Which namespace, and which job and data-parallel rank (namespaces "<job>.r<rank>"),
+        # each session is: join on `session` to group the other per-session series by job.
+        # (training_job, not job: Prometheus gives every series its scrape job's `job`.)
+        session_info = GaugeMetricFamily("fuyoud_session_info",
+                                         "Each live session's namespace, with its training job and rank when the "
+                                         "namespace is <job>.r<rank> (a data-parallel rank; else empty); value 1",
+                                         labels=["session", "namespace", "training_job", "rank"])
+        buffers = GaugeMetricFamily("fuyoud_session_optimizer_buffers",
+                                    "Optimizer buffers each live session holds now (steps, read-ahead, state cache)",
+                                    labels=["session"])
+        for sid, namespace in sorted(d.session_namespaces.items()):
+            job, rank = job_rank(namespace)
+            session_info.add_metric([str(sid), namespace, job, "" if rank is None else str(rank)], 1)
+            buffers.add_metric([str(sid)], d.optimizer_buffers_held.get(namespace, 0))
+        yield session_info
+        yield buffers
 
         usage = d.store
         objects = GaugeMetricFamily("fuyoud_objects", "Objects in the store", labels=["kind"])

@@ -14,6 +14,9 @@ ECHO = 64  # characters of a refused value quoted in an error
 
 NAME_RE = re.compile(r"^[^\x00-\x1f/][^\x00-\x1f]*$")
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# A data-parallel rank's namespace: fuyou_client's attach opens one session per rank as
+# "<job>.r<rank>" (e.g. "dp-1a2b3c4d.r0", "myjob.r3").
+RANK_NAMESPACE_RE = re.compile(r"^(?P<job>.+)\.r(?P<rank>0|[1-9][0-9]*)$")
 
 
 def shown(value: object, limit: int = ECHO) -> str:
@@ -43,3 +46,10 @@ def check_namespace(namespace: str) -> str:
         raise InvalidArgument(f"bad namespace {shown(namespace)}: 1-{MAX_NAMESPACE} characters of letters, "
                               "digits, '.', '_', '-', starting with a letter or digit")
     return namespace
+
+
+def job_rank(namespace: str) -> tuple[str, int | None]:
+    """(job, rank) of a data-parallel rank's namespace ``<job>.r<rank>``, ("", None) for
+    any other: how fuyouctl and the metrics group the ranks of one job."""
+    m = RANK_NAMESPACE_RE.match(namespace)
+    return (m["job"], int(m["rank"])) if m else ("", None)

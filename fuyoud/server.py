@@ -69,8 +69,9 @@ class Daemon:
                          lock=config.memory.lock != "no", pages=self.huge_pages.choose)
         self.store = self._open_store()
         recover(self.store)
-        self.optimizer = Optimizer(self.store, StateBuffers(config.optimizer.buffers, config.optimizer.buffer_budget),
-                                   config.optimizer.state_cache)
+        buffers = StateBuffers(config.optimizer.buffers, config.optimizer.buffer_budget,
+                               config.optimizer.session_buffers)
+        self.optimizer = Optimizer(self.store, buffers, config.optimizer.state_cache)
         self.sessions = SessionRegistry(self._session_closed, self.store.index_db.namespace_owner,
                                         self.store.index_db.claim_namespace, config.daemon.admits)
         self.checkpointer = Checkpointer(self.store, self.optimizer, self.sessions, config.checkpoint_dirs)
@@ -179,11 +180,13 @@ class Daemon:
     def snapshot(self) -> Snapshot:
         """The daemon's state now, for Status and the metrics collector."""
         rates = self.housekeeping.throughput.rates() if self.housekeeping else (0.0, 0.0)
+        live = self.sessions.all()
         return Snapshot(__version__, os.getpid(), self.started, self.engine.name, self.engine_reason,
                         self.metrics_url, str(self.config.daemon.session_path), self.sessions.draining,
-                        len(self.sessions.all()), self.pool.usage(), self.staging.total_bytes,
+                        len(live), self.pool.usage(), self.staging.total_bytes,
                         self.optimizer.buffers.mapped_bytes, self.optimizer.cached_bytes(), self.store.usage(),
-                        *rates)
+                        *rates, session_namespaces={s.id: s.namespace for s in live},
+                        optimizer_buffers_held=self.optimizer.buffers.held())
 
     def set_draining(self, draining: bool) -> None:
         """Drain: refuse new sessions (the gRPC service reports NOT_SERVING) while the

@@ -2,7 +2,7 @@
 answers and what the metrics collector exports, gathered in one place."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fuyoud.memory.pool import PoolUsage
 from fuyoud.storage.store import StoreUsage
@@ -26,3 +26,5 @@ class Snapshot:
     store: StoreUsage  # objects, devices, bytes moved, requests in flight, lifetime counters
     read_bytes_per_second: float  # over the last seconds (housekeeping's sampling)
     write_bytes_per_second: float
+    session_namespaces: dict[int, str] = field(default_factory=dict)  # live session id -> its namespace
+    optimizer_buffers_held: dict[str, int] = field(default_factory=dict)  # namespace -> optimizer buffers it holds

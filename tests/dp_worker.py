@@ -170,7 +170,7 @@ def run_ours(cfg: dict, steps: int, engine_out: list | None = None, **extra) -> 
         extra["device"] = LateCopyDevice(seed=RANK)
     engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), offload=cfg["offload"], accumulation_steps=cfg["accum"],
                                  max_grad_norm=cfg["clip"], reduce=cfg["reduce"], namespace=cfg.get("namespace"),
-                                 **extra)
+                                 activations=cfg.get("activations", "keep"), host_budget=16 << 20, **extra)
     losses = []
     k = cfg["accum"]
     device = extra.get("device")
@@ -211,6 +211,7 @@ MATRIX = {
     "accum-backward": config(accum=2, reduce="backward"),
     "clip": config(clip=0.05),
     "bf16": config(dtype=torch.bfloat16),
+    "swap": config(activations="swap", accum=2),
     "offload": config(offload=True),
     "offload-accum": config(offload=True, accum=2),
     "offload-bf16": config(offload=True, dtype=torch.bfloat16),

@@ -176,6 +176,7 @@ OPERATOR_METRICS = [
     "fuyoud_optimizer_step_seconds_bucket", "fuyoud_client_exposed_optimizer_seconds_total",
     "fuyoud_client_iteration_seconds_total", "fuyoud_activation_bytes_total", "fuyoud_checkpoint_duration_seconds_bucket",
     "fuyoud_errors_total", "fuyoud_device_lifetime_bytes_total", "fuyoud_build_info", "fuyoud_sessions",
+    "fuyoud_session_info", "fuyoud_session_optimizer_buffers",
 ]
 
 
@@ -190,6 +191,9 @@ def test_metrics_cover_what_operators_need_with_help_text(trained_daemon):
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
     sid = str(engine.session.status().session_list[0].id)
     assert samples[("fuyoud_session_pinned_bytes", (("session", sid),))] > 0
+    namespace = engine.session.namespace  # (no job: not <job>.r<rank>)
+    assert samples[("fuyoud_session_info", (("namespace", namespace), ("rank", ""), ("session", sid),
+                                            ("training_job", "")))] == 1
     assert samples[("fuyoud_errors_total", (("kind", "not_found"),))] == 1
     written = sum(v for (n, labels), v in samples.items()
                   if n == "fuyoud_device_lifetime_bytes_total" and ("direction", "write") in labels)
@@ -279,6 +283,9 @@ def test_prometheus_scrapes_a_daemon_serving_a_training_client(trained_daemon, t
         assert value('fuyoud_pinned_bytes{state="allocated"}') > 0
         assert value("fuyoud_pinned_budget_bytes") == 256 << 20
         assert value("fuyoud_sessions") == 1
+        # Per-session series join with the session's namespace (and job, rank) on `session`:
+        assert value("sum(fuyoud_session_pinned_bytes * on (instance, session) group_left (namespace) "
+                     "fuyoud_session_info)") > 0
         assert value("fuyoud_optimizer_group_steps_total") >= 25
         assert 0 < value("histogram_quantile(0.5, sum by (le) (rate(fuyoud_optimizer_step_seconds_bucket[30s])))") < 10
         assert value("fuyoud_client_iterations_total") >= 5

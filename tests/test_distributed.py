@@ -59,13 +59,13 @@ def out(tmp_path):
 
 def test_two_ranks_bitwise_against_ddp_and_inconsistent_ranks_refused(daemon, out):
     """N=2: bitwise against torch DDP + fused AdamW (fp32 masters for bf16) for GPT-2,
-    Llama, accumulation, bf16, offloaded weights (each fetch reads the rank's shard and
+    Llama, accumulation, bf16, swapped activations, offloaded weights (each fetch reads the rank's shard and
     gathers the rest); per-backward reduction against the same collectives by
     hand; clipping (the norm is summed by shards, not by parameters) within 1e-6; the
     same on the stand-in for a device with its own memory (late copies), whose links carry
     exactly the shards (1/N of a single process's bytes). Then
     ranks that attach inconsistently all get an error and the group stays usable."""
-    torchrun(daemon, 2, "exact+bad", out, "exact.names=plain,llama,accum,accum-backward,clip,bf16,offload,"
+    torchrun(daemon, 2, "exact+bad", out, "exact.names=plain,llama,accum,accum-backward,clip,bf16,swap,offload,"
              "offload-accum,offload-bf16,offload-clip,stand-in,stand-in-backward,stand-in-clip", "bad.what=model,daemon,namespace")
     for rank in results(out, "exact", 2):
         for name, r in rank.items():

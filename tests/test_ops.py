@@ -77,6 +77,36 @@ def test_fuyouctl_status_and_sessions(daemon):
     assert fuyouctl(daemon, "sessions").stdout.strip() == "no sessions"
 
 
+def test_ranks_of_a_job_show_their_job_and_rank_together(daemon):
+    """Sessions named <job>.r<rank> (one per rank of a data-parallel job) show JOB and
+    RANK in `fuyouctl sessions`, listed together by job then rank; the metrics say the
+    same in fuyoud_session_info (label training_job: Prometheus owns `job`), which joins
+    with the other per-session series."""
+    names = ["myjob.r1", "solo", "dp-1a2b3c4d.r0", "myjob.r0", "myjob.r10", "v1.2.r3"]
+    opened = [fuyou_client.connect(daemon.socket, namespace=n) for n in names]
+    try:
+        lines = fuyouctl(daemon, "sessions").stdout.splitlines()
+        header = lines[0].split()
+        assert header[:6] == ["ID", "UID", "PID", "NAMESPACE", "JOB", "RANK"]
+        job_at, rank_at, params_at = (lines[0].index(h) for h in ("JOB", "RANK", "PARAMS"))
+        rows = [(line.split()[3], line[job_at:rank_at].strip(), line[rank_at:params_at].strip()) for line in lines[1:]]
+        assert rows == [("solo", "", ""),  # no job: empty columns, listed first
+                        ("dp-1a2b3c4d.r0", "dp-1a2b3c4d", "0"), ("myjob.r0", "myjob", "0"), ("myjob.r1", "myjob", "1"),
+                        ("myjob.r10", "myjob", "10"), ("v1.2.r3", "v1.2", "3")]
+        m = scrape(opened[0].admin_stub.Status(pb.StatusRequest()).metrics_url)
+        info = {k: v for k, v in m.items() if k.startswith("fuyoud_session_info{")}
+        assert len(info) == len(names) and set(info.values()) == {1.0}
+        for s in opened:
+            job, _, rank = s.namespace.rpartition(".r") if s.namespace != "solo" else ("", "", "")
+            key = (f'fuyoud_session_info{{namespace="{s.namespace}",rank="{rank}",session="{s.id}",'
+                   f'training_job="{job}"}}')
+            assert key in info, (key, sorted(info))
+            assert m[f'fuyoud_session_optimizer_buffers{{session="{s.id}"}}'] == 0
+    finally:
+        for s in opened:
+            s.close()
+
+
 def test_drain_refuses_new_sessions_and_lets_current_ones_finish(daemon, short_tmp):
     with fuyou_client.connect(daemon.socket) as running:
         buf = running.allocate(MiB)

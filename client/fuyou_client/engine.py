@@ -448,6 +448,9 @@ class Engine:
         if hf_checkpointing(self.model):
             raise RuntimeError("train_step recomputes blocks itself; turn Hugging Face gradient checkpointing off "
                                "(gradient_checkpointing_disable())")
+        if self.world is not None:
+            raise RuntimeError("train_step is not built for data parallelism yet: train with the ordinary loop "
+                               "(accumulation_steps=K for K micro-batches per step)")
         return blockmajor.train_step(self, micro_batches, loss_fn)
 
     def _land(self, infos: dict, errors: list) -> None:

@@ -20,11 +20,12 @@ the reverse of creation order, which is backward's), within the buffer budget.
 The state cache: where the buffers are more than one step's working set, a buffer
 stays with the group just stepped, holding its committed state (the step's own copy),
 as long as CACHE_RESERVE buffers stay free for the steps, read-aheads and FetchWeights
-of the other groups; the group's next step, and FetchWeights, then read nothing from
+of the other groups and no step waits for a buffer; the group's next step, and FetchWeights, then read nothing from
 the SSD (the write-back stays: every step commits its state). Kept buffers stay with
 their groups between iterations (the first groups to find one spare keep theirs: a
 cyclic order gains nothing from replacing them) and are given back when a step finds no
-buffer free (StateBuffers.evict), when the group is deleted, replaced or restored, or
+buffer free, or its session's budget of buffers full (then one of the session's own;
+StateBuffers.evict), when the group is deleted, replaced or restored, or
 when its session ends. The bytes served so are counted (StepResult.cached_bytes).
 
 A group whose step does not fit one optimizer buffer (``Group.buffer_bytes`` above
@@ -175,10 +176,10 @@ class Optimizer:
         header = spec.header(numel, step).ljust(HEADER, b"\0")
         if self.chunked(group):  # the state in pieces, never whole in memory
             plan = group.chunk_plan(self.buffers.per_buffer)
-            with self.buffers.acquire(plan.buffer_bytes(0)) as buf:
+            with self.buffers.acquire(plan.buffer_bytes(0), namespace) as buf:
                 chunks.create(self.store, buf, plan, namespace, state_name(name), header, body, session_id)
         else:
-            with self.buffers.acquire(group.nbytes) as buf:  # (a copy: the client's memory may change meanwhile)
+            with self.buffers.acquire(group.nbytes, namespace) as buf:  # (a copy: the client's memory may change meanwhile)
                 buf[:HEADER] = header
                 slots = buf[HEADER:]
                 slots[:len(body)] = body
@@ -296,7 +297,7 @@ class Optimizer:
             buf, prefetched, cached = group.prefetched, group.prefetched is not None, group.cached
             group.prefetched, group.cached = None, False
             if buf is None:
-                buf = self.buffers.acquire_blocking(group.buffer_bytes)
+                buf = self.buffers.acquire_blocking(group.buffer_bytes, group.namespace)
             t0 = time.perf_counter()  # after waiting for a buffer: read time is the read's own
             keep = False
             try:
@@ -308,8 +309,9 @@ class Optimizer:
                     if weights_object:
                         raw = memoryview(out_t.view(torch.uint8).numpy())
                         self.store.write([WriteItem(group.namespace, weights_object, raw, False, session_id)])
-                    # The buffer holds the state just committed: the cache keeps it if enough stay free.
-                    keep = self.cache and self.buffers.spare() >= CACHE_RESERVE
+                    # The buffer holds the state just committed: the cache keeps it if enough
+                    # stay free and no step waits for it.
+                    keep = self.cache and self.buffers.may_keep(buf, CACHE_RESERVE)
                     if keep:
                         group.prefetched, group.cached = buf, True
             finally:
@@ -320,15 +322,16 @@ class Optimizer:
         self._prefetch_next(group)  # after our buffer is back: read-ahead needs a spare one
         return result
 
-    def _evict_one(self, cheaper_than: int | None = None) -> bool:
+    def _evict_one(self, namespace: str | None = None, cheaper_than: int | None = None) -> bool:
         """Give back one buffer the state cache keeps (for a step that found none free);
         False if there is none to give (or each is in use by its group right now). With
+        ``namespace`` (a session at its budget of buffers), one of that session's. With
         ``cheaper_than`` (FetchWeights finding no buffer spare: declining costs the client
         that many bytes of weight reads), only a state smaller than that, the smallest
         first: its next step reads fewer bytes than the decline would (a small group such
         as "rest" otherwise keeps a whole buffer while blocks' weights are read twice)."""
         with self._lock:
-            kept = [g for g in self._groups.values() if g.cached]
+            kept = [g for g in self._groups.values() if g.cached and namespace in (None, g.namespace)]
         if cheaper_than is not None:
             kept = sorted((g for g in kept if g.nbytes < cheaper_than), key=lambda g: g.nbytes)
         for group in kept:
@@ -413,11 +416,14 @@ class Optimizer:
                 held = None
             bufs = []
             try:
-                bufs.append(self.buffers.acquire_blocking(per_buffer))
-                # More buffers (larger chunks) only while one stays free; with weights held
-                # (backward reads the next groups' weights) while two stay free.
+                bufs.append(self.buffers.acquire_blocking(per_buffer, group.namespace))
+                # More buffers (larger chunks) only while one stays free (of the pool and of
+                # the session's budget) and no step waits; with weights held (backward reads
+                # the next groups' weights) while two stay free. Never waiting here, a step
+                # holding buffers cannot deadlock with one waiting ahead of it.
                 while len(bufs) < chunks.STAGES:
-                    more = self.buffers.try_acquire(per_buffer, leave=1 if held is None else 2)
+                    more = self.buffers.try_acquire(per_buffer, leave=1 if held is None else 2,
+                                                    owner=group.namespace)
                     if more is None:
                         break
                     bufs.append(more)
@@ -497,9 +503,12 @@ class Optimizer:
             if group.dead:
                 raise NotFound(f"optimizer group {group.name!r} was deleted or replaced")
             if group.prefetched is None:
-                buf = self.buffers.try_acquire(group.buffer_bytes, leave=1)
-                if buf is None and self._evict_one(cheaper_than=len(out)):
-                    buf = self.buffers.try_acquire(group.buffer_bytes, leave=1)
+                ns = group.namespace
+                buf = self.buffers.try_acquire(group.buffer_bytes, leave=1, owner=ns)
+                if buf is None:
+                    mine = ns if self.buffers.at_budget(ns, leave=1) else None  # (its budget full: its own help)
+                    if self._evict_one(mine, cheaper_than=len(out)):
+                        buf = self.buffers.try_acquire(group.buffer_bytes, leave=1, owner=ns)
                 if buf is None:
                     return False
                 try:
@@ -519,7 +528,9 @@ class Optimizer:
             if group.held is not None:  # (fetched twice before its step: read again, the newest wins)
                 group.held.release()
                 group.held = None
-            if self.buffers.spare() <= 1:
+            if self.buffers.at_budget(group.namespace, leave=1):
+                self._evict_one(group.namespace, cheaper_than=4 * group.numel)
+            elif self.buffers.spare() <= 1:
                 self._evict_one(cheaper_than=4 * group.numel)
             group.held = held_weights.read(self.store, self.buffers, group.namespace, state_name(group.name),
                                            group.numel, group.step, out)
@@ -554,7 +565,7 @@ class Optimizer:
         try:  # group.lock is held (taken by _prefetch_next)
             if group.prefetched is not None or group.dead:  # FetchWeights got there first, or it is gone
                 return
-            buf = self.buffers.try_acquire(group.buffer_bytes, leave=1)
+            buf = self.buffers.try_acquire(group.buffer_bytes, leave=1, owner=group.namespace)
             if buf is None:
                 return
             try:

@@ -86,7 +86,7 @@ def read(store: Store, buffers: StateBuffers, namespace: str, name: str, numel: 
     want = -(-numel // per)
     views: list[memoryview] = []
     while len(views) < want:
-        view = buffers.try_acquire(4 * per, leave=1)
+        view = buffers.try_acquire(4 * per, leave=1, owner=namespace)  # (charged to the session)
         if view is None:
             break
         views.append(view)
