@@ -346,9 +346,21 @@ def case_bad(out: Path, what: str = "model", ckpt: str = "") -> dict:
             dist.barrier()
         if kind == "world":
             options["resume"] = ckpt
+        if kind == "diverge":
+            options["check_collectives"] = True
         try:
             engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), **options)
-            engine.close()
+            if kind == "diverge":  # rank 1 leaves its second block out: its collectives differ from rank 0's
+                if RANK == 1:
+                    model.transformer.h = torch.nn.ModuleList(list(model.transformer.h)[:1])
+                x = batch(0, 0, RANK)
+                try:
+                    model(x, labels=x).loss.backward()
+                    engine.step()
+                finally:
+                    engine.close(materialize=False)
+            else:
+                engine.close()
             result[kind] = None
         except Exception as exc:  # noqa: BLE001
             result[kind] = f"{type(exc).__name__}: {exc}"

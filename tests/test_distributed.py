@@ -64,9 +64,10 @@ def test_two_ranks_bitwise_against_ddp_and_inconsistent_ranks_refused(daemon, ou
     hand; clipping (the norm is summed by shards, not by parameters) within 1e-6; the
     same on the stand-in for a device with its own memory (late copies), whose links carry
     exactly the shards (1/N of a single process's bytes). Then
-    ranks that attach inconsistently all get an error and the group stays usable."""
+    ranks that attach inconsistently all get an error and the group stays usable, and with
+    check_collectives a rank that skips a block is an error on both, not a hang."""
     torchrun(daemon, 2, "exact+bad", out, "exact.names=plain,llama,accum,accum-backward,clip,bf16,swap,offload,"
-             "offload-accum,offload-bf16,offload-clip,stand-in,stand-in-backward,stand-in-clip", "bad.what=model,daemon,namespace")
+             "offload-accum,offload-bf16,offload-clip,stand-in,stand-in-backward,stand-in-clip", "bad.what=model,daemon,namespace,diverge")
     for rank in results(out, "exact", 2):
         for name, r in rank.items():
             if "clip" in name:
@@ -83,6 +84,8 @@ def test_two_ranks_bitwise_against_ddp_and_inconsistent_ranks_refused(daemon, ou
     assert "differs between ranks" in bad[0]["model"] and "differs between ranks" in bad[1]["model"]
     assert "DaemonUnavailable" in bad[1]["daemon"] and "rank 1" in bad[0]["daemon"]
     assert "NamespaceBusy" in bad[1]["namespace"] and "rank 1" in bad[0]["namespace"]
+    for rank in bad:  # (check_collectives: rank 1 skipped a block)
+        assert "issued different collectives" in rank["diverge"] and "reduce-scatter block0001" in rank["diverge"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
