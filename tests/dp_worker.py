@@ -271,7 +271,8 @@ def _saved(out: Path, name: str):
     return ref
 
 
-def case_checkpoint(out: Path, phase: str = "save", ckpt: str = "", save_to: str = "", steps: str = "0") -> dict:
+def case_checkpoint(out: Path, phase: str = "save", ckpt: str = "", save_to: str = "", steps: str = "0",
+                    mode: str = "auto") -> dict:
     """save (N=2): 2 steps, checkpoint, the weights then (at_ckpt.pt), 2 more steps
     (continued.pt), export. resume: attach(resume=ckpt, reshard=True) at this world
     size: the weights must be at_ckpt's; then a checkpoint to ``save_to``, or ``steps``
@@ -280,7 +281,7 @@ def case_checkpoint(out: Path, phase: str = "save", ckpt: str = "", save_to: str
         engines = []
         model, _ = run_ours(config(namespace=f"ck{WORLD}"), 2, engines)
         engine = engines[0]
-        engine.save_checkpoint(ckpt, extra={"data_position": 2})
+        engine.save_checkpoint(ckpt, extra={"data_position": 2}, mode=mode)
         if RANK == 0:
             torch.save(model.state_dict(), out / "at_ckpt.pt")
         _train(model, engine, range(2, 4))

@@ -114,15 +114,17 @@ def test_three_ranks_pad_and_match_the_collectives_and_one_process(daemon, out):
 
 def test_two_hosts_each_with_its_daemon(out):
     """Two simulated hosts: two torchrun agents (--nnodes 2) on 127.0.0.1, each with its own
-    daemon, socket and data directories; bitwise against DDP, and each daemon holds one
-    rank's shards only."""
+    daemon, socket and data directories; bitwise against DDP, each daemon steps its rank's
+    shards; a checkpoint written as copies on a shared path is resumed by one process on
+    one host's daemon (2 -> 1, reading the other host's copy)."""
     port = free_port()
     with private_daemon(CONFIG, prefix="fy-h0-") as d0, private_daemon(CONFIG, prefix="fy-h1-") as d1:
         daemons = [d0, d1]
         procs = []
         for node, d in enumerate(daemons):
             cmd = [TORCHRUN, "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-                   f"--master-port={port}", WORKER, "exact", str(out), "names=plain"]
+                   f"--master-port={port}", WORKER, "exact+checkpoint", str(out), "exact.names=plain",
+                   f"checkpoint.ckpt={out / 'ck'}", "checkpoint.phase=save", "checkpoint.mode=copy"]
             procs.append(subprocess.Popen(cmd, env=env_for(d), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
         logs = [p.communicate(timeout=240)[0] for p in procs]
@@ -131,8 +133,15 @@ def test_two_hosts_each_with_its_daemon(out):
             with fuyou_client.connect(d.socket) as s:
                 status = s.status()
                 assert status.bytes_written > 0  # (each daemon stepped its rank's shards)
-    for rank in results(out, "exact", 2):
-        assert rank["plain"]["differ"] == [] and rank["plain"]["reference"] == "run_ddp"
+        for rank in results(out, "exact", 2):
+            assert rank["plain"]["differ"] == [] and rank["plain"]["reference"] == "run_ddp"
+        world = json.loads((out / "ck" / "world.json").read_text())
+        assert [r["mode"] for r in world["ranks"]] == ["copy", "copy"]
+        assert world["ranks"][0]["daemon"] != world["ranks"][1]["daemon"]
+        # One process on the first host's daemon takes both hosts' shards (the copies on a shared path).
+        torchrun(d0, 1, "checkpoint", out, f"ckpt={out / 'ck'}", "phase=resume", "steps=1")
+        (one,) = results(out, "checkpoint", 1)
+        assert one["at_resume"] == [] and one["steps"] == {"0": 3}, one
 
 
 @pytest.fixture(scope="module")
