@@ -371,7 +371,35 @@ def case_bad(out: Path, what: str = "model", ckpt: str = "") -> dict:
     return result
 
 
-CASES = {"exact": case_exact, "single": case_single, "checkpoint": case_checkpoint, "kill": case_kill,
+def case_nonfinite(out: Path) -> dict:
+    """Rank 1's gradient of one block holds NaN in step 2: no rank steps that block (its
+    state kept everywhere), every rank raises NonFinite naming it, the others step, and
+    the ranks' weights stay equal."""
+    model = model_for("gpt2", torch.float32)
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), offload=False, namespace="nonfinite")
+    _train(model, engine, range(1))
+    weight = model.transformer.h[0].mlp.c_fc.weight
+    hook = weight.register_hook(lambda g: g.fill_(float("nan")) if RANK == 1 else g)
+    x = batch(1, 0, RANK)
+    model(x, labels=x).loss.backward()
+    hook.remove()
+    error = None
+    try:
+        engine.step()
+    except fuyou_client.NonFinite as exc:
+        error = str(exc)
+    engine.zero_grad()
+    steps = {g.spec.name: engine.session.group(g.shard.pieces[0][0].name).step for g in engine.groups
+             if g.shard.pieces}
+    digest = float(sum(p.detach().double().sum() for p in model.parameters()))
+    _train(model, engine, range(2, 3))
+    engine.close()
+    digests = [None] * WORLD
+    dist.all_gather_object(digests, digest)
+    return {"error": error, "steps": steps, "same_weights": len(set(digests)) == 1}
+
+
+CASES = {"nonfinite": case_nonfinite, "exact": case_exact, "single": case_single, "checkpoint": case_checkpoint, "kill": case_kill,
          "bad": case_bad}
 
 

@@ -65,8 +65,9 @@ def test_two_ranks_bitwise_against_ddp_and_inconsistent_ranks_refused(daemon, ou
     same on the stand-in for a device with its own memory (late copies), whose links carry
     exactly the shards (1/N of a single process's bytes). Then
     ranks that attach inconsistently all get an error and the group stays usable, and with
-    check_collectives a rank that skips a block is an error on both, not a hang."""
-    torchrun(daemon, 2, "exact+bad", out, "exact.names=plain,llama,accum,accum-backward,clip,bf16,swap,offload,"
+    check_collectives a rank that skips a block is an error on both, not a hang; a NaN in
+    one rank's gradient steps that group on no rank and raises NonFinite on both."""
+    torchrun(daemon, 2, "exact+bad+nonfinite", out, "exact.names=plain,llama,accum,accum-backward,clip,bf16,swap,offload,"
              "offload-accum,offload-bf16,offload-clip,stand-in,stand-in-backward,stand-in-clip", "bad.what=model,daemon,namespace,diverge")
     for rank in results(out, "exact", 2):
         for name, r in rank.items():
@@ -84,6 +85,9 @@ def test_two_ranks_bitwise_against_ddp_and_inconsistent_ranks_refused(daemon, ou
     assert "differs between ranks" in bad[0]["model"] and "differs between ranks" in bad[1]["model"]
     assert "DaemonUnavailable" in bad[1]["daemon"] and "rank 1" in bad[0]["daemon"]
     assert "NamespaceBusy" in bad[1]["namespace"] and "rank 1" in bad[0]["namespace"]
+    for rank in results(out, "nonfinite", 2):  # (NaN in rank 1's gradient of block 0: stepped nowhere)
+        assert "block0000" in rank["error"] and "not stepped on any rank" in rank["error"], rank
+        assert rank["steps"] == {"block0000": 1, "block0001": 2, "rest": 2} and rank["same_weights"], rank
     for rank in bad:  # (check_collectives: rank 1 skipped a block)
         assert "issued different collectives" in rank["diverge"] and "reduce-scatter block0001" in rank["diverge"]
 

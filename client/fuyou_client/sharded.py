@@ -187,9 +187,11 @@ class Sharded(GradientStrategy):
         """(collective thread) Step the shard, if every rank's shard is finite."""
         ok = torch.tensor([int(bool(torch.isfinite(self._shard_grads(g)).all()))], dtype=torch.int32)
         distributed.all_reduce(ok, self.world.group, dist.ReduceOp.MIN)
-        if not ok.item():
-            raise NonFinite(f"group {g.spec.name}: the mean gradient holds NaN or inf (on some rank's shard); not "
-                            "stepped on any rank, its state kept")
+        if not ok.item():  # (the step's outcome, not a failed collective: the stream goes on)
+            refused: Future = Future()
+            refused.set_exception(NonFinite(f"group {g.spec.name}: the mean gradient holds NaN or inf (on some "
+                                            "rank's shard); not stepped on any rank, its state kept"))
+            return refused
         if not g.shard.pieces:  # (a group smaller than the ranks before this one hold)
             done: Future = Future()
             done.set_result(StepInfo(0, 0.0, 0.0, 0.0, False))
@@ -206,13 +208,19 @@ class Sharded(GradientStrategy):
         full, shard = self.full_weights(g), g.shard.weights.tensor(g.dtype)[:g.shard.shards.per]
         on_device = g.shard.device_weights
 
-        def gather():
+        def gather() -> None:
             if on_device is not None:  # (the shard up, then gathered on the device)
                 self.device.upload(on_device, shard).synchronize()
             distributed.all_gather(full, shard if on_device is None else on_device, self.world.group)
-            return stepped.result()
         g.shard.stepped = False
-        return self.collectives.submit(f"all-gather {g.spec.name}", gather, after=stepped)
+        gathered = self.collectives.submit(f"all-gather {g.spec.name}", gather, after=stepped)  # (also if it failed)
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            exc = f.exception()  # (the step's error, or the all-gather's)
+            out.set_exception(exc) if exc is not None else out.set_result(stepped.result())
+        gathered.add_done_callback(done)
+        return out
 
     def gather_fetch(self, session, shards_of):
         """The offloader's ``gather``: once this rank's shard of an offloaded group has
@@ -260,7 +268,8 @@ def coefficient(strategy: Sharded, groups, max_norm: float) -> float:
     group order, as backward would), then the global norm from the shards."""
     touched = [g for g in groups if g.backwards > 0 or g.pending != len(g.spec.params)]
     for g in reversed(touched):
-        strategy.reduce(g) if not strategy.per_backward else None
+        if not strategy.per_backward:
+            strategy.reduce(g)
     for g in touched:
         if g.shard.reduced is not None:
             g.shard.reduced.result()
