@@ -72,7 +72,7 @@ class Masters:
             for h, g in zip(holders, grads):
                 h.grad = g.clone()
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(holders, clip)
+            NORMS.append(float(torch.nn.utils.clip_grad_norm_(holders, clip)))
         for m, h in zip(self.masters, holders):
             m.grad = h.grad.float()
         self.opt.step()
@@ -181,6 +181,8 @@ def run_ours(cfg: dict, steps: int, engine_out: list | None = None, **extra) -> 
             loss = model(x, labels=x).loss / k
             loss.backward()
             losses.append(loss.item())
+        if cfg["clip"] is not None:
+            NORMS.append(engine.grad_norm())
         engine.step()
         engine.zero_grad()
     if device is not None:  # what crossed "PCIe": the shards only, once per reduction and per step
@@ -196,6 +198,7 @@ def run_ours(cfg: dict, steps: int, engine_out: list | None = None, **extra) -> 
 
 
 PCIE: dict = {}  # the stand-in device's byte counts of the last run_ours
+NORMS: list = []  # the gradient norms of a reference run, then of ours (engine.grad_norm())
 
 
 def config(**kw) -> dict:
@@ -229,11 +232,15 @@ def case_exact(out: Path, names: str = "plain") -> dict:
     for name in names.split(","):
         cfg = config(**MATRIX[name]) if name in MATRIX else config()
         ref_fn = run_ddp if WORLD == 2 and cfg["reduce"] == "step" else run_manual
+        NORMS.clear()
         ref, ref_losses = ref_fn(cfg, 3)
         PCIE.clear()
+        ref_norms = list(NORMS)
+        NORMS.clear()
         ours, losses = run_ours(cfg, 3)
         result[name] = {"differ": differ(ours, ref), "max_diff": max_diff(ours, ref), "losses": losses,
-                        "ref_losses": ref_losses, "reference": ref_fn.__name__, "pcie": dict(PCIE)}
+                        "ref_losses": ref_losses, "reference": ref_fn.__name__, "pcie": dict(PCIE),
+                        "norms": list(NORMS), "ref_norms": ref_norms}
     return result
 
 

@@ -71,8 +71,9 @@ def test_two_ranks_bitwise_against_ddp_and_inconsistent_ranks_refused(daemon, ou
              "offload-accum,offload-bf16,offload-clip,stand-in,stand-in-backward,stand-in-clip", "bad.what=model,daemon,namespace,diverge")
     for rank in results(out, "exact", 2):
         for name, r in rank.items():
-            if "clip" in name:
+            if "clip" in name:  # (engine.grad_norm(): the norm of the ranks' mean gradient, as DDP's)
                 assert r["max_diff"] < 1e-6, (name, r)
+                assert len(r["norms"]) == 3 and r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5), r
             else:
                 assert r["differ"] == [] and r["losses"] == r["ref_losses"], (name, r)
             if "stand-in" in name:  # a device with its own memory: only this rank's shards cross the link

@@ -490,9 +490,12 @@ class Engine:
         computes it (what ``step()`` clips with), where attach has ``max_grad_norm`` (every
         gradient is then kept until ``step()``); None without it (the groups' steps leave
         during backward and their gradients with them). For logging, as Hugging Face's
-        Trainer logs it; reading it changes nothing."""
+        Trainer logs it; reading it changes nothing. With data parallelism it is the norm of
+        the ranks' mean gradient, and every rank must call it (it is all-reduced)."""
         if self.max_grad_norm is None:
             return None
+        if self.sharding is not None:  # (every rank calls it: the norm is all-reduced)
+            return sharded.total_norm(self.sharding, self.groups)
         return clipping.total_norm(self.model, self.groups)[2].item()
 
     def zero_grad(self) -> None:

@@ -263,9 +263,10 @@ class Sharded(GradientStrategy):
         return torch.linalg.vector_norm(self._shard_grads(g).float(), 2.0) ** 2
 
 
-def coefficient(strategy: Sharded, groups, max_norm: float) -> float:
-    """Clipping across the ranks: every touched group's gradients reduced (in reverse
-    group order, as backward would), then the global norm from the shards."""
+def total_norm(strategy: Sharded, groups) -> float:
+    """(collective) The global gradient norm across the ranks: every touched group's
+    gradients reduced (in reverse group order, as backward would), then the square root
+    of the all-reduced sum of the shards' squares."""
     touched = [g for g in groups if g.backwards > 0 or g.pending != len(g.spec.params)]
     for g in reversed(touched):
         if not strategy.per_backward:
@@ -276,8 +277,13 @@ def coefficient(strategy: Sharded, groups, max_norm: float) -> float:
     local = torch.zeros(1, dtype=torch.float32)
     for g in touched:
         local += strategy.sum_of_squares(g)
-    total = strategy.collectives.run("gradient norm", lambda: _all_reduce(local, strategy.world))
-    norm = math.sqrt(total)
+    return math.sqrt(strategy.collectives.run("gradient norm", lambda: _all_reduce(local, strategy.world)))
+
+
+def coefficient(strategy: Sharded, groups, max_norm: float) -> float:
+    """Clipping across the ranks (``torch.nn.utils.clip_grad_norm_``'s coefficient of the
+    global norm); a non-finite norm raises NonFinite on every rank."""
+    norm = total_norm(strategy, groups)
     if not math.isfinite(norm):
         raise NonFinite(f"the total gradient norm is {norm} (across the ranks): some gradient holds NaN or inf, or the "
                         "norm overflows float32; no group was stepped on any rank (the optimizer state is unchanged): "
