@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from torch import nn
-
 import torch
+from torch import nn
 
 from fuyou_client import checkpoints, distributed, dp_checkpoints, materialize
 from fuyou_client.device import resolve

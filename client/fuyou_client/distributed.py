@@ -191,14 +191,16 @@ class Collectives:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._broken: BaseException | None = None
         self._seq = 0
-        self._thread = threading.Thread(target=self._run, name="fuyou-collectives", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # (started by the first submission)
 
     def submit(self, what: str, fn, after: Future | None = None) -> Future:
         """Run ``fn()`` (which issues collectives) once ``after`` is done, in order with
         every other submission; the future has ``fn``'s result. ``after``'s failure does
         not skip the collective (the other ranks wait for it); it is the future's error."""
         fut: Future = Future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="fuyou-collectives", daemon=True)
+            self._thread.start()
         self._queue.put((what, fn, after, fut))
         return fut
 
@@ -245,8 +247,9 @@ class Collectives:
                                   "different models, or control flow that differs by rank)")
 
     def close(self) -> None:
-        self._queue.put(_STOP)
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            self._thread.join(timeout=5)
 
 
 def _explain(exc: BaseException, what: str, world: World) -> CollectiveError:
