@@ -1,0 +1,463 @@
+"""Data-parallel scaling through Fuyou on this machine: N ranks (torchrun, gloo, CPU) against one.
+
+    python bench/scale.py [--json PATH] [--layers 8] [--width 768] [--vocab 50257] [--seq 128]
+                          [--batch 2] [--iters 3] [--warmup 2] [--rounds 3] [--configs n1,n2,n2x2,n4]
+                          [--bf16-configs n2,n2x2] [--dir DIR] [--budget-s 3600]
+
+GPT-2 (transformers ``GPT2Config``, built locally: nothing is downloaded; default 8 layers of
+width 768, vocabulary 50257, ~95M parameters), fp32, trained through
+``attach(offload=False)`` (weights resident; the AdamW state on the SSD array, sharded over the
+ranks) by bench/scale_worker.py, one process per rank, OMP_NUM_THREADS=1 each, ``--batch`` x
+``--seq`` tokens per rank per iteration (weak scaling, as DDP). Configurations:
+
+* n1:   one process, no torchrun (attach runs single-process), on daemon A;
+* n2:   torchrun --nproc-per-node 2, both ranks on daemon A (one host);
+* n2x2: two torchrun commands (--nnodes 2 --node-rank 0|1 --master-addr 127.0.0.1), rank 0 on
+        daemon A, rank 1 on daemon B: two hosts simulated on one machine (one disk, one loopback);
+* n4:   torchrun --nproc-per-node 4 on daemon A (skipped, and said so, when the memory or the
+        time budget would not hold it).
+
+The daemons are private (``fuyou_client.start_daemon``) with ``state_cache = false``, so every
+step reads and writes its shard's whole state on the SSD array (direct I/O, the daemon's default)
+instead of keeping the last group in memory. Rounds interleave the configurations (order rotated
+per round: this machine's disk and CPUs drift by tens of percent within minutes); each round
+first measures the disk with a bare io_uring loop (bench/common.BareLoop: read, durable write as
+the daemon's commits sync, cached write) on the same file system. Each run does ``--warmup``
+untimed iterations, then ``--iters`` timed back-to-back iterations (scale_worker.py says how the
+window is bracketed). Figures per run, medians over rounds per configuration:
+
+* ssd_bytes_per_param_per_iter_per_rank: the daemons' bytes read + written in the window (summed
+  over distinct daemons) / parameters / iterations / N. Target 24/N (fp32 master weights and two
+  moments read and written, 24 bytes per parameter in all, each rank's daemon holding 1/N),
+  met within 2%.
+* network_bytes_per_param_per_iter_per_rank: loopback tx bytes (/proc/net/dev, all processes of
+  this machine) in the window / parameters / iterations / N; also the ranks' own TCP bytes sent
+  (``ss``, immune to other loopback users), and two formulas: a ring reduce-scatter + all-gather
+  (2 (N-1)/N flat vectors per rank: 8 (N-1)/N B/param in fp32, 4 (N-1)/N in bf16) and what gloo
+  really moves (its reduce-scatter costs an all-reduce: 3 (N-1)/N vectors). Target <= 6 (N-1)/N.
+* step_over_ssd_bound: iteration time / (bytes read at the bare read bandwidth + bytes written at
+  the bare durable write bandwidth, both from the same round). Target <= 1.15.
+* exposed_optimizer_fraction: time in ``engine.step()`` / iteration time (forward start to
+  zero_grad end), averaged over ranks. Target <= 0.10 at N=2.
+* pinned_bytes_per_session: the daemon's Status pinned_used_bytes / sessions, sampled after every
+  timed iteration (max), averaged over the daemons.
+* iter_s, tokens_per_s (N x batch x seq / iter_s) and, paired within each round, their ratios to
+  n1; the daemons' CPU seconds per iteration and the StepInfo read / compute / write seconds.
+
+Why fp32, and the bf16 check: the engine moves gradients and weights in the parameters' dtype, so
+the network target (6 (N-1)/N) is only reachable with 2-byte parameters. But this CPU has no
+AVX-512 / BF16 instructions: a bf16 matmul runs ~70x slower than fp32 here, so a bf16 model's
+timings would measure that emulation, not Fuyou. The timed configurations are therefore fp32; the
+``--bf16-configs`` runs (first round only, ``--bf16-batch`` x ``--bf16-seq`` tokens per rank, the
+same model in bf16) measure only the bytes, which do not depend on the tokens; their timings are
+in the JSON but not comparable.
+
+Work files go to a fresh directory under ``<repo>/.fuyou/bench`` (or ``--dir``), removed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import fuyou_client
+from common import BareLoop, gbps, host_info, summarize
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "scale_worker.py"
+CONFIGS = {"n1": (1, 1), "n2": (2, 1), "n2x2": (2, 2), "n4": (4, 1)}  # name: (ranks, daemons)
+TARGET_SSD_TOL, TARGET_STEP_OVER_BOUND, TARGET_EXPOSED = 0.02, 1.15, 0.10
+ITEMSIZE = {"fp32": 4, "bf16": 2}
+GiB = 1 << 30
+now = time.perf_counter
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mem_available() -> int:
+    return next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemAvailable"))
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds all processes of this machine have used since boot (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+def own_cpu_s(daemons: list) -> float:
+    """CPU seconds of this script's finished children (the ranks, through torchrun) and daemons."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    tick = os.sysconf("SC_CLK_TCK")
+    return ru.ru_utime + ru.ru_stime + sum(
+        sum(int(x) for x in Path(f"/proc/{d.pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13]) / tick
+        for d in daemons)
+
+
+def disk_bandwidth(directory: Path, size: int) -> dict:
+    """The disk as a bare loop sees it, now: 1 MiB requests, 32 deep, O_DIRECT, huge-page buffer."""
+    loop = BareLoop(directory / "bare.bin", size, 1 << 20, 32)
+    try:
+        loop.run(loop.WRITE, durable=True)  # (untimed: the fresh file's unwritten extents)
+        durable = loop.run(loop.WRITE, durable=True)
+        cached = loop.run(loop.WRITE)
+        os.fdatasync(loop.fd)
+        read = loop.run(loop.READ)
+    finally:
+        loop.close()
+        (directory / "bare.bin").unlink(missing_ok=True)
+    return {"read_gbps": gbps(size, read), "durable_write_gbps": gbps(size, durable),
+            "cached_write_gbps": gbps(size, cached)}
+
+
+def commands(config: str, args, dtype: str, out: Path, namespace: str) -> list[list[str]]:
+    """The command line(s) of one run: one per simulated host."""
+    ranks, hosts = CONFIGS[config]
+    batch, seq = (args.batch, args.seq) if dtype == "fp32" else (args.bf16_batch, args.bf16_seq)
+    worker = [str(WORKER), "--out", str(out), "--layers", str(args.layers), "--width", str(args.width),
+              "--vocab", str(args.vocab), "--seq", str(seq), "--batch", str(batch), "--dtype", dtype,
+              "--warmup", str(args.warmup), "--iters", str(args.iters), "--namespace", namespace]
+    if ranks == 1:
+        return [[sys.executable, *worker]]
+    port = free_port()
+    return [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts), "--node-rank", str(h),
+             "--nproc-per-node", str(ranks // hosts), "--master-addr", "127.0.0.1", "--master-port", str(port),
+             *worker] for h in range(hosts)]
+
+
+def launch(config: str, args, dtype: str, daemons: list, workdir: Path, tag: str) -> list[dict]:
+    """Run one configuration to its end; every rank's JSON."""
+    out = workdir / tag
+    procs, logs = [], []
+    t0, busy0, own0, load0 = now(), busy_cpu_s(), own_cpu_s(daemons), os.getloadavg()[0]
+    for host, cmd in enumerate(commands(config, args, dtype, out, tag)):
+        env = dict(os.environ, OMP_NUM_THREADS="1", FUYOUD_SOCKET=daemons[host].socket)
+        log = open(workdir / f"{tag}-host{host}.log", "wb")
+        logs.append(log)
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                      start_new_session=True))
+    deadline = time.monotonic() + args.run_timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # (our own child's session: torchrun and its ranks)
+                p.wait()
+        for log in logs:
+            log.close()
+    noise = {"others_cpus": (busy_cpu_s() - busy0 - (own_cpu_s(daemons) - own0)) / (now() - t0),
+             "loadavg_1min": [load0, os.getloadavg()[0]]}
+    ranks = CONFIGS[config][0]
+    if any(p.returncode for p in procs) or len(list(out.glob("rank*.json"))) != ranks:
+        tails = "\n".join(f"--- host {h}:\n" + (workdir / f"{tag}-host{h}.log").read_text(errors="replace")[-3000:]
+                          for h in range(len(procs)))
+        raise RuntimeError(f"{tag}: exit codes {[p.returncode for p in procs]}\n{tails}")
+    return [json.loads((out / f"rank{r}.json").read_text()) | {"noise": noise} for r in range(ranks)]
+
+
+def figures(config: str, dtype: str, results: list[dict], disk: dict, tokens_per_rank: int) -> dict:
+    """One run's figures from its ranks' JSONs (scale_worker.py)."""
+    n_ranks = len(results)
+    params, iters = results[0]["params"], len(results[0]["iterations"])
+    per = lambda r, a, b: sum(i["t"][b] - i["t"][a] for i in r["iterations"]) / iters  # noqa: E731
+    mean = lambda f: statistics.fmean(f(r) for r in results)  # noqa: E731
+    iter_s = mean(lambda r: per(r, 0, 4))
+    by_daemon: dict[int, list[dict]] = {}
+    for r in results:
+        by_daemon.setdefault(r["daemon"]["pid"], []).append(r)
+    daemons = []
+    for pid, rs in by_daemon.items():
+        d = rs[0]["delta"]
+        pinned = max(s["pinned_used_bytes"] / max(1, s["sessions"]) for r in rs for s in r["pinned"])
+        daemons.append({"pid": pid, "ranks": [r["rank"] for r in rs], "bytes_read": d["bytes_read"],
+                        "bytes_written": d["bytes_written"], "cpu_s_per_iter": d["daemon_cpu_s"] / iters,
+                        "ssd_bytes_per_param_per_iter_per_rank": (d["bytes_read"] + d["bytes_written"])
+                        / params / iters / len(rs),
+                        "counters_agree_across_ranks": all(r["delta"]["bytes_read"] == d["bytes_read"]
+                                                           and r["delta"]["bytes_written"] == d["bytes_written"]
+                                                           for r in rs),
+                        "pinned_bytes_per_session": pinned,
+                        "sessions": max(s["sessions"] for r in rs for s in r["pinned"])})
+    read = sum(d["bytes_read"] for d in daemons) / iters
+    written = sum(d["bytes_written"] for d in daemons) / iters
+    bound = read / (disk["read_gbps"] * 1e9) + written / (disk["durable_write_gbps"] * 1e9)
+    cached_bound = read / (disk["read_gbps"] * 1e9) + written / (disk["cached_write_gbps"] * 1e9)
+    lo = results[0]["delta"]["lo_tx"]
+    tcp = sum(r["delta"]["tcp_sent"] for r in results)
+    ratio = (n_ranks - 1) / n_ranks
+    return {
+        "config": config, "dtype": dtype, "ranks": n_ranks, "daemons": len(daemons), "params": params,
+        "iters": iters, "iter_s": iter_s, "tokens_per_s": n_ranks * tokens_per_rank / iter_s,
+        "forward_s": mean(lambda r: per(r, 0, 1)), "backward_s": mean(lambda r: per(r, 1, 2)),
+        "step_s": mean(lambda r: per(r, 2, 3)), "zero_grad_s": mean(lambda r: per(r, 3, 4)),
+        "exposed_optimizer_fraction": mean(lambda r: per(r, 2, 3) / per(r, 0, 4)),
+        "ssd_bytes_per_param_per_iter_per_rank": (read + written) / params / n_ranks,
+        "ssd_read_bytes_per_iter": read, "ssd_written_bytes_per_iter": written,
+        "ssd_bound_s": bound, "step_over_ssd_bound": iter_s / bound,
+        "ssd_cached_bound_s": cached_bound, "step_over_ssd_cached_bound": iter_s / cached_bound,
+        "network_bytes_per_param_per_iter_per_rank": lo / params / iters / n_ranks,
+        "tcp_sent_bytes_per_param_per_iter_per_rank": tcp / params / iters / n_ranks,
+        "network_formula_ring_bytes_per_param_per_iter_per_rank": 2 * ITEMSIZE[dtype] * ratio,
+        "network_formula_gloo_bytes_per_param_per_iter_per_rank": 3 * ITEMSIZE[dtype] * ratio,
+        "network_target_bytes_per_param_per_iter_per_rank": 6 * ratio,
+        "pinned_bytes_per_session": statistics.fmean(d["pinned_bytes_per_session"] for d in daemons),
+        "daemon_cpu_s_per_iter": sum(d["cpu_s_per_iter"] for d in daemons),
+        **{f"step_{k}_s_per_iter": mean(lambda r, k=k: sum(i[f"{k}_s"] for i in r["iterations"]) / iters)
+           for k in ("read", "compute", "write")},
+        "per_daemon": daemons, "losses": [[i["loss"] for i in r["iterations"]] for r in results],
+        "others_cpus": results[0]["noise"]["others_cpus"], "loadavg_1min": results[0]["noise"]["loadavg_1min"],
+        "setup_s": [r["setup_s"] for r in results], "max_rss_bytes": max(r.get("max_rss_bytes", 0) for r in results),
+    }
+
+
+def code_version() -> dict:
+    """Which client and daemon ran: the checkout's commit (and whether they had local edits),
+    or, in an exported tree, the commit its ``.commit`` file names."""
+    out = {"fuyou_client": fuyou_client.__file__}
+    try:
+        git = lambda *a: subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True,  # noqa: E731
+                                        check=True).stdout.strip()
+        out.update(commit=git("rev-parse", "HEAD"),
+                   dirty=bool(git("status", "--porcelain", "--", "client", "fuyoud", "proto")))
+    except (OSError, subprocess.CalledProcessError):
+        marker = REPO / ".commit"
+        out.update(commit=marker.read_text().strip() if marker.exists() else None, dirty=None)
+    return out
+
+
+def notes(results: dict, bf16: dict) -> list[str]:
+    """Why targets are missed, as far as the figures themselves tell."""
+    out = []
+    for c, m in [*results.items(), *((f"{c}-bf16", f) for c, f in bf16.items())]:
+        if m.get("skipped") or m["ranks"] == 1:
+            continue
+        tcp = m["tcp_sent_bytes_per_param_per_iter_per_rank"]
+        gloo = m["network_formula_gloo_bytes_per_param_per_iter_per_rank"]
+        if abs(tcp - gloo) <= 0.02 * gloo:
+            out.append(f"{c}: the ranks' TCP payload ({tcp:.2f} B/param/rank) is gloo's formula ({gloo:.2f}), not the "
+                       f"ring's ({m['network_formula_ring_bytes_per_param_per_iter_per_rank']:.2f}): gloo's "
+                       "reduce-scatter moves as much as an all-reduce; loopback adds the TCP/IP headers")
+    for c, m in results.items():
+        if not m.get("skipped"):
+            cpu = m["daemon_cpu_s_per_iter"]
+            out.append(f"{c}: {m['ranks']} rank(s) of 1 thread and {m['daemons']} daemon(s) on {os.cpu_count()} CPUs; "
+                       f"the daemons' CPU {cpu:.2f} s per {m['iter_s']:.2f} s iteration; engine.step() waits "
+                       f"{m['step_s']:.2f} s of it (reads {m['step_read_s_per_iter']:.2f}, compute "
+                       f"{m['step_compute_s_per_iter']:.2f}, write {m['step_write_s_per_iter']:.2f} s summed over "
+                       f"groups); SSD bound {m['ssd_bound_s']:.2f} s; other processes of this shared machine used "
+                       f"{m['others_cpus']:.2f} of the CPUs meanwhile")
+    return out
+
+
+def judge(name: str, m: dict) -> dict:
+    """The issue's targets against one configuration's medians."""
+    n = m["ranks"]
+    ssd_target = 24 / n
+    out = {"ssd_bytes_target": ssd_target,
+           "ssd_bytes_met": abs(m["ssd_bytes_per_param_per_iter_per_rank"] - ssd_target) <= TARGET_SSD_TOL * ssd_target,
+           "step_over_ssd_bound_target": TARGET_STEP_OVER_BOUND,
+           "step_over_ssd_bound_met": m["step_over_ssd_bound"] <= TARGET_STEP_OVER_BOUND}
+    if n > 1:
+        out.update(network_target=6 * (n - 1) / n,
+                   network_met=m["network_bytes_per_param_per_iter_per_rank"] <= 6 * (n - 1) / n)
+    if n == 2:
+        out.update(exposed_target=TARGET_EXPOSED, exposed_met=m["exposed_optimizer_fraction"] <= TARGET_EXPOSED)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, help="where to write the results (default <repo>/.fuyou/bench-results/"
+                    "scale-<time>.json)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=768, help="a multiple of 64")
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=2, help="sequences per rank per iteration")
+    ap.add_argument("--iters", type=int, default=3, help="timed iterations per run")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed iterations before them (default 2: the\n"
+                    "daemon's read-ahead follows the previous iteration's order, so the first\n"
+                    "iterations' reads straddle iteration boundaries; from the third on they do not)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--configs", default="n1,n2,n2x2,n4", help=f"comma-separated subset of {','.join(CONFIGS)}")
+    ap.add_argument("--bf16-configs", default="n2,n2x2", help="bytes-only bf16 runs in the first round ('' for none)")
+    ap.add_argument("--bf16-batch", type=int, default=1)
+    ap.add_argument("--bf16-seq", type=int, default=16)
+    ap.add_argument("--bare-size", default=str(GiB), help="bytes of the bare disk loop's file (default 1 GiB)")
+    ap.add_argument("--buffer-budget", default="1GiB", help="each daemon's [optimizer] buffer_budget")
+    ap.add_argument("--pinned-budget", default="8GiB", help="each daemon's [memory] pinned_budget")
+    ap.add_argument("--run-timeout", type=float, default=900, help="seconds one run may take")
+    ap.add_argument("--budget-s", type=float, default=3600,
+                    help="n4 is skipped in a round that would end past this many seconds")
+    ap.add_argument("--dir", type=Path, help="parent of the bench directory (default <repo>/.fuyou/bench)")
+    args = ap.parse_args(argv)
+    split = lambda s: [c for c in s.split(",") if c]  # noqa: E731
+    configs, bf16_configs = split(args.configs), split(args.bf16_configs)
+    if not configs or any(c not in CONFIGS for c in configs + bf16_configs) or args.width % 64 \
+            or min(args.iters, args.rounds, args.batch, args.seq, args.layers) < 1 or args.warmup < 0:
+        ap.error(f"--configs from {','.join(CONFIGS)}; positive sizes; --width a multiple of 64")
+    from fuyoud.units import parse_size
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    args.json = args.json or REPO / ".fuyou" / "bench-results" / f"scale-{stamp}.json"
+    parent = (args.dir or REPO / ".fuyou" / "bench").resolve()
+    workdir = parent / f"scale-{stamp}-{os.getpid()}"
+    workdir.mkdir(parents=True)
+    # The model's size, as the workers will build it (for the array's capacity).
+    params = 12 * args.layers * args.width ** 2 + (args.vocab + args.seq) * args.width + 13 * args.layers * args.width
+    capacity = max(GiB, (params * 16 * 2 + 256 * (1 << 20)) // 4096 * 4096)
+    tokens = args.batch * args.seq
+    print(f"bench dir {workdir}; GPT-2 {args.layers}x{args.width}, vocab {args.vocab}: ~{params / 1e6:.1f}M params; "
+          f"{args.batch}x{args.seq} tokens per rank; {args.warmup} warm-up + {args.iters} timed iterations per run, "
+          f"{args.rounds} rounds of {','.join(configs)}; bf16 bytes check: {','.join(bf16_configs) or 'none'}",
+          flush=True)
+    daemons, runs, bf16_runs, disks, skipped, order_log = [], {c: [] for c in configs}, {}, [], [], []
+    t_start = now()
+    # The daemons' state directories (sockets, index, log) under a short path: a unix socket's
+    # path must stay under 108 bytes, and start_daemon binds its notify socket there as it is.
+    # Their data (the SSD array) goes under the bench directory.
+    short = Path(tempfile.mkdtemp(prefix="fy-scale-"))
+    try:
+        for name in ("A", "B") if any(CONFIGS[c][1] == 2 for c in configs + bf16_configs) else ("A",):
+            daemons.append(fuyou_client.start_daemon(short / name, config={
+                "storage": {"data_dirs": [str(workdir / f"daemon{name}-data")], "capacity_per_device": capacity},
+                "memory": {"pinned_budget": args.pinned_budget},
+                "optimizer": {"buffer_budget": args.buffer_budget, "state_cache": False}}))
+        for r in range(args.rounds):
+            k = r % len(configs)
+            order = configs[k:] + configs[:k]
+            order_log.append(order)
+            disk = disk_bandwidth(workdir, parse_size(args.bare_size))
+            disks.append(disk)
+            print(f"round {r + 1}/{args.rounds}: disk read {disk['read_gbps']:.2f} GB/s, durable write "
+                  f"{disk['durable_write_gbps']:.2f}, cached write {disk['cached_write_gbps']:.2f}", flush=True)
+            for c in order:
+                n = CONFIGS[c][0]
+                if n > 2 and runs.get("n1"):  # memory and time, from what n1 needed
+                    need = n * runs["n1"][-1]["max_rss_bytes"] * 1.2 + 2 * GiB
+                    took = max(sum(s.values()) for s in runs["n1"][-1]["setup_s"]) + 1.5 * n * (
+                        args.warmup + args.iters) * runs["n1"][-1]["iter_s"]
+                    why = (f"needs ~{need / GiB:.1f} GiB, {mem_available() / GiB:.1f} GiB available"
+                           if mem_available() < need else f"would end past --budget-s {args.budget_s:.0f} s"
+                           if now() - t_start + took > args.budget_s else None)
+                    if why:
+                        skipped.append({"config": c, "round": r + 1, "reason": why})
+                        print(f"  {c}: SKIPPED ({why})", flush=True)
+                        continue
+                t = now()
+                f = figures(c, "fp32", launch(c, args, "fp32", daemons, workdir, f"{c}-r{r + 1}"), disk, tokens)
+                f.update(wall_s=now() - t, round=r + 1)
+                runs[c].append(f)
+                print(f"  {c}: iter {f['iter_s']:.3f} s, {f['tokens_per_s']:.0f} tok/s, exposed "
+                      f"{f['exposed_optimizer_fraction']:.3f}, SSD {f['ssd_bytes_per_param_per_iter_per_rank']:.2f} "
+                      f"B/param/rank, lo {f['network_bytes_per_param_per_iter_per_rank']:.2f} (tcp "
+                      f"{f['tcp_sent_bytes_per_param_per_iter_per_rank']:.2f}) B/param/rank, step/bound "
+                      f"{f['step_over_ssd_bound']:.2f}, pinned/session {f['pinned_bytes_per_session'] / GiB:.2f} GiB "
+                      f"({f['wall_s']:.0f} s; other processes used {f['others_cpus']:.1f} CPUs)", flush=True)
+            if r == 0:
+                for c in bf16_configs:
+                    t = now()
+                    f = figures(c, "bf16", launch(c, args, "bf16", daemons, workdir, f"{c}-bf16"), disk,
+                                args.bf16_batch * args.bf16_seq)
+                    f["wall_s"] = now() - t
+                    bf16_runs[c] = f
+                    print(f"  {c} bf16 (bytes only): SSD {f['ssd_bytes_per_param_per_iter_per_rank']:.2f}, lo "
+                          f"{f['network_bytes_per_param_per_iter_per_rank']:.2f} (tcp "
+                          f"{f['tcp_sent_bytes_per_param_per_iter_per_rank']:.2f}) B/param/rank ({f['wall_s']:.0f} s)",
+                          flush=True)
+    finally:
+        for d in daemons:
+            d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(short, ignore_errors=True)
+    wall = now() - t_start
+
+    scalar = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    results, stats = {}, {}
+    for c, rs in runs.items():
+        if not rs:
+            continue
+        stats[c] = {k: summarize([f[k] for f in rs]) for k in rs[0] if scalar(rs[0][k])}
+        results[c] = {k: s["median"] for k, s in stats[c].items()}
+        results[c].update(config=c, dtype="fp32", rounds_run=len(rs), per_daemon_last=rs[-1]["per_daemon"])
+    base = runs.get("n1") or []
+    for c, m in results.items():
+        # Paired within the round: the same disk and CPU weather.
+        if c != "n1" and any(b["round"] == f["round"] for f in runs[c] for b in base):
+            pairs = [(f, b) for f in runs[c] for b in base if b["round"] == f["round"]]
+            m["tokens_per_s_over_n1"] = statistics.median(f["tokens_per_s"] / b["tokens_per_s"] for f, b in pairs)
+            m["iter_s_over_n1"] = statistics.median(f["iter_s"] / b["iter_s"] for f, b in pairs)
+            m["scaling_efficiency"] = m["tokens_per_s_over_n1"] / m["ranks"]
+        m["targets"] = judge(c, m)
+    print(f"\n{'config':<6} {'N':>2} {'iter s':>7} {'tok/s':>6} {'x n1':>5} {'exposed':>7} {'SSD B':>6} "
+          f"{'target':>6} {'lo B':>5} {'tcp B':>5} {'ring':>5} {'gloo':>5} {'target':>6} {'/bound':>6} "
+          f"{'pinned/s':>8} {'dmn cpu':>7} {'others':>6}")
+    for c, m in results.items():
+        print(f"{c:<6} {m['ranks']:>2} {m['iter_s']:7.3f} {m['tokens_per_s']:6.0f} "
+              f"{m.get('tokens_per_s_over_n1', 1.0):5.2f} {m['exposed_optimizer_fraction']:7.3f} "
+              f"{m['ssd_bytes_per_param_per_iter_per_rank']:6.2f} {24 / m['ranks']:6.2f} "
+              f"{m['network_bytes_per_param_per_iter_per_rank']:5.2f} "
+              f"{m['tcp_sent_bytes_per_param_per_iter_per_rank']:5.2f} "
+              f"{m['network_formula_ring_bytes_per_param_per_iter_per_rank']:5.2f} "
+              f"{m['network_formula_gloo_bytes_per_param_per_iter_per_rank']:5.2f} "
+              f"{m['network_target_bytes_per_param_per_iter_per_rank']:6.2f} {m['step_over_ssd_bound']:6.2f} "
+              f"{m['pinned_bytes_per_session'] / GiB:7.2f}G {m['daemon_cpu_s_per_iter']:7.2f} {m['others_cpus']:6.2f}")
+    print("(medians over rounds; bytes per parameter per iteration per rank; x n1 = tokens/s over n1's, paired per "
+          "round; /bound = iteration over the SSD time at the bare read and durable write bandwidths; dmn cpu = the "
+          "daemons' CPU s per iteration; others = CPUs other processes of this machine used during the runs)")
+    for c, f in bf16_runs.items():
+        print(f"{c} bf16 (bytes only): SSD {f['ssd_bytes_per_param_per_iter_per_rank']:.2f} B, lo "
+              f"{f['network_bytes_per_param_per_iter_per_rank']:.2f}, "
+              f"tcp {f['tcp_sent_bytes_per_param_per_iter_per_rank']:.2f}"
+              f", ring {f['network_formula_ring_bytes_per_param_per_iter_per_rank']:.2f}, gloo "
+              f"{f['network_formula_gloo_bytes_per_param_per_iter_per_rank']:.2f}, target "
+              f"{f['network_target_bytes_per_param_per_iter_per_rank']:.2f}")
+    for s in skipped:
+        print(f"skipped {s['config']} in round {s['round']}: {s['reason']}")
+    for f in bf16_runs.values():  # (bytes only: its timings are the bf16 emulation's)
+        f["targets"] = {k: v for k, v in judge(f["config"], f).items() if k.startswith(("ssd_bytes", "network"))}
+    for c in configs:
+        if not runs.get(c):
+            results[c] = {"config": c, "skipped": True, "reasons": [s["reason"] for s in skipped if s["config"] == c]}
+    print(f"wall {wall:.0f} s")
+
+    result = {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "argv": sys.argv,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": host_info(parent),
+        "model": {"layers": args.layers, "width": args.width, "vocab": args.vocab, "dtype": "fp32",
+                  "params": next((m["params"] for m in results.values() if "params" in m), None)},
+        "tokens_per_rank_per_iter": tokens, "configs": results, "stats": stats, "runs": runs,
+        "bf16_bytes_check": bf16_runs, "notes": notes(results, bf16_runs), "skipped": skipped,
+        "code": code_version(), "order": order_log,
+        "disk": {"rounds": disks, **{k: statistics.median(d[k] for d in disks) for k in disks[0]}} if disks else {},
+        "disk_reference": "../shared/MEASUREMENTS.md (2026-11-24): bare io_uring 3.5 GB/s write, 2.3 read; "
+                          "0.55-0.8 GB/s written and synced",
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "wall_s": wall,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

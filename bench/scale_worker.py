@@ -1,0 +1,175 @@
+"""One rank of bench/scale.py: trains GPT-2 through ``attach(offload=False)`` and writes what it saw.
+
+    python bench/scale_worker.py --out DIR [--layers 8 --width 768 --vocab 50257 --seq 128 --batch 2
+                                           --dtype fp32 --warmup 2 --iters 3 --namespace NS]
+
+Run as it is for one process (attach then runs single-process), or under torchrun (gloo;
+the world from torchrun's environment), each rank with OMP_NUM_THREADS=1 and its host's
+daemon at $FUYOUD_SOCKET (the client's default socket: what a real job would use).
+
+Why a separate process per run rather than one long-lived worker: a process group cannot be
+resized, and keeping nine ranks of a ~95M-parameter model alive across configurations would
+not fit this machine beside the daemons. Every rank builds the same model (seed 0; attach
+broadcasts rank 0's weights anyway) and trains on its own random batches.
+
+The measured window is bracketed identically on every rank: barrier, wait until the daemon
+is quiet (bench/common.quiet_counters: a step's read-ahead or write may trail ``engine.step()``),
+read the counters, barrier. Inside it the iterations run back to back, as a training loop
+would; the only extra work is one Status call per iteration after ``zero_grad`` (to sample the
+daemon's pinned memory while the session holds its buffers), outside the timed spans.
+Recorded per rank (rank<r>.json): per-iteration timestamps (forward start, forward end,
+backward end, step end, zero_grad end), the StepInfo sums, the daemon's counters and CPU
+seconds over the window, loopback tx bytes (/proc/net/dev, rank 0 reads the machine-wide
+figure) and this process's own TCP bytes sent (``ss -tinp``: per socket, so other users of
+loopback on this shared machine do not count), the daemon's identity (to sum over daemons).
+After the window the rank deletes its namespace's objects, so the rounds do not fill the array.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import quiet_counters  # noqa: E402
+
+import fuyou_client  # noqa: E402
+
+LR, WD = 1e-4, 0.01
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+now = time.perf_counter
+
+
+def lo_tx_bytes() -> int:
+    """Bytes sent on the loopback interface (this network namespace, all processes)."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name.strip() == "lo":
+            return int(rest.split()[8])
+    raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+def tcp_bytes_sent(pid: int) -> int:
+    """TCP bytes this process's sockets sent (tcp_info bytes_sent, summed; ``ss -tinp``)."""
+    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout
+    total, mine = 0, False
+    for line in out.splitlines():
+        if not line.startswith((" ", "\t")):
+            mine = f"pid={pid}," in line
+        elif mine:
+            m = re.search(r"\bbytes_sent:(\d+)", line)
+            total += int(m.group(1)) if m else 0
+    return total
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def build_model(args):
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.width,
+                                  n_layer=args.layers, n_head=max(1, args.width // 64), resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).to(DTYPES[args.dtype])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=768)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--namespace", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    t_start = now()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    barrier = dist.barrier if world > 1 else (lambda: None)
+
+    model = build_model(args)
+    params = sum(p.numel() for p in model.parameters())
+    t_built = now()
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=LR, weight_decay=WD), offload=False,
+                                 namespace=args.namespace)
+    t_attached = now()
+    session = engine.session
+    status = session.status()
+    daemon = {"pid": status.pid, "socket": status.session_socket}
+    gen = torch.Generator().manual_seed(1000 + rank)
+    batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+               for _ in range(args.warmup + args.iters)]
+
+    def iteration(x: torch.Tensor) -> dict:
+        t0 = now()
+        loss = model(x, labels=x).loss
+        t1 = now()
+        loss.backward()
+        t2 = now()
+        engine.step()
+        t3 = now()
+        engine.zero_grad()
+        t4 = now()
+        infos = engine.last_step_infos
+        return {"t": [t0, t1, t2, t3, t4], "loss": loss.item(), "groups": len(infos),
+                **{f"{k}_s": sum(getattr(i, f"{k}_seconds") for i in infos) for k in ("read", "compute", "write")}}
+
+    warm = [iteration(x) for x in batches[:args.warmup]]
+
+    def mark() -> dict:
+        barrier()  # every rank's last step has landed (engine.step() returned everywhere)
+        read, written = quiet_counters(session)
+        out = {"bytes_read": read, "bytes_written": written, "daemon_cpu_s": cpu_seconds(status.pid),
+               "lo_tx": lo_tx_bytes(), "tcp_sent": tcp_bytes_sent(os.getpid()), "time": now()}
+        barrier()
+        return out
+
+    start = mark()
+    its, pinned = [], []
+    for x in batches[args.warmup:]:
+        its.append(iteration(x))
+        st = session.status()  # (untimed) the daemon's pinned memory while the session holds its buffers
+        pinned.append({"pinned_used_bytes": st.pinned_used_bytes, "sessions": st.sessions})
+    end = mark()
+
+    # Leave the array as we found it: the namespace's persistent objects (optimizer state) go.
+    names = [o.name for o in session.objects()]
+    if names:
+        session.delete(*names, missing_ok=True)
+    engine.close(materialize=False)
+    result = {"rank": rank, "world": world, "params": params, "daemon": daemon,
+              "args": vars(args) | {"out": str(args.out)},
+              "iterations": its, "warmup": warm, "start": start, "end": end, "pinned": pinned,
+              "delta": {k: end[k] - start[k] for k in start},
+              "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "setup_s": {"build": t_built - t_start, "attach": t_attached - t_built},
+              "peers": [list(p) for p in getattr(engine, "peers", None) or []]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
