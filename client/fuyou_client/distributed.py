@@ -262,8 +262,20 @@ def _explain(exc: BaseException, what: str, world: World) -> CollectiveError:
 
 
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group) -> None:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, full, group=group)
+    """``out`` = this rank's chunk of the sum over the ranks of ``full``. gloo's own
+    reduce-scatter moves as many bytes as an all-reduce (2(N-1)/N of ``full`` per rank):
+    there each rank's chunks go straight to their owners (an all-to-all: (N-1)/N) and are
+    summed here, in rank order."""
+    if dist.get_backend(group) != "gloo":
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        fn(out, full, group=group)
+        return
+    chunks = torch.empty_like(full)
+    dist.all_to_all_single(chunks, full, group=group)
+    chunks = chunks.view(-1, out.numel())
+    out.copy_(chunks[0])
+    for chunk in chunks[1:]:
+        out.add_(chunk)
 
 
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group) -> None:
