@@ -306,3 +306,15 @@ def test_a_temporary_daemon_leaves_nothing_behind(short_tmp):
     with fuyou_client.start_daemon(short_tmp / "kept", config=SMALL) as kept:
         pass
     assert (short_tmp / "kept" / "index.sqlite").exists() and kept.process.returncode == 0
+
+
+def test_start_daemon_takes_a_state_directory_longer_than_a_socket_path(tmp_path):
+    """Unix socket paths stop at 108 bytes: every socket goes to a short runtime directory
+    when the state directory is deep (bench/scale.py's helper found notify.sock did not)."""
+    state = tmp_path / ("x" * 110)
+    d = fuyou_client.start_daemon(state, config={"storage": {"capacity_per_device": "64MiB"}})
+    try:
+        with fuyou_client.connect(d.socket) as s:
+            assert s.status().pid == d.pid
+    finally:
+        assert d.stop() == 0

@@ -135,7 +135,8 @@ def start_daemon(state_dir: str | os.PathLike | None = None, config: dict[str, d
     log_path = state / "fuyoud.log"
     sock = merged["daemon"].get("control_socket") or str(Path(merged["daemon"]["runtime_dir"]) / "fuyoud.sock")
 
-    notify_path = state / "notify.sock"
+    runtime.mkdir(parents=True, exist_ok=True, mode=0o700)
+    notify_path = runtime / "notify.sock"  # (a socket path: the runtime directory's is short, the state's may not be)
     if notify_path.exists():
         notify_path.unlink()
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as notify:
