@@ -57,6 +57,11 @@ class World:
         return cls(process_group, dist.get_rank(process_group), size, str(dist.get_backend(process_group)))
 
     @property
+    def comm_device(self) -> torch.device:
+        """Where this backend's tensors must be (NCCL: the current CUDA device)."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    @property
     def timeout(self) -> float:
         """The process group's collective timeout, in seconds."""
         try:

@@ -239,14 +239,15 @@ def gather_masters(session, world: World, collectives, spec) -> torch.Tensor:
         infos = [session.group(part.name) for part, _, _ in pieces]
         session.swap_in_many([In(state_object(part.name), buf, (lo - shards.start) * 4, (hi - lo) * 4,
                                  info.weights_offset) for (part, lo, hi), info in zip(pieces, infos)])
-        full = torch.empty(shards.padded, dtype=torch.float32)
+        where = world.comm_device
+        full = torch.empty(shards.padded, dtype=torch.float32, device=where)
 
         def gather():
-            distributed.all_gather(full, shard, world.group)
+            distributed.all_gather(full, shard.to(where), world.group)
         if collectives is not None:
             collectives.run(f"all-gather masters {spec.name}", gather)
         else:
             gather()
-        return full[:spec.numel]
+        return full[:spec.numel].cpu()
     finally:
         buf.free()

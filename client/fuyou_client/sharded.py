@@ -55,7 +55,6 @@ class ShardState:
     device_weights: torch.Tensor | None = None  # ... and the all-gather's input
     staging: object = None  # SharedBuffer: per-backward reduction on such a device, a micro-batch's shard
     reduced: Future | None = None  # the reduce-scatter(s) of this iteration's gradients so far
-    stepped: bool = False  # this iteration's step was submitted (its weights are gathered at the barrier)
 
 
 def flatten(outer: Future) -> Future:
@@ -179,13 +178,13 @@ class Sharded(GradientStrategy):
 
     def submit(self, g, start: Start) -> None:
         reduced = g.shard.reduced if self.per_backward else self.reduce(g)
-        g.shard.stepped = True
         g.future = flatten(self.collectives.submit(f"finite {g.spec.name}", lambda: self._step(g, start),
                                                    after=reduced))
 
     def _step(self, g, start: Start) -> Future:
         """(collective thread) Step the shard, if every rank's shard is finite."""
-        ok = torch.tensor([int(bool(torch.isfinite(self._shard_grads(g)).all()))], dtype=torch.int32)
+        ok = torch.tensor([int(bool(torch.isfinite(self._shard_grads(g)).all()))], dtype=torch.int32,
+                          device=self.world.comm_device)
         distributed.all_reduce(ok, self.world.group, dist.ReduceOp.MIN)
         if not ok.item():  # (the step's outcome, not a failed collective: the stream goes on)
             refused: Future = Future()
@@ -203,7 +202,6 @@ class Sharded(GradientStrategy):
         """At the barrier, in group order: the group's weights gathered from the shards,
         once its step here is done (or failed: the shard then holds its old weights)."""
         if g.offloaded is not None:  # (the next fetch reads the new shards and gathers them)
-            g.shard.stepped = False
             return stepped
         full, shard = self.full_weights(g), g.shard.weights.tensor(g.dtype)[:g.shard.shards.per]
         on_device = g.shard.device_weights
@@ -212,7 +210,6 @@ class Sharded(GradientStrategy):
             if on_device is not None:  # (the shard up, then gathered on the device)
                 self.device.upload(on_device, shard).synchronize()
             distributed.all_gather(full, shard if on_device is None else on_device, self.world.group)
-        g.shard.stepped = False
         gathered = self.collectives.submit(f"all-gather {g.spec.name}", gather, after=stepped)  # (also if it failed)
         out: Future = Future()
 
@@ -274,9 +271,9 @@ def total_norm(strategy: Sharded, groups) -> float:
     for g in touched:
         if g.shard.reduced is not None:
             g.shard.reduced.result()
-    local = torch.zeros(1, dtype=torch.float32)
+    local = torch.zeros(1, dtype=torch.float32, device=strategy.world.comm_device)
     for g in touched:
-        local += strategy.sum_of_squares(g)
+        local += strategy.sum_of_squares(g).to(local.device)
     return math.sqrt(strategy.collectives.run("gradient norm", lambda: _all_reduce(local, strategy.world)))
 
 
