@@ -27,9 +27,8 @@ Under torchrun (``./run.sh demo --nproc 2``, or ``torchrun --nproc-per-node 2
 examples/finetune.py``) every rank trains on its own batches, data parallel: each keeps
 its shard of the optimizer state in its host's daemon (local rank 0 starts a private one
 per host unless --socket or $FUYOUD_SOCKET names one), gradients are reduce-scattered and
-weights all-gathered (docs/guide/distributed.md). On GPUs the weights stay in device
-memory on every rank (offload=False: offloading is not built for data parallelism on a
-GPU yet).
+weights all-gathered (docs/guide/distributed.md); each block's weights are read (this
+rank's shard) and gathered as it computes.
 """
 from __future__ import annotations
 
@@ -130,8 +129,7 @@ def main() -> int:
     try:
         if args.trainer:
             return with_trainer(args, model, tokens, args.socket)
-        engine = fuyou_client.attach(model, opt, socket=args.socket, namespace="finetune-demo", max_grad_norm=None,
-                                     offload=world == 1 or args.device == "cpu")  # (offload: CPU only when parallel)
+        engine = fuyou_client.attach(model, opt, socket=args.socket, namespace="finetune-demo", max_grad_norm=None)
         sched = torch.optim.lr_scheduler.LambdaLR(
             engine.optimizer, lambda s: min(1.0, (s + 1) / 5) * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
         gen = torch.Generator().manual_seed(rank)  # (each rank its own batches)

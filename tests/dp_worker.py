@@ -185,7 +185,11 @@ def run_ours(cfg: dict, steps: int, engine_out: list | None = None, **extra) -> 
             NORMS.append(engine.grad_norm())
         engine.step()
         engine.zero_grad()
-    if device is not None:  # what crossed "PCIe": the shards only, once per reduction and per step
+    if device is not None and cfg["offload"] and RANK == 0:  # each fetch uploads what this rank read: its shard
+        resident = sum(g.shard.shards.per * g.dtype.itemsize for g in engine.groups if g.offloaded is None)
+        PCIE.update(up=device.bytes_up - before[0],  # (and the resident groups' shards, once per step)
+                    want_up=engine.offloader.fetched_bytes + engine.offloader.served_bytes + steps * resident)
+    if device is not None and not cfg["offload"]:  # what crossed "PCIe": the shards only, once per reduction and step
         shard_bytes = sum(g.shard.shards.per * g.dtype.itemsize for g in engine.groups)
         reductions = k if cfg["reduce"] == "backward" else 1
         PCIE.update(up=device.bytes_up - before[0], down=device.bytes_down - before[1],
@@ -222,6 +226,8 @@ MATRIX = {
     "stand-in": config(accum=2, stand_in=True),
     "stand-in-backward": config(accum=2, reduce="backward", stand_in=True, dtype=torch.bfloat16),
     "stand-in-clip": config(clip=0.05, stand_in=True),
+    "stand-in-offload": config(offload=True, accum=2, stand_in=True),
+    "stand-in-offload-bf16": config(offload=True, stand_in=True, dtype=torch.bfloat16),
 }
 
 

@@ -68,7 +68,8 @@ def test_two_ranks_bitwise_against_ddp_and_inconsistent_ranks_refused(daemon, ou
     check_collectives a rank that skips a block is an error on both, not a hang; a NaN in
     one rank's gradient steps that group on no rank and raises NonFinite on both."""
     torchrun(daemon, 2, "exact+bad+nonfinite", out, "exact.names=plain,llama,accum,accum-backward,clip,bf16,swap,offload,"
-             "offload-accum,offload-bf16,offload-clip,stand-in,stand-in-backward,stand-in-clip", "bad.what=model,daemon,namespace,diverge")
+             "offload-accum,offload-bf16,offload-clip,stand-in,stand-in-backward,stand-in-clip,stand-in-offload,"
+             "stand-in-offload-bf16", "bad.what=model,daemon,namespace,diverge")
     for rank in results(out, "exact", 2):
         for name, r in rank.items():
             if "clip" in name:  # (engine.grad_norm(): the norm of the ranks' mean gradient, as DDP's)
@@ -76,8 +77,8 @@ def test_two_ranks_bitwise_against_ddp_and_inconsistent_ranks_refused(daemon, ou
                 assert len(r["norms"]) == 3 and r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5), r
             else:
                 assert r["differ"] == [] and r["losses"] == r["ref_losses"], (name, r)
-            if "stand-in" in name:  # a device with its own memory: only this rank's shards cross the link
-                assert r["pcie"]["up"] == r["pcie"]["want_up"] and r["pcie"]["down"] == r["pcie"]["want_down"], r
+            if "stand-in" in name and r["pcie"]:  # a device with its own memory: only this rank's shards cross
+                assert r["pcie"]["up"] == r["pcie"]["want_up"] and r["pcie"].get("down") == r["pcie"].get("want_down")
         assert rank["accum-backward"]["reference"] == "run_manual"
         assert rank["plain"]["reference"] == "run_ddp"
     bad = results(out, "bad", 2)

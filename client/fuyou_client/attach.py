@@ -55,10 +55,9 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) ->
         if materializer is not None:
             materializer.bind(block_list(model, blocks))
         device = resolve(opts.device, model)
-        if world is not None and opts.offload and not device.shares_host_memory:
-            raise ValueError(f"attach(offload={opts.offload!r}) with data parallelism on a device with its own memory "
-                             "is not built yet: pass offload=False (each rank keeps the weights on its device; the "
-                             "optimizer state is still sharded over the daemons)")
+        if world is not None and opts.offload == "host" and not device.shares_host_memory:
+            raise ValueError("attach(offload=\"host\") with data parallelism is not built yet: pass offload=True (each "
+                             "fetch reads this rank's shard and gathers the rest on the device) or False")
     except BaseException as exc:
         if materializer is not None:
             materializer.undo()

@@ -190,7 +190,9 @@ class Offloader:
             self.served_bytes += sum(s.length for s, ok in zip(g.sources, served) if ok)
             self.fetched_bytes += sum(s.length for s, ok in zip(g.sources, served) if not ok)
         g.slot, g.fetch, g.fetch_slot = slot, None, None
-        if not self.device.shares_host_memory:
+        if self.gather is not None:  # (data parallel: gathered in the slot's device memory already)
+            slot.uploaded = DONE
+        elif not self.device.shares_host_memory:
             source = g.host if g.host is not None else slot.host
             slot.uploaded = self.device.upload(slot.device[:g.nbytes], source.tensor(torch.uint8)[:g.nbytes],
                                                after=slot.released)

@@ -221,13 +221,19 @@ class Sharded(GradientStrategy):
 
     def gather_fetch(self, session, shards_of):
         """The offloader's ``gather``: once this rank's shard of an offloaded group has
-        landed in a slot (sources the daemon declined to serve are read first), the
-        group's weights gathered from the ranks' shards into the slot."""
+        landed in a slot's host buffer (sources the daemon declined to serve are read
+        first), the group's weights gathered from the ranks' shards into the slot: on the
+        host, or (a device with its own memory) on the device, after only the shard went
+        up. Returns the future the offloader waits for (with ``gathered``: nothing left to
+        upload)."""
+        on_host = self.device.shares_host_memory
+
         def gather(og, slot, fetch: Future) -> Future:
             shards = shards_of[og.name]
+            lo, hi = shards.rank * shards.per, (shards.rank + 1) * shards.per
 
             def run():
-                served = fetch.result()  # (its failure: reported after the all-gather, which the others wait for)
+                served = fetch.result() if fetch.exception() is None else None  # (a failure: after the gather)
                 if isinstance(served, list):
                     declined = [s for s, ok in zip(og.sources, served) if ok is False]
                     if declined:
@@ -235,10 +241,13 @@ class Sharded(GradientStrategy):
                                               for s in declined])
                     served = [None if ok is False else ok for ok in served]
                 flat = slot.host.tensor(og.dtype)
-                mine = flat[shards.rank * shards.per:(shards.rank + 1) * shards.per].clone()
-                distributed.all_gather(flat[:shards.padded], mine, self.world.group)
+                if not on_host:  # (the slot's last compute is done with it; only the shard goes up)
+                    device_flat = slot.device.view(og.dtype)
+                    self.device.upload(device_flat[lo:hi], flat[lo:hi], after=slot.released).synchronize()
+                    flat = device_flat
+                distributed.all_gather(flat[:shards.padded], flat[lo:hi].clone(), self.world.group)
                 return served
-            return self.collectives.submit(f"all-gather weights {og.name}", run)
+            return self.collectives.submit(f"all-gather weights {og.name}", run, after=fetch)
         return gather
 
     def zero(self, g, device) -> None:
