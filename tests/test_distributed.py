@@ -108,12 +108,15 @@ def test_two_gpus_on_nccl_bitwise_against_ddp(daemon, out):
 
 def test_three_ranks_pad_and_match_the_collectives_and_one_process(daemon, out):
     """N=3 (the shards are padded): bitwise against the same collectives around fused
-    AdamW; one step against one process on the concatenated batch within 1e-6."""
+    AdamW (clipping within 1e-6); one step against one process on the concatenated batch within 1e-6."""
     torchrun(daemon, 3, "exact+single", out, "exact.names=plain,accum-backward,clip,offload")
     for rank in results(out, "exact", 3):
         for name, r in rank.items():
             assert r["reference"] == "run_manual"
-            assert r["differ"] == [] and r["losses"] == r["ref_losses"], (name, r)
+            if name == "clip":  # (the norm: summed by shards here, by parameters in torch)
+                assert r["max_diff"] < 1e-6, (name, r)
+            else:
+                assert r["differ"] == [] and r["losses"] == r["ref_losses"], (name, r)
     for rank in results(out, "single", 3):
         assert rank["max_diff"] < 1e-6, rank
 

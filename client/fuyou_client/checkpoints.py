@@ -133,7 +133,8 @@ def read_masters(session: "Session", spec: "ParamGroup"):
     return buf, infos
 
 
-def export(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+def export(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | None = None,
+           masters=None) -> Path:
     """Write the trained weights, the frozen parameters and the model's persistent buffers
     to ``directory``; holds one layer group in memory at a time."""
     engine.require_idle("export")
@@ -141,12 +142,7 @@ def export(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | 
     writes = engine.world is None or engine.world.rank == 0  # (data parallel: every rank gathers, rank 0 writes)
     if writes:
         out.mkdir(parents=True, exist_ok=True)
-    if engine.world is not None:
-        from fuyou_client.dp_checkpoints import gather_masters
-
-        def masters(session, spec):
-            return gather_masters(session, engine.world, engine.collectives, spec)
-    else:
+    if masters is None:  # (data parallel: the engine gathers them from the ranks' shards)
         def masters(session, spec):
             buf, _ = read_masters(session, spec)
             return buf

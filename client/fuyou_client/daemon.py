@@ -135,10 +135,8 @@ def start_daemon(state_dir: str | os.PathLike | None = None, config: dict[str, d
     log_path = state / "fuyoud.log"
     sock = merged["daemon"].get("control_socket") or str(Path(merged["daemon"]["runtime_dir"]) / "fuyoud.sock")
 
-    runtime.mkdir(parents=True, exist_ok=True, mode=0o700)
-    notify_path = runtime / "notify.sock"  # (a socket path: the runtime directory's is short, the state's may not be)
-    if notify_path.exists():
-        notify_path.unlink()
+    notify_dir = Path(tempfile.mkdtemp(prefix="fuyoud-notify-"))  # (a socket path: short, whatever the state's)
+    notify_path = notify_dir / "notify.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as notify:
         notify.bind(str(notify_path))
         child_env = dict(os.environ if env is None else env, NOTIFY_SOCKET=str(notify_path))
@@ -158,8 +156,9 @@ def start_daemon(state_dir: str | os.PathLike | None = None, config: dict[str, d
                     proc.kill()
                 proc.wait()
                 tail = log_path.read_text(errors="replace")[-2000:]
+                shutil.rmtree(notify_dir, ignore_errors=True)
                 for path in temporary:
                     shutil.rmtree(path, ignore_errors=True)
                 raise DaemonUnavailable(f"fuyoud did not become ready (exit code {proc.returncode}); log:\n{tail}")
-    notify_path.unlink()
+    shutil.rmtree(notify_dir, ignore_errors=True)
     return DaemonProcess(proc, state, sock, config_path, log_path, temporary)

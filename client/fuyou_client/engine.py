@@ -541,7 +541,10 @@ class Engine:
         directory; plain modules: ``load_state_dict(fuyou_client.load_exported(dir))``),
         streamed from the SSD array one layer group at a time. ``dtype``: default, each
         group's parameter dtype."""
-        return checkpoints.export(self, directory, dtype)
+        if self.world is None:
+            return checkpoints.export(self, directory, dtype)
+        return checkpoints.export(self, directory, dtype, masters=lambda session, spec: dp_checkpoints.gather_masters(
+            session, self.world, self.collectives, spec))  # (every rank calls it: gathered, rank 0 writes)
 
     def _held_parts(self):
         """The parts whose daemon groups this process holds (data parallel: its shards')."""
