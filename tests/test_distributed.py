@@ -106,6 +106,7 @@ def test_two_gpus_on_nccl_bitwise_against_ddp(daemon, out):
             assert r["differ"] == [] and r["reference"] == "run_ddp", (name, r)
 
 
+@pytest.mark.slow  # (three ranks run in the default suite too: test_checkpoint_resumes_bitwise_and_reshards)
 def test_three_ranks_pad_and_match_the_collectives_and_one_process(daemon, out):
     """N=3 (the shards are padded): bitwise against the same collectives around fused
     AdamW (clipping within 1e-6); one step against one process on the concatenated batch within 1e-6."""
