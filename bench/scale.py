@@ -1,8 +1,9 @@
 """Data-parallel scaling through Fuyou on this machine: N ranks (torchrun, gloo, CPU) against one.
 
     python bench/scale.py [--json PATH] [--layers 8] [--width 768] [--vocab 50257] [--seq 128]
-                          [--batch 2] [--iters 3] [--warmup 2] [--rounds 3] [--configs n1,n2,n2x2,n4]
-                          [--bf16-configs n2,n2x2] [--dir DIR] [--budget-s 3600]
+                          [--batch 2] [--iters 3] [--warmup 2] [--rounds 3]
+                          [--configs n1,n2,n2x2,n4,n1o,n2o,n2x2o] [--bf16-configs n2,n2x2,n2o]
+                          [--dir DIR] [--budget-s 3600]
 
 GPT-2 (transformers ``GPT2Config``, built locally: nothing is downloaded; default 8 layers of
 width 768, vocabulary 50257, ~95M parameters), fp32, trained through
@@ -15,26 +16,49 @@ ranks) by bench/scale_worker.py, one process per rank, OMP_NUM_THREADS=1 each, `
 * n2x2: two torchrun commands (--nnodes 2 --node-rank 0|1 --master-addr 127.0.0.1), rank 0 on
         daemon A, rank 1 on daemon B: two hosts simulated on one machine (one disk, one loopback);
 * n4:   torchrun --nproc-per-node 4 on daemon A (skipped, and said so, when the memory or the
-        time budget would not hold it).
+        time budget would not hold it);
+* n1o, n2o, n2x2o, n4o: the same with ``attach(offload=True)``: the blocks' weights (not the
+        embeddings, the "rest" group) are on the SSD array too; each fetch reads this rank's
+        shard of the block's weights (fp32: the masters in place in the state object; backward's
+        fetch served from the daemon's read-ahead of the state, which the step then uses) and
+        all-gathers the rest.
+
+A run that would end past ``--budget-s`` (judged by its configuration's last run) is skipped
+and said so; the medians are then over fewer rounds (``rounds_run``).
 
 The daemons are private (``fuyou_client.start_daemon``) with ``state_cache = false``, so every
 step reads and writes its shard's whole state on the SSD array (direct I/O, the daemon's default)
-instead of keeping the last group in memory. Rounds interleave the configurations (order rotated
-per round: this machine's disk and CPUs drift by tens of percent within minutes); each round
+instead of keeping the last group in memory. A daemon serving k ranks at once (A: 2 in n2, 4 in
+n4) has k x ``--buffers-per-rank`` (6, the daemon's default for one client) optimizer buffers in
+k x ``--buffer-budget``, each session at most its 6 (``session_buffers``): with the default's six
+buffers shared by two ranks, backward's weight fetches found no spare buffer and were read a
+second time by the client (n2o: 3 of each rank's 7 per iteration, +0.45 B/param/rank). Rounds
+interleave the configurations (order rotated per round: this machine's disk and CPUs drift by
+tens of percent within minutes); each round
 first measures the disk with a bare io_uring loop (bench/common.BareLoop: read, durable write as
 the daemon's commits sync, cached write) on the same file system. Each run does ``--warmup``
 untimed iterations, then ``--iters`` timed back-to-back iterations (scale_worker.py says how the
 window is bracketed). Figures per run, medians over rounds per configuration:
 
 * ssd_bytes_per_param_per_iter_per_rank: the daemons' bytes read + written in the window (summed
-  over distinct daemons) / parameters / iterations / N. Target 24/N (fp32 master weights and two
-  moments read and written, 24 bytes per parameter in all, each rank's daemon holding 1/N),
-  met within 2%.
+  over distinct daemons) / parameters / iterations / N. Target with resident weights 24/N (fp32
+  master weights and two moments read and written, 24 bytes per parameter in all, each rank's
+  daemon holding 1/N), met within 2%; offloaded, at most 28/N within 2% (forward's fetch reads
+  the weights once more: 4 bytes). As designed (``ssd_expected...``): (24 + 4 f)/N, f the
+  offloaded blocks' share of the parameters (GPT-2 8x768: 0.594, the embeddings stay resident);
+  a fetch out of a state object also reads the rest of the 1 MiB checksum blocks its range cuts
+  (fuyoud/storage/checksums.py): under 1 MiB at each end, ~0.1 B/param here, a whole object for
+  a tiny model's blocks. The client's own reads and the daemon's served fetches are reported.
 * network_bytes_per_param_per_iter_per_rank: loopback tx bytes (/proc/net/dev, all processes of
   this machine) in the window / parameters / iterations / N; also the ranks' own TCP bytes sent
-  (``ss``, immune to other loopback users), and two formulas: a ring reduce-scatter + all-gather
-  (2 (N-1)/N flat vectors per rank: 8 (N-1)/N B/param in fp32, 4 (N-1)/N in bf16) and what gloo
-  really moves (its reduce-scatter costs an all-reduce: 3 (N-1)/N vectors). Target <= 6 (N-1)/N.
+  (``ss``, immune to other loopback users), what the engine's collectives asked for (their calls
+  counted in the worker) and the formula (FORMULAS; ``network_formula...``, whose ``ring`` and
+  ``gloo`` keys are now equal): per rank a reduce-scatter sends (N-1)/N of the flat gradient (on
+  gloo an all-to-all and a local sum, distributed.reduce_scatter), an all-gather (N-1)/N of the
+  flat weights, so with resident weights 2 (N-1)/N vectors (8 (N-1)/N B/param in fp32, 4 (N-1)/N
+  in bf16); offloaded, every fetch all-gathers the block (forward's and backward's, but the last
+  block stays from forward into backward) in place of the barrier's gather: 2 + f (B-1)/B
+  vectors with B blocks (2.52 here). Target <= 6 (N-1)/N.
 * step_over_ssd_bound: iteration time / (bytes read at the bare read bandwidth + bytes written at
   the bare durable write bandwidth, both from the same round). Target <= 1.15.
 * exposed_optimizer_fraction: time in ``engine.step()`` / iteration time (forward start to
@@ -45,7 +69,8 @@ window is bracketed). Figures per run, medians over rounds per configuration:
   n1; the daemons' CPU seconds per iteration and the StepInfo read / compute / write seconds.
 
 Why fp32, and the bf16 check: the engine moves gradients and weights in the parameters' dtype, so
-the network target (6 (N-1)/N) is only reachable with 2-byte parameters. But this CPU has no
+the network target (6 (N-1)/N: 1.5 flat vectors of fp32, 3 of bf16) is only reachable with 2-byte
+parameters. But this CPU has no
 AVX-512 / BF16 instructions: a bf16 matmul runs ~70x slower than fp32 here, so a bf16 model's
 timings would measure that emulation, not Fuyou. The timed configurations are therefore fp32; the
 ``--bf16-configs`` runs (first round only, ``--bf16-batch`` x ``--bf16-seq`` tokens per rank, the
@@ -75,9 +100,32 @@ from common import BareLoop, gbps, host_info, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "scale_worker.py"
-CONFIGS = {"n1": (1, 1), "n2": (2, 1), "n2x2": (2, 2), "n4": (4, 1)}  # name: (ranks, daemons)
+# name: (ranks, daemons, offload): "<name>o" is "<name>" with attach(offload=True)
+CONFIGS = {"n1": (1, 1, False), "n2": (2, 1, False), "n2x2": (2, 2, False), "n4": (4, 1, False),
+           "n1o": (1, 1, True), "n2o": (2, 1, True), "n2x2o": (2, 2, True), "n4o": (4, 1, True)}
 TARGET_SSD_TOL, TARGET_STEP_OVER_BOUND, TARGET_EXPOSED = 0.02, 1.15, 0.10
-ITEMSIZE = {"fp32": 4, "bf16": 2}
+FORMULAS = {
+    "ssd_bytes_per_param_per_iter_per_rank": (
+        "(24 + 4 f) / N, f = the offloaded blocks' share of the parameters (0 with offload=False). 24: the optimizer "
+        "state (fp32 masters and two moments, 12 B) read and written by every step. 4, offloaded: forward's fetch "
+        "of each block reads the block's weights (fp32: the masters in place in the state object; bf16: the 2-byte "
+        "weights object the step writes, 2 + 2); backward's fetch is served from the daemon's read-ahead of the "
+        "state, which the step then uses, so it reads nothing more. Every rank's daemon holds and moves 1/N of it. "
+        "Target: 24/N within 2% with resident weights; at most 28/N (f = 1) within 2% offloaded."),
+    "network_bytes_per_param_per_iter_per_rank": (
+        "s (N-1)/N x sum over layer groups of padded x (1 + a) / params, s the itemsize (fp32 4, bf16 2), padded the "
+        "group's flat vector cut into N equal shards. 1: the gradient's reduce-scatter (on gloo an all-to-all of "
+        "the chunks and a local sum: each rank sends N-1 of its N chunks, (N-1)/N of the vector, as a ring "
+        "reduce-scatter would; gloo's own reduce-scatter sent an all-reduce's 2(N-1)/N). a: how many times the "
+        "group's weights are all-gathered per iteration ((N-1)/N of the vector each, gloo's ring): a resident "
+        "group once, after its step at the barrier; an offloaded block at every fetch instead (no barrier gather: "
+        "the next fetch reads the new shards) - forward's and backward's, 2, except the last 1 + keep blocks, "
+        "which stay resident from their forward into their backward, 1. Resident: 2 vectors, s 2 (N-1)/N (fp32 "
+        "8 (N-1)/N, bf16 4 (N-1)/N). Offloaded, B equal blocks holding f of the parameters: 2 + f (B-1-keep)/B "
+        "vectors (GPT-2 8x768: f = 0.594, B = 8, keep = 0: 2.52; fp32 10.08 (N-1)/N, bf16 5.04 (N-1)/N). "
+        "Target: at most 6 (N-1)/N, i.e. 1.5 vectors in fp32, 3 in bf16; the loopback and TCP figures add the "
+        "headers and the barriers' bytes."),
+}
 GiB = 1 << 30
 now = time.perf_counter
 
@@ -126,11 +174,12 @@ def disk_bandwidth(directory: Path, size: int) -> dict:
 
 def commands(config: str, args, dtype: str, out: Path, namespace: str) -> list[list[str]]:
     """The command line(s) of one run: one per simulated host."""
-    ranks, hosts = CONFIGS[config]
+    ranks, hosts, offload = CONFIGS[config]
     batch, seq = (args.batch, args.seq) if dtype == "fp32" else (args.bf16_batch, args.bf16_seq)
     worker = [str(WORKER), "--out", str(out), "--layers", str(args.layers), "--width", str(args.width),
               "--vocab", str(args.vocab), "--seq", str(seq), "--batch", str(batch), "--dtype", dtype,
-              "--warmup", str(args.warmup), "--iters", str(args.iters), "--namespace", namespace]
+              "--warmup", str(args.warmup), "--iters", str(args.iters), "--namespace", namespace,
+              *(["--offload"] if offload else [])]
     if ranks == 1:
         return [[sys.executable, *worker]]
     port = free_port()
@@ -173,6 +222,46 @@ def launch(config: str, args, dtype: str, daemons: list, workdir: Path, tag: str
     return [json.loads((out / f"rank{r}.json").read_text()) | {"noise": noise} for r in range(ranks)]
 
 
+def gathers_per_iter(g: dict, blocks: int, keep: int) -> int:
+    """How many times per iteration a layer group's weights are all-gathered on each rank:
+    a resident group once (at the barrier, after its step); an offloaded block at each fetch,
+    forward's and backward's (the offloader's ``gather``: no barrier gather), except the last
+    ``keep`` + 1 blocks, which stay resident from their forward into their backward (offload.py)
+    and are fetched by forward only."""
+    if not g["offloaded"]:
+        return 1
+    return 1 if g["offload_index"] >= blocks - 1 - keep else 2
+
+
+def network_formula(results: list[dict]) -> dict:
+    """The bytes each rank's collectives send per iteration, from the layer groups the ranks
+    reported: every group's flat gradient reduce-scattered once (on gloo an all-to-all of its
+    chunks: (N-1)/N of the padded vector sent per rank, as a ring's), and its weights all-gathered
+    ``gathers_per_iter`` times ((N-1)/N of the padded vector each, gloo's ring). Per parameter:
+    itemsize x (N-1)/N x sum(padded x (1 + gathers)) / params, i.e. 2 vectors' worth with resident
+    weights and 2 + f (B - 1 - keep) / B with B offloaded blocks holding a fraction f of the
+    parameters."""
+    n, r = len(results), results[0]
+    groups, params = r["groups"], r["params"]
+    blocks, keep = sum(g["offloaded"] for g in groups), r.get("keep") or 0
+    vectors = sum(g["padded"] * (1 + gathers_per_iter(g, blocks, keep)) for g in groups) / params
+    itemsize = groups[0]["itemsize"] if groups else 4
+    offloaded = sum(g["numel"] for g in groups if g["offloaded"])
+    return {"vectors": vectors, "bytes": itemsize * (n - 1) / n * vectors if n > 1 else 0.0,
+            "offloaded_params": offloaded, "offloaded_fraction": offloaded / params, "offloaded_blocks": blocks,
+            "keep": keep, "fetches_per_iter_formula": sum(gathers_per_iter(g, blocks, keep) for g in groups
+                                                          if g["offloaded"])}
+
+
+def ssd_expected(n: int, offloaded_fraction: float) -> float:
+    """SSD bytes per parameter per iteration per rank as designed: the optimizer state (fp32
+    masters and two moments) read and written, 24 B, plus for the offloaded blocks' parameters
+    4 B: fp32, forward's fetch reads the masters in place (backward's is served from the step's
+    read-ahead of the state: no read of its own); bf16, the step writes the 2-byte weights object
+    and forward's fetch reads it. Each rank's daemon holds 1/N of it."""
+    return (24 + 4 * offloaded_fraction) / n
+
+
 def figures(config: str, dtype: str, results: list[dict], disk: dict, tokens_per_rank: int) -> dict:
     """One run's figures from its ranks' JSONs (scale_worker.py)."""
     n_ranks = len(results)
@@ -203,20 +292,39 @@ def figures(config: str, dtype: str, results: list[dict], disk: dict, tokens_per
     lo = results[0]["delta"]["lo_tx"]
     tcp = sum(r["delta"]["tcp_sent"] for r in results)
     ratio = (n_ranks - 1) / n_ranks
+    formula = network_formula(results)
+    calls = lambda kind: mean(lambda r: r["collectives"][kind]["calls"]) / iters  # noqa: E731
+    asked = mean(lambda r: sum(r["collectives"][k]["bytes"] for k in ("reduce_scatter", "all_gather",
+                                                                       "all_gather_fetch")))
     return {
-        "config": config, "dtype": dtype, "ranks": n_ranks, "daemons": len(daemons), "params": params,
+        "config": config, "dtype": dtype, "offload": CONFIGS[config][2], "ranks": n_ranks,
+        "daemons": len(daemons), "params": params,
         "iters": iters, "iter_s": iter_s, "tokens_per_s": n_ranks * tokens_per_rank / iter_s,
         "forward_s": mean(lambda r: per(r, 0, 1)), "backward_s": mean(lambda r: per(r, 1, 2)),
         "step_s": mean(lambda r: per(r, 2, 3)), "zero_grad_s": mean(lambda r: per(r, 3, 4)),
         "exposed_optimizer_fraction": mean(lambda r: per(r, 2, 3) / per(r, 0, 4)),
         "ssd_bytes_per_param_per_iter_per_rank": (read + written) / params / n_ranks,
+        "ssd_expected_bytes_per_param_per_iter_per_rank": ssd_expected(n_ranks, formula["offloaded_fraction"]),
+        "offloaded_params": formula["offloaded_params"], "offloaded_fraction": formula["offloaded_fraction"],
+        "offloaded_blocks": formula["offloaded_blocks"],
+        "weights_fetched_bytes_per_param_per_iter_per_rank": sum(r["delta"]["fetched_bytes"] for r in results)
+        / params / iters / n_ranks,
+        "weights_served_bytes_per_param_per_iter_per_rank": sum(r["delta"]["served_bytes"] for r in results)
+        / params / iters / n_ranks,
         "ssd_read_bytes_per_iter": read, "ssd_written_bytes_per_iter": written,
         "ssd_bound_s": bound, "step_over_ssd_bound": iter_s / bound,
         "ssd_cached_bound_s": cached_bound, "step_over_ssd_cached_bound": iter_s / cached_bound,
         "network_bytes_per_param_per_iter_per_rank": lo / params / iters / n_ranks,
         "tcp_sent_bytes_per_param_per_iter_per_rank": tcp / params / iters / n_ranks,
-        "network_formula_ring_bytes_per_param_per_iter_per_rank": 2 * ITEMSIZE[dtype] * ratio,
-        "network_formula_gloo_bytes_per_param_per_iter_per_rank": 3 * ITEMSIZE[dtype] * ratio,
+        "network_formula_bytes_per_param_per_iter_per_rank": formula["bytes"],
+        "network_formula_vectors_per_param": formula["vectors"],
+        # (the same collectives on a ring, and as gloo runs them: equal since the reduce-scatter is an all-to-all)
+        "network_formula_ring_bytes_per_param_per_iter_per_rank": formula["bytes"],
+        "network_formula_gloo_bytes_per_param_per_iter_per_rank": formula["bytes"],
+        "network_collectives_bytes_per_param_per_iter_per_rank": ratio * asked / params / iters,
+        "reduce_scatters_per_iter": calls("reduce_scatter"), "barrier_gathers_per_iter": calls("all_gather"),
+        "fetch_gathers_per_iter": calls("all_gather_fetch"), "fetch_gathers_per_iter_formula":
+        formula["fetches_per_iter_formula"] if n_ranks > 1 else 0, "all_reduces_per_iter": calls("all_reduce"),
         "network_target_bytes_per_param_per_iter_per_rank": 6 * ratio,
         "pinned_bytes_per_session": statistics.fmean(d["pinned_bytes_per_session"] for d in daemons),
         "daemon_cpu_s_per_iter": sum(d["cpu_s_per_iter"] for d in daemons),
@@ -250,11 +358,32 @@ def notes(results: dict, bf16: dict) -> list[str]:
         if m.get("skipped") or m["ranks"] == 1:
             continue
         tcp = m["tcp_sent_bytes_per_param_per_iter_per_rank"]
-        gloo = m["network_formula_gloo_bytes_per_param_per_iter_per_rank"]
-        if abs(tcp - gloo) <= 0.02 * gloo:
-            out.append(f"{c}: the ranks' TCP payload ({tcp:.2f} B/param/rank) is gloo's formula ({gloo:.2f}), not the "
-                       f"ring's ({m['network_formula_ring_bytes_per_param_per_iter_per_rank']:.2f}): gloo's "
-                       "reduce-scatter moves as much as an all-reduce; loopback adds the TCP/IP headers")
+        formula = m["network_formula_bytes_per_param_per_iter_per_rank"]
+        n, target = m["ranks"], m["network_target_bytes_per_param_per_iter_per_rank"]
+        vectors = m["network_formula_vectors_per_param"]
+        size = formula / ((n - 1) / n) / vectors
+        why = (f"{size:.0f}-byte {m['dtype']} vectors: the target's 6 (N-1)/N allows {6 / size:.2f} vectors"
+               if formula > target else "within the target")
+        what = ("one reduce-scatter, the resident group gathered once and each offloaded block at each fetch"
+                if m["offload"] else "one reduce-scatter and one all-gather")
+        out.append(f"{c}: the ranks' TCP payload {tcp:.2f} B/param/rank against the formula's {formula:.2f} "
+                   f"({what}: {vectors:.3f} flat vectors x "
+                   f"(N-1)/N, {why}); the engine's collectives asked for "
+                   f"{m['network_collectives_bytes_per_param_per_iter_per_rank']:.2f}; loopback (all processes) "
+                   f"{m['network_bytes_per_param_per_iter_per_rank']:.2f}")
+    for c, m in [*results.items(), *((f"{c}-bf16", f) for c, f in bf16.items())]:
+        if not m.get("skipped") and m["offload"]:
+            out.append(f"{c}: SSD {m['ssd_bytes_per_param_per_iter_per_rank']:.2f} B/param/rank, designed "
+                       f"{m['ssd_expected_bytes_per_param_per_iter_per_rank']:.2f} = (24 + 4 x "
+                       f"{m['offloaded_fraction']:.3f}) / {m['ranks']}: only the {m['offloaded_blocks']} blocks "
+                       f"({m['offloaded_fraction']:.1%} of the parameters; the rest group, embeddings and final norm, "
+                       f"stays resident) add forward's fetch; the client read "
+                       f"{m['weights_fetched_bytes_per_param_per_iter_per_rank']:.2f} B/param/rank of weights "
+                       "(forward's "
+                       f"fetches and backward's the daemon declined), the daemon served "
+                       f"{m['weights_served_bytes_per_param_per_iter_per_rank']:.2f} from its state read-aheads; "
+                       f"{m['fetch_gathers_per_iter']:.0f} fetch gathers per iteration "
+                       f"(formula {m['fetch_gathers_per_iter_formula']:.0f})")
     for c, m in results.items():
         if not m.get("skipped"):
             cpu = m["daemon_cpu_s_per_iter"]
@@ -269,10 +398,17 @@ def notes(results: dict, bf16: dict) -> list[str]:
 
 def judge(name: str, m: dict) -> dict:
     """The issue's targets against one configuration's medians."""
-    n = m["ranks"]
-    ssd_target = 24 / n
-    out = {"ssd_bytes_target": ssd_target,
-           "ssd_bytes_met": abs(m["ssd_bytes_per_param_per_iter_per_rank"] - ssd_target) <= TARGET_SSD_TOL * ssd_target,
+    n, ssd = m["ranks"], m["ssd_bytes_per_param_per_iter_per_rank"]
+    if CONFIGS[name][2]:  # offloaded weights: at most 28/N (every parameter's weights read once more), within 2%
+        ssd_target = 28 / n
+        met = ssd <= (1 + TARGET_SSD_TOL) * ssd_target
+    else:  # resident weights: the state's 24/N, within 2%
+        ssd_target = 24 / n
+        met = abs(ssd - ssd_target) <= TARGET_SSD_TOL * ssd_target
+    expected = m["ssd_expected_bytes_per_param_per_iter_per_rank"]
+    out = {"ssd_bytes_target": ssd_target, "ssd_bytes_target_kind": "at most" if CONFIGS[name][2] else "equal",
+           "ssd_bytes_met": met, "ssd_bytes_expected": expected,
+           "ssd_bytes_expected_met": abs(ssd - expected) <= TARGET_SSD_TOL * expected,
            "step_over_ssd_bound_target": TARGET_STEP_OVER_BOUND,
            "step_over_ssd_bound_met": m["step_over_ssd_bound"] <= TARGET_STEP_OVER_BOUND}
     if n > 1:
@@ -298,16 +434,21 @@ def main(argv=None) -> int:
                     "daemon's read-ahead follows the previous iteration's order, so the first\n"
                     "iterations' reads straddle iteration boundaries; from the third on they do not)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--configs", default="n1,n2,n2x2,n4", help=f"comma-separated subset of {','.join(CONFIGS)}")
-    ap.add_argument("--bf16-configs", default="n2,n2x2", help="bytes-only bf16 runs in the first round ('' for none)")
+    ap.add_argument("--configs", default="n1,n2,n2x2,n4,n1o,n2o,n2x2o",
+                    help=f"comma-separated subset of {','.join(CONFIGS)}")
+    ap.add_argument("--bf16-configs", default="n2,n2x2,n2o",
+                    help="bytes-only bf16 runs in the first round ('' for none)")
     ap.add_argument("--bf16-batch", type=int, default=1)
     ap.add_argument("--bf16-seq", type=int, default=16)
     ap.add_argument("--bare-size", default=str(GiB), help="bytes of the bare disk loop's file (default 1 GiB)")
-    ap.add_argument("--buffer-budget", default="1GiB", help="each daemon's [optimizer] buffer_budget")
+    ap.add_argument("--buffer-budget", default="1GiB", help="[optimizer] buffer_budget per rank a daemon serves")
+    ap.add_argument("--buffers-per-rank", type=int, default=6,
+                    help="[optimizer] buffers per rank a daemon serves (its session_buffers: each rank its own)")
     ap.add_argument("--pinned-budget", default="8GiB", help="each daemon's [memory] pinned_budget")
     ap.add_argument("--run-timeout", type=float, default=900, help="seconds one run may take")
     ap.add_argument("--budget-s", type=float, default=3600,
-                    help="n4 is skipped in a round that would end past this many seconds")
+                    help="a run that would end past this many seconds (its configuration's last run's time; N=4's\n"
+                    "first, estimated from N=1's) is skipped, and said so")
     ap.add_argument("--dir", type=Path, help="parent of the bench directory (default <repo>/.fuyou/bench)")
     args = ap.parse_args(argv)
     split = lambda s: [c for c in s.split(",") if c]  # noqa: E731
@@ -316,6 +457,7 @@ def main(argv=None) -> int:
             or min(args.iters, args.rounds, args.batch, args.seq, args.layers) < 1 or args.warmup < 0:
         ap.error(f"--configs from {','.join(CONFIGS)}; positive sizes; --width a multiple of 64")
     from fuyoud.units import parse_size
+    code_at_start = code_version()  # (each run imports the checkout afresh: a commit mid-run shows here)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     args.json = args.json or REPO / ".fuyou" / "bench-results" / f"scale-{stamp}.json"
     parent = (args.dir or REPO / ".fuyou" / "bench").resolve()
@@ -330,6 +472,7 @@ def main(argv=None) -> int:
           f"{args.rounds} rounds of {','.join(configs)}; bf16 bytes check: {','.join(bf16_configs) or 'none'}",
           flush=True)
     daemons, runs, bf16_runs, disks, skipped, order_log = [], {c: [] for c in configs}, {}, [], [], []
+    daemon_config: dict[str, dict] = {}
     t_start = now()
     # The daemons' state directories (sockets, index, log) under a short path: a unix socket's
     # path must stay under 108 bytes, and start_daemon binds its notify socket there as it is.
@@ -337,10 +480,17 @@ def main(argv=None) -> int:
     short = Path(tempfile.mkdtemp(prefix="fy-scale-"))
     try:
         for name in ("A", "B") if any(CONFIGS[c][1] == 2 for c in configs + bf16_configs) else ("A",):
-            daemons.append(fuyou_client.start_daemon(short / name, config={
+            # A daemon serving k ranks at once (n2: A two, n4: four) gets k times one rank's
+            # buffers, each session at most its own: what the daemon's default (six buffers)
+            # gives one client - backward's weight fetches served from its read-aheads, steps
+            # in flight, a spare - for each of them, as a host's daemon would be sized.
+            k = max(CONFIGS[c][0] // CONFIGS[c][1] for c in configs + bf16_configs)
+            daemon_config[name] = {
                 "storage": {"data_dirs": [str(workdir / f"daemon{name}-data")], "capacity_per_device": capacity},
                 "memory": {"pinned_budget": args.pinned_budget},
-                "optimizer": {"buffer_budget": args.buffer_budget, "state_cache": False}}))
+                "optimizer": {"buffer_budget": k * parse_size(args.buffer_budget), "buffers": k * args.buffers_per_rank,
+                              "session_buffers": args.buffers_per_rank, "state_cache": False}}
+            daemons.append(fuyou_client.start_daemon(short / name, config=daemon_config[name]))
         for r in range(args.rounds):
             k = r % len(configs)
             order = configs[k:] + configs[:k]
@@ -350,18 +500,19 @@ def main(argv=None) -> int:
             print(f"round {r + 1}/{args.rounds}: disk read {disk['read_gbps']:.2f} GB/s, durable write "
                   f"{disk['durable_write_gbps']:.2f}, cached write {disk['cached_write_gbps']:.2f}", flush=True)
             for c in order:
-                n = CONFIGS[c][0]
-                if n > 2 and runs.get("n1"):  # memory and time, from what n1 needed
-                    need = n * runs["n1"][-1]["max_rss_bytes"] * 1.2 + 2 * GiB
-                    took = max(sum(s.values()) for s in runs["n1"][-1]["setup_s"]) + 1.5 * n * (
-                        args.warmup + args.iters) * runs["n1"][-1]["iter_s"]
-                    why = (f"needs ~{need / GiB:.1f} GiB, {mem_available() / GiB:.1f} GiB available"
-                           if mem_available() < need else f"would end past --budget-s {args.budget_s:.0f} s"
-                           if now() - t_start + took > args.budget_s else None)
-                    if why:
-                        skipped.append({"config": c, "round": r + 1, "reason": why})
-                        print(f"  {c}: SKIPPED ({why})", flush=True)
-                        continue
+                n, one = CONFIGS[c][0], "n1o" if CONFIGS[c][2] and runs.get("n1o") else "n1"
+                need, took = 0, runs[c][-1]["wall_s"] if runs.get(c) else None  # (its own last run's time)
+                if n > 2 and runs.get(one):  # memory and (before its first run) time, from what N=1 needed
+                    need = n * runs[one][-1]["max_rss_bytes"] * 1.2 + 2 * GiB
+                    took = took or max(sum(s.values()) for s in runs[one][-1]["setup_s"]) + 1.5 * n * (
+                        args.warmup + args.iters) * runs[one][-1]["iter_s"]
+                why = (f"needs ~{need / GiB:.1f} GiB, {mem_available() / GiB:.1f} GiB available"
+                       if mem_available() < need else f"would end past --budget-s {args.budget_s:.0f} s"
+                       if took is not None and now() - t_start + took > args.budget_s else None)
+                if why:
+                    skipped.append({"config": c, "round": r + 1, "reason": why})
+                    print(f"  {c}: SKIPPED ({why})", flush=True)
+                    continue
                 t = now()
                 f = figures(c, "fp32", launch(c, args, "fp32", daemons, workdir, f"{c}-r{r + 1}"), disk, tokens)
                 f.update(wall_s=now() - t, round=r + 1)
@@ -369,7 +520,8 @@ def main(argv=None) -> int:
                 print(f"  {c}: iter {f['iter_s']:.3f} s, {f['tokens_per_s']:.0f} tok/s, exposed "
                       f"{f['exposed_optimizer_fraction']:.3f}, SSD {f['ssd_bytes_per_param_per_iter_per_rank']:.2f} "
                       f"B/param/rank, lo {f['network_bytes_per_param_per_iter_per_rank']:.2f} (tcp "
-                      f"{f['tcp_sent_bytes_per_param_per_iter_per_rank']:.2f}) B/param/rank, step/bound "
+                      f"{f['tcp_sent_bytes_per_param_per_iter_per_rank']:.2f}, formula "
+                      f"{f['network_formula_bytes_per_param_per_iter_per_rank']:.2f}) B/param/rank, step/bound "
                       f"{f['step_over_ssd_bound']:.2f}, pinned/session {f['pinned_bytes_per_session'] / GiB:.2f} GiB "
                       f"({f['wall_s']:.0f} s; other processes used {f['others_cpus']:.1f} CPUs)", flush=True)
             if r == 0:
@@ -397,38 +549,48 @@ def main(argv=None) -> int:
             continue
         stats[c] = {k: summarize([f[k] for f in rs]) for k in rs[0] if scalar(rs[0][k])}
         results[c] = {k: s["median"] for k, s in stats[c].items()}
-        results[c].update(config=c, dtype="fp32", rounds_run=len(rs), per_daemon_last=rs[-1]["per_daemon"])
-    base = runs.get("n1") or []
+        results[c].update(config=c, dtype="fp32", offload=CONFIGS[c][2], rounds_run=len(rs),
+                          per_daemon_last=rs[-1]["per_daemon"],
+                          **{k: rs[0][k] for k in ("ranks", "daemons", "params", "iters")})  # (not medians: 2.0)
+    paired = lambda c, b: [(f, g) for f in runs[c] for g in runs.get(b) or [] if g["round"] == f["round"]]  # noqa: E731
     for c, m in results.items():
-        # Paired within the round: the same disk and CPU weather.
-        if c != "n1" and any(b["round"] == f["round"] for f in runs[c] for b in base):
-            pairs = [(f, b) for f in runs[c] for b in base if b["round"] == f["round"]]
+        # Paired within the round: the same disk and CPU weather. An offloaded configuration's
+        # N=1 is n1o (when it ran), and it is also paired with its resident counterpart.
+        one = "n1o" if CONFIGS[c][2] and runs.get("n1o") else "n1"
+        if CONFIGS[c][0] > 1 and paired(c, one):
+            pairs = paired(c, one)
+            m["n1_config"] = one
             m["tokens_per_s_over_n1"] = statistics.median(f["tokens_per_s"] / b["tokens_per_s"] for f, b in pairs)
             m["iter_s_over_n1"] = statistics.median(f["iter_s"] / b["iter_s"] for f, b in pairs)
             m["scaling_efficiency"] = m["tokens_per_s_over_n1"] / m["ranks"]
+        if CONFIGS[c][2] and paired(c, c[:-1]):
+            m["iter_s_over_resident"] = statistics.median(f["iter_s"] / b["iter_s"] for f, b in paired(c, c[:-1]))
         m["targets"] = judge(c, m)
     print(f"\n{'config':<6} {'N':>2} {'iter s':>7} {'tok/s':>6} {'x n1':>5} {'exposed':>7} {'SSD B':>6} "
-          f"{'target':>6} {'lo B':>5} {'tcp B':>5} {'ring':>5} {'gloo':>5} {'target':>6} {'/bound':>6} "
+          f"{'design':>6} {'target':>7} {'lo B':>5} {'tcp B':>5} {'formula':>7} {'target':>6} {'/bound':>6} "
           f"{'pinned/s':>8} {'dmn cpu':>7} {'others':>6}")
     for c, m in results.items():
+        t = m["targets"]
         print(f"{c:<6} {m['ranks']:>2} {m['iter_s']:7.3f} {m['tokens_per_s']:6.0f} "
               f"{m.get('tokens_per_s_over_n1', 1.0):5.2f} {m['exposed_optimizer_fraction']:7.3f} "
-              f"{m['ssd_bytes_per_param_per_iter_per_rank']:6.2f} {24 / m['ranks']:6.2f} "
+              f"{m['ssd_bytes_per_param_per_iter_per_rank']:6.2f} {t['ssd_bytes_expected']:6.2f} "
+              f"{'<=' if m['offload'] else '='}{t['ssd_bytes_target']:5.2f} "
               f"{m['network_bytes_per_param_per_iter_per_rank']:5.2f} "
               f"{m['tcp_sent_bytes_per_param_per_iter_per_rank']:5.2f} "
-              f"{m['network_formula_ring_bytes_per_param_per_iter_per_rank']:5.2f} "
-              f"{m['network_formula_gloo_bytes_per_param_per_iter_per_rank']:5.2f} "
+              f"{m['network_formula_bytes_per_param_per_iter_per_rank']:7.2f} "
               f"{m['network_target_bytes_per_param_per_iter_per_rank']:6.2f} {m['step_over_ssd_bound']:6.2f} "
               f"{m['pinned_bytes_per_session'] / GiB:7.2f}G {m['daemon_cpu_s_per_iter']:7.2f} {m['others_cpus']:6.2f}")
-    print("(medians over rounds; bytes per parameter per iteration per rank; x n1 = tokens/s over n1's, paired per "
-          "round; /bound = iteration over the SSD time at the bare read and durable write bandwidths; dmn cpu = the "
-          "daemons' CPU s per iteration; others = CPUs other processes of this machine used during the runs)")
+    print("(medians over rounds; bytes per parameter per iteration per rank; x n1 = tokens/s over n1's (an offloaded "
+          "configuration's: n1o's), paired per round; design = (24 + 4 x the offloaded blocks' share of the "
+          "parameters) / N; formula = the collectives' payload (FORMULAS); /bound = iteration over the SSD time at the "
+          "bare read and durable write bandwidths; dmn cpu = the daemons' CPU s per iteration; others = CPUs other "
+          "processes of this machine used during the runs)")
     for c, f in bf16_runs.items():
-        print(f"{c} bf16 (bytes only): SSD {f['ssd_bytes_per_param_per_iter_per_rank']:.2f} B, lo "
+        print(f"{c} bf16 (bytes only): SSD {f['ssd_bytes_per_param_per_iter_per_rank']:.2f} B (design "
+              f"{f['ssd_expected_bytes_per_param_per_iter_per_rank']:.2f}), lo "
               f"{f['network_bytes_per_param_per_iter_per_rank']:.2f}, "
               f"tcp {f['tcp_sent_bytes_per_param_per_iter_per_rank']:.2f}"
-              f", ring {f['network_formula_ring_bytes_per_param_per_iter_per_rank']:.2f}, gloo "
-              f"{f['network_formula_gloo_bytes_per_param_per_iter_per_rank']:.2f}, target "
+              f", formula {f['network_formula_bytes_per_param_per_iter_per_rank']:.2f}, target "
               f"{f['network_target_bytes_per_param_per_iter_per_rank']:.2f}")
     for s in skipped:
         print(f"skipped {s['config']} in round {s['round']}: {s['reason']}")
@@ -446,12 +608,13 @@ def main(argv=None) -> int:
         "model": {"layers": args.layers, "width": args.width, "vocab": args.vocab, "dtype": "fp32",
                   "params": next((m["params"] for m in results.values() if "params" in m), None)},
         "tokens_per_rank_per_iter": tokens, "configs": results, "stats": stats, "runs": runs,
-        "bf16_bytes_check": bf16_runs, "notes": notes(results, bf16_runs), "skipped": skipped,
-        "code": code_version(), "order": order_log,
+        "bf16_bytes_check": bf16_runs, "formulas": FORMULAS, "notes": notes(results, bf16_runs), "skipped": skipped,
+        "code": code_version() | {"at_start": code_at_start}, "order": order_log,
         "disk": {"rounds": disks, **{k: statistics.median(d[k] for d in disks) for k in disks[0]}} if disks else {},
         "disk_reference": "../shared/MEASUREMENTS.md (2026-11-24): bare io_uring 3.5 GB/s write, 2.3 read; "
                           "0.55-0.8 GB/s written and synced",
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "wall_s": wall,
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "daemon_config": {name: c["optimizer"] for name, c in daemon_config.items()}, "wall_s": wall,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")

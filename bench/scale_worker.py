@@ -1,7 +1,8 @@
-"""One rank of bench/scale.py: trains GPT-2 through ``attach(offload=False)`` and writes what it saw.
+"""One rank of bench/scale.py: trains GPT-2 through ``attach(offload=False)`` (``--offload``:
+``attach(offload=True)``) and writes what it saw.
 
     python bench/scale_worker.py --out DIR [--layers 8 --width 768 --vocab 50257 --seq 128 --batch 2
-                                           --dtype fp32 --warmup 2 --iters 3 --namespace NS]
+                                           --dtype fp32 --warmup 2 --iters 3 --namespace NS --offload]
 
 Run as it is for one process (attach then runs single-process), or under torchrun (gloo;
 the world from torchrun's environment), each rank with OMP_NUM_THREADS=1 and its host's
@@ -21,7 +22,12 @@ Recorded per rank (rank<r>.json): per-iteration timestamps (forward start, forwa
 backward end, step end, zero_grad end), the StepInfo sums, the daemon's counters and CPU
 seconds over the window, loopback tx bytes (/proc/net/dev, rank 0 reads the machine-wide
 figure) and this process's own TCP bytes sent (``ss -tinp``: per socket, so other users of
-loopback on this shared machine do not count), the daemon's identity (to sum over daemons).
+loopback on this shared machine do not count), the daemon's identity (to sum over daemons),
+and what the engine asked of the network: every call of ``fuyou_client.distributed``'s
+reduce_scatter / all_gather / all_reduce in the window (counted by wrapping them: the
+engine's collectives all go through them; an offloaded block's fetch gather apart from the
+barrier's), the layer groups' sizes (numel, the padded numel the shards cut, offloaded or
+not) and the offloader's fetched / served weight bytes: bench/scale.py's formulas use them.
 After the window the rank deletes its namespace's objects, so the rounds do not fill the array.
 """
 from __future__ import annotations
@@ -76,6 +82,49 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class CollectiveCounter:
+    """Wraps ``fuyou_client.distributed``'s collectives (sharded.py calls them through the
+    module): per kind, calls and bytes of the full vector (reduce-scatter: its input; all-gather:
+    its output; all-reduce: the tensor), and per call site of the all-gathers, the weights
+    fetches' (``gather_fetch``) apart from the landing's."""
+
+    def __init__(self):
+        from fuyou_client import distributed
+        self.counts = {k: {"calls": 0, "bytes": 0} for k in ("reduce_scatter", "all_gather", "all_gather_fetch",
+                                                              "all_reduce")}
+        self.on = False
+        for kind, full_arg in (("reduce_scatter", 1), ("all_gather", 0), ("all_reduce", 0)):
+            setattr(distributed, kind, self._wrap(kind, getattr(distributed, kind), full_arg))
+
+    def _wrap(self, kind, fn, full_arg):
+        def wrapped(*a, **kw):
+            if self.on:
+                key = kind
+                caller = sys._getframe(1).f_code
+                if kind == "all_gather" and caller.co_name == "run" and caller.co_filename.endswith("sharded.py"):
+                    key = "all_gather_fetch"  # (Sharded.gather_fetch's run(): an offloaded block's fetch)
+                self.counts[key]["calls"] += 1
+                self.counts[key]["bytes"] += a[full_arg].numel() * a[full_arg].element_size()
+            return fn(*a, **kw)
+        return wrapped
+
+    def snapshot(self) -> dict:
+        return {k: dict(v) for k, v in self.counts.items()}
+
+
+def groups_info(engine) -> list[dict]:
+    """The engine's layer groups: numel, the padded numel its shards cut it into (the
+    collectives' vector), whether its weights are offloaded, its place among the offloaded."""
+    out = []
+    for g in getattr(engine, "groups", []):
+        og = getattr(g, "offloaded", None)
+        numel = int(g.spec.numel)
+        out.append({"name": g.spec.name, "numel": numel, "padded": int(getattr(g, "shard_padded", 0) or numel),
+                    "offloaded": og is not None, "offload_index": og.index if og is not None else None,
+                    "itemsize": g.dtype.itemsize})
+    return out
+
+
 def build_model(args):
     import transformers
 
@@ -98,6 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--namespace", default=None)
+    ap.add_argument("--offload", action="store_true", help="attach(offload=True): the blocks' weights on the SSD")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     t_start = now()
@@ -110,7 +160,8 @@ def main(argv=None) -> int:
     model = build_model(args)
     params = sum(p.numel() for p in model.parameters())
     t_built = now()
-    engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=LR, weight_decay=WD), offload=False,
+    counter = CollectiveCounter()
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=LR, weight_decay=WD), offload=args.offload,
                                  namespace=args.namespace)
     t_attached = now()
     session = engine.session
@@ -140,16 +191,22 @@ def main(argv=None) -> int:
         barrier()  # every rank's last step has landed (engine.step() returned everywhere)
         read, written = quiet_counters(session)
         out = {"bytes_read": read, "bytes_written": written, "daemon_cpu_s": cpu_seconds(status.pid),
-               "lo_tx": lo_tx_bytes(), "tcp_sent": tcp_bytes_sent(os.getpid()), "time": now()}
+               "lo_tx": lo_tx_bytes(), "tcp_sent": tcp_bytes_sent(os.getpid()), "time": now(),
+               "fetched_bytes": getattr(offloader, "fetched_bytes", 0),
+               "served_bytes": getattr(offloader, "served_bytes", 0)}
         barrier()
         return out
 
+    offloader = getattr(engine, "offloader", None)
     start = mark()
+    counter.on = True  # (the window's collectives; marks' barriers are torch's own, not counted)
     its, pinned = [], []
     for x in batches[args.warmup:]:
         its.append(iteration(x))
         st = session.status()  # (untimed) the daemon's pinned memory while the session holds its buffers
         pinned.append({"pinned_used_bytes": st.pinned_used_bytes, "sessions": st.sessions})
+    counter.on = False
+    collectives = counter.snapshot()
     end = mark()
 
     # Leave the array as we found it: the namespace's persistent objects (optimizer state) go.
@@ -160,7 +217,9 @@ def main(argv=None) -> int:
     result = {"rank": rank, "world": world, "params": params, "daemon": daemon,
               "args": vars(args) | {"out": str(args.out)},
               "iterations": its, "warmup": warm, "start": start, "end": end, "pinned": pinned,
-              "delta": {k: end[k] - start[k] for k in start},
+              "delta": {k: end[k] - start[k] for k in start}, "collectives": collectives,
+              "offload": args.offload, "groups": groups_info(engine),
+              "keep": getattr(offloader, "keep", None), "prefetch": getattr(offloader, "prefetch", None),
               "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "setup_s": {"build": t_built - t_start, "attach": t_attached - t_built},
               "peers": [list(p) for p in getattr(engine, "peers", None) or []]}
