@@ -22,6 +22,7 @@ KEYS = ("ssd_bytes_per_param_per_iter_per_rank", "ssd_expected_bytes_per_param_p
 SHAPES = {"n1": (1, 1, False), "n2": (2, 1, False), "n2x2o": (2, 2, True)}  # ranks, daemons, offload
 
 
+@pytest.mark.slow  # (about a minute: three torchrun launches; `-m slow` runs it)
 def test_scale_bench_runs_end_to_end_on_a_tiny_model(tmp_path):
     out = tmp_path / "scale.json"
     run = subprocess.run([sys.executable, str(BENCH), "--json", str(out), "--layers", "2", "--width", "64",

@@ -14,8 +14,10 @@ only (a daemon group per torch param group the shard meets, named as the part is
   every shard of the group is finite: a non-finite gradient anywhere steps the group
   nowhere (its state kept on every rank) and raises NonFinite on every rank.
 * Weights: the step writes the shard's new weights (the compute dtype) into a shared
-  buffer; at the barrier the group's weights are all-gathered from the shards, in group
-  order, on every rank.
+  buffer; at the barrier a resident group's weights are all-gathered from the shards, in
+  group order, on every rank. An offloaded block has no barrier gather: each of its
+  fetches reads this rank's shard from the SSD array and gathers the rest
+  (``gather_fetch``).
 * Clipping: the global norm is the square root of an all-reduce of the shards' sums of
   squares (padding is zero: it adds nothing).
 
@@ -24,7 +26,7 @@ tensors: only the shard crosses PCIe, down (gradients) and up (weights), on the
 device's copy streams, ordered by events: 1/N of the bytes a single process moves.
 
 Every collective goes through the engine's ``Collectives`` thread, in the order the
-training thread asks (distributed.py). The weights are resident (``offload=False``).
+training thread asks (distributed.py).
 """
 from __future__ import annotations
 
