@@ -212,3 +212,17 @@ def test_a_killed_rank_is_an_error_on_the_others_and_resume_continues(daemon, sa
     torchrun(daemon, 2, "checkpoint", out, f"ckpt={out / 'ckk'}", "phase=resume", "steps=2")
     for rank in results(out, "checkpoint", 2):
         assert rank["at_resume"] == [] and rank["differ"] == [], rank
+
+
+def test_a_damaged_world_file_and_bad_options_are_refused(tmp_path):
+    """A world.json whose world size is not a positive integer is refused before any
+    shard is read; the data-parallel options are checked like the others."""
+    from fuyou_client import dp_checkpoints
+
+    (tmp_path / "world.json").write_text(json.dumps({"format": 1, "world_size": 0}))
+    with pytest.raises(ValueError, match="world_size 0, not a positive integer"):
+        dp_checkpoints.read_world(tmp_path)
+    with pytest.raises(ValueError, match="reduce must be 'step' or 'backward'"):
+        fuyou_client.AttachOptions(reduce="sometimes")
+    with pytest.raises(ValueError, match="reshard must be True or False"):
+        fuyou_client.AttachOptions(reshard="yes")

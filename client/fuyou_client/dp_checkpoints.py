@@ -112,8 +112,11 @@ def read_world(root: Path) -> dict:
                          "finish (resume from an earlier one)") from None
     except ValueError as exc:
         raise ValueError(f"{root / WORLD_FILE} is not readable JSON: {exc}") from None
-    if not isinstance(info, dict) or info.get("format") != FORMAT or not isinstance(info.get("world_size"), int):
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise ValueError(f"{root / WORLD_FILE} is not a checkpoint this version of fuyou_client reads")
+    size = info.get("world_size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"{root / WORLD_FILE} has world_size {size!r}, not a positive integer: it is damaged")
     return info
 
 

@@ -132,6 +132,9 @@ class AttachOptions:
                              f"inf without clipping) or None, not {mgn!r}")
         if not (self.offload is True or self.offload is False or self.offload == "host"):
             raise ValueError(f"offload must be True, False or 'host', not {self.offload!r}")
+        for name in ("check_collectives", "reshard"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}")
         if self.reduce not in ("step", "backward"):
             raise ValueError(f"reduce must be 'step' or 'backward', not {self.reduce!r}")
         if self.grad_accumulation not in ("device", "host"):
