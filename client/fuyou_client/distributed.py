@@ -112,9 +112,6 @@ class World:
         for t in tensors:
             dist.broadcast(t, src=self._global(0), group=self.group)
 
-    def barrier(self) -> None:
-        dist.barrier(group=self.group)
-
 
 def job_id(world: World, namespace: str | None) -> str:
     """The job's name, agreed from rank 0: ``namespace``, else torchrun's run id, else a

@@ -258,13 +258,8 @@ class Sharded(GradientStrategy):
                 g.shard.reduced.result()  # (it reads the gradients)
             except Exception:  # noqa: BLE001 - reported where the step waits for it
                 pass
-        g.shard.reduced = None
-        if g.device_grads is not None:
-            device.wait(g.downloaded)
+        g.shard.reduced = None  # (the next first backward overwrites the shard)
         self.full_grads(g).zero_()
-
-    def discard(self) -> None:
-        pass  # (the next first backward overwrites the shard)
 
     def sum_of_squares(self, g) -> torch.Tensor:
         """(after the reduce) This rank's shard's contribution to the squared norm."""
