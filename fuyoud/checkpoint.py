@@ -12,7 +12,10 @@ is written.
 
 On disk (fuyoud/checkpoint_files.py: the layout, the manifest's schema, and access
 confined to the directory), written as ``DIR.partial-<pid>`` (each file fsynced, 0600 in
-0700 directories) and renamed to ``DIR``, so ``DIR`` is complete or absent.
+0700 directories) and renamed to ``DIR``, so ``DIR`` is complete or absent. A copy is
+refused (ResourceExhausted, nothing created) when the sizes of its objects and manifest
+exceed the free space of DIR's filesystem; one that runs out of room anyway, another
+writer having filled it, is removed and reported as ResourceExhausted too.
 
 Trust: a manifest is a file in a directory a tenant may be able to write, so it decides
 nothing. Every checkpoint the daemon writes is recorded in its index (real path,
@@ -40,7 +43,7 @@ from fuyou_proto.contract import SNAPSHOT_PREFIX, group_of
 from fuyoud import __version__, failpoints
 from fuyoud.checkpoint_files import (CLIENT_STATE, FORMAT, MANIFEST, MAX_CLIENT_STATE, MAX_MANIFEST,
                                      CheckpointDir, Location, Manifest, NewCheckpoint, object_file,
-                                     parse_manifest)
+                                     parse_manifest, refuse_existing, require_room, write_failure)
 from fuyoud.errors import DataLoss, FailedPrecondition, FuyouError, InvalidArgument, NotFound, PermissionDenied
 from fuyoud.memory.hugepages import huge_page_buffer
 from fuyoud.optimizer.groups import HEADER, Group
@@ -173,9 +176,10 @@ class Checkpointer:
             raise InvalidArgument(f"client_state of {len(client_state)} bytes exceeds {MAX_CLIENT_STATE}")
         if mode == "auto":
             mode = "snapshot" if self._on_array(where) else "copy"
+        refuse_existing(where)
         t0 = time.perf_counter()
         target = where.path
-        new = NewCheckpoint(where)
+        new: NewCheckpoint | None = None
         store = self.store
         entries, links = [], []
         # Until DIR exists the checkpoint is marked pending in the index: a crash in between
@@ -186,6 +190,8 @@ class Checkpointer:
         store.index_db.set_meta(pending, str(target))
         try:
             if mode == "snapshot":
+                new = NewCheckpoint(where)
+
                 def link():
                     names = [m.name for m in store.list(namespace)
                              if m.persistent and not m.name.startswith(SNAPSHOTS)]
@@ -200,6 +206,11 @@ class Checkpointer:
                 entries, step = self._at_common_step(namespace, timeout,
                                                 lambda: [e for e in store.pin(namespace)
                                                          if not e.meta.name.startswith(SNAPSHOTS)])
+                # Before the first byte, and before the directory: a copy its filesystem has no
+                # room for is refused whole (one that fills up mid-way anyway: write_failure).
+                require_room(where, [(e.meta.name, e.meta.size) for e in entries], len(client_state))
+                failpoints.hit("checkpoint.room_checked")
+                new = NewCheckpoint(where)
                 objects, groups = self._copy_all(entries, new)
                 failpoints.hit("checkpoint.copied")
             manifest = {"format": FORMAT, "mode": mode, "fuyoud_version": __version__, "namespace": namespace,
@@ -212,11 +223,12 @@ class Checkpointer:
                                                               hashlib.sha256(data).hexdigest()))
             new.publish()
         except BaseException as exc:
-            new.discard()
-            store.index_db.forget_checkpoint(str(target))
+            if new is not None:  # (before it, nothing of this checkpoint is on disk or recorded)
+                new.discard()
+                store.index_db.forget_checkpoint(str(target))
             store.delete(namespace, [m.name for m in links], missing_ok=True)
             if isinstance(exc, OSError):
-                raise FailedPrecondition(f"cannot write checkpoint {target}: {exc.strerror or exc}") from None
+                raise write_failure(target, exc) from None
             raise
         finally:
             store.index_db.delete_meta(pending)
@@ -260,15 +272,16 @@ class Checkpointer:
         size, crc, head = entry.meta.size, 0, b""
         try:
             for off in range(0, size, COPY_CHUNK):
-                view = buf[:min(COPY_CHUNK, size - off)]
-                self.store.read_pinned(entry, view, off)
-                crc = zlib.crc32(view, crc)
-                if off == 0:
-                    head = bytes(view[:HEADER])
-                written = 0
-                while written < len(view):
-                    written += os.write(fd, view[written:])
-                view.release()
+                # (released however the write ends: a view left alive makes closing the
+                # buffer's mapping raise BufferError, which would hide the write's error)
+                with buf[:min(COPY_CHUNK, size - off)] as view:
+                    self.store.read_pinned(entry, view, off)
+                    crc = zlib.crc32(view, crc)
+                    if off == 0:
+                        head = bytes(view[:HEADER])
+                    written = 0
+                    while written < len(view):
+                        written += os.write(fd, view[written:])
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -346,12 +359,11 @@ class Checkpointer:
                     pending.append(w)
                     crc = 0
                     for off in range(0, o.size, COPY_CHUNK):
-                        view = buf[:min(COPY_CHUNK, o.size - off)]
-                        if f.readinto(view) != len(view):
-                            raise DataLoss(f"{o.file} of checkpoint {d.path} is shorter than its {o.size} bytes")
-                        crc = zlib.crc32(view, crc)
-                        w.write(off, view)
-                        view.release()
+                        with buf[:min(COPY_CHUNK, o.size - off)] as view:  # (released on errors too: _copy_out)
+                            if f.readinto(view) != len(view):
+                                raise DataLoss(f"{o.file} of checkpoint {d.path} is shorter than its {o.size} bytes")
+                            crc = zlib.crc32(view, crc)
+                            w.write(off, view)
                 if crc != o.crc32:  # (no values in the message: they tell about bytes the caller may not read)
                     raise DataLoss(f"{o.file} of checkpoint {d.path} ({shown(o.name)}) is corrupt: it does not match the "
                                    "checksum in its manifest; nothing was restored")

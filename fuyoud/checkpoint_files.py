@@ -28,8 +28,10 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from fuyoud.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from fuyoud.errors import (DataLoss, FailedPrecondition, FuyouError, InvalidArgument, NotFound, PermissionDenied,
+                           ResourceExhausted)
 from fuyoud.names import shown, valid_namespace
+from fuyoud.units import align_up, format_size
 
 FORMAT = "fuyou-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -208,24 +210,70 @@ class CheckpointDir:
         return data
 
 
+def refuse_existing(location: Location) -> None:
+    if location.exists():
+        raise FailedPrecondition(f"checkpoint directory {location.path} already exists; name a new one")
+
+
+# The manifest's size, over-estimated: its fixed fields, and per object its entry and its
+# group's (the optimizer's settings) in indented JSON, besides the object's name twice.
+MANIFEST_BASE = 4096
+MANIFEST_PER_OBJECT = 1024
+
+
+def copy_bytes(objects: list[tuple[str, int]], client_state: int, block: int) -> int:
+    """What a copy checkpoint of ``objects`` ((name, size) each) takes on a filesystem of
+    ``block``-byte blocks: each object's file, the client state and the manifest, each
+    rounded up to whole blocks, and the two directories. A small over-estimate: refusing
+    a checkpoint that would just have fit costs less than one that fails mid-way."""
+    manifest = MANIFEST_BASE + sum(MANIFEST_PER_OBJECT + 2 * len(name) for name, _ in objects)
+    files = [size for _, size in objects] + [client_state, manifest]
+    return sum(align_up(n, block) for n in files) + 2 * block
+
+
+def require_room(location: Location, objects: list[tuple[str, int]], client_state: int) -> None:
+    """ResourceExhausted, before anything is written, unless a copy of ``objects`` fits
+    the free space of the filesystem the checkpoint directory goes to."""
+    st = os.fstatvfs(location.parent_fd)
+    free = st.f_bavail * st.f_frsize
+    needed = copy_bytes(objects, client_state, st.f_frsize or 4096)
+    if needed > free:
+        raise ResourceExhausted(
+            f"checkpoint {location.path} needs {needed:,} bytes ({format_size(needed)}) for the copies of "
+            f"{len(objects)} objects and its manifest, but its filesystem has {free:,} bytes ({format_size(free)}) "
+            "free; nothing was written. Name a directory on a filesystem with room, free space on this one, or "
+            "take a snapshot (mode 'snapshot', in a directory on the SSD array's filesystem: nothing is copied)")
+
+
+def write_failure(path: Path, exc: OSError) -> FuyouError:
+    """The error for a checkpoint whose write failed with ``exc`` (its partial directory
+    removed): ResourceExhausted where the filesystem is full, FailedPrecondition else."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ResourceExhausted(f"cannot write checkpoint {path}: {exc.strerror} (its filesystem filled while the "
+                                 "checkpoint was written: another writer took the room); nothing of it was left. "
+                                 "Free space there, or name a directory on another filesystem")
+    return FailedPrecondition(f"cannot write checkpoint {path}: {exc.strerror or exc}")
+
+
 class NewCheckpoint:
     """A checkpoint being written: ``NAME.partial-<pid>`` in the location's parent, renamed
     to NAME by ``publish`` (so NAME is complete or absent), removed by ``discard``."""
 
     def __init__(self, location: Location):
-        if location.exists():
-            raise FailedPrecondition(f"checkpoint directory {location.path} already exists; name a new one")
+        refuse_existing(location)
         self.location = location
         self.partial = f"{location.name}.partial-{os.getpid()}"
         parent = location.parent_fd
+        self.fd = self.objects_fd = -1
         try:
             os.mkdir(self.partial, DIR_MODE, dir_fd=parent)
             self.fd = os.open(self.partial, _OPEN_DIR, dir_fd=parent)
             os.mkdir(OBJECTS, DIR_MODE, dir_fd=self.fd)
             self.objects_fd = os.open(OBJECTS, _OPEN_DIR, dir_fd=self.fd)
         except OSError as exc:
+            self._close()
             location.remove(self.partial)
-            raise FailedPrecondition(f"cannot write checkpoint {location.path}: {exc.strerror}") from None
+            raise write_failure(location.path, exc) from None
         # mkdir's mode passed through the umask: make it exact.
         os.fchmod(self.fd, DIR_MODE)
         os.fchmod(self.objects_fd, DIR_MODE)
