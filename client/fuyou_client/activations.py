@@ -12,7 +12,11 @@ order) are read ahead into free arena space. Every activation is freed (arena ra
 released, object deleted) once backward has used it, and anything left over - a
 forward without backward - is dropped at the next ``engine.step()`` or
 ``zero_grad()``. Transient objects die with the session, so a killed client leaves
-nothing behind.
+nothing behind. The arena and the SSD tier are spill.py's, shared with block-major
+training's store: each spilled activation carries a CRC32C taken as it leaves, and one
+that comes back damaged is a ``DataLoss``, not a wrong gradient. A spill waits for its
+write here (the oldest activation makes room for the next at once); block_store.py,
+which knows its whole step in advance, writes ahead instead.
 
 On a GPU the copy into the arena runs on the device's download stream (the source is
 kept from reuse by the caching allocator until it ran; a spill to SSD waits for it) and
@@ -36,8 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from fuyou_client.device import DONE, Device, HostDevice
-from fuyou_client.session import In, Session
-from fuyou_proto.contract import PAGE as ALIGN
+from fuyou_client.session import Session
+from fuyou_client.spill import ALIGN, Arena, Spilled, SsdTier
 
 MIN_BYTES = 16 << 10  # smaller saved tensors are not worth a round trip: kept
 UPLOAD_AHEAD = 2  # activations uploaded back to a GPU ahead of backward's use
@@ -71,39 +75,6 @@ class ActivationStats:
         return out
 
 
-class _Arena:
-    """First-fit ranges of one shared buffer, 4 KiB aligned (so the daemon's O_DIRECT
-    transfers land in place)."""
-
-    def __init__(self, session: Session, size: int):
-        self.size = size - size % ALIGN
-        self.buffer = session.allocate(self.size)
-        self._free = [(0, self.size)]  # sorted (offset, length)
-
-    def take(self, n: int) -> int | None:
-        n = -(-n // ALIGN) * ALIGN
-        for i, (off, length) in enumerate(self._free):
-            if length >= n:
-                self._free[i:i + 1] = [(off + n, length - n)] if length > n else []
-                return off
-        return None
-
-    def give(self, off: int, n: int) -> None:
-        n = -(-n // ALIGN) * ALIGN
-        self._free.append((off, n))
-        self._free.sort()
-        merged = []
-        for o, length in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == o:
-                merged[-1] = (merged[-1][0], merged[-1][1] + length)
-            else:
-                merged.append((o, length))
-        self._free = merged
-
-    def view(self, off: int, nbytes: int) -> torch.Tensor:
-        return self.buffer.tensor(torch.uint8)[off:off + nbytes]
-
-
 @dataclass(eq=False)
 class _Parked:
     key: int
@@ -111,7 +82,7 @@ class _Parked:
     dtype: torch.dtype
     nbytes: int
     offset: int | None = None  # in the arena, while there
-    name: str | None = None  # the SSD object, once spilled
+    spilled: Spilled | None = None  # the SSD object, once spilled
     fetch: Future | None = None  # a read-ahead from SSD into ``offset``
     copied: object = DONE  # event: the copy into the arena
     on_device: tuple | None = None  # (tensor, event): uploaded ahead of its use in backward
@@ -132,18 +103,19 @@ class ActivationSwapper:
         self.measure = False  # time copies to completion (the planner's profile on an asynchronous device)
         self._uploading: list[tuple[object, int, int]] = []  # (event, offset, nbytes): arena ranges in use
         self.host_budget = host_budget
-        self._arena: _Arena | None = None  # allocated at the first swapped activation
+        self._arena: Arena | None = None  # allocated at the first swapped activation
+        self._tier: SsdTier | None = None  # (with it)
         self.stats = ActivationStats()
         self._protected = protected  # tensors that are weights, not activations
         self._keys = itertools.count()
         self._host: dict[int, _Parked] = {}  # in the arena, in pack order
         self._ssd: dict[int, _Parked] = {}  # spilled, in pack order
-        self._names = set()  # SSD objects not yet deleted
 
     @property
-    def arena(self) -> _Arena:
+    def arena(self) -> Arena:
         if self._arena is None:
-            self._arena = _Arena(self.session, self.host_budget)
+            self._arena = Arena(self.session, self.host_budget)
+            self._tier = SsdTier(self.session, self._arena, f"act/{id(self):x}")
         return self._arena
 
     def is_activation(self, t: torch.Tensor) -> bool:
@@ -213,13 +185,12 @@ class ActivationSwapper:
             self._spill(victim)
 
     def _spill(self, p: _Parked) -> None:
-        p.name = f"act/{id(self):x}/{p.key}"
         t0 = time.perf_counter()
         p.copied.synchronize()  # the daemon reads what the download stream wrote
-        self.session.swap_out(p.name, self.arena.buffer, offset=p.offset, length=p.nbytes)
+        p.spilled = self._tier.write(p.offset, p.nbytes, f"an activation saved in forward ({p.dtype}, shape "
+                                     f"{tuple(p.shape)})").result()
         self.stats.spill_s += time.perf_counter() - t0
         self.stats.spilled += p.nbytes
-        self._names.add(p.name)
         self.arena.give(p.offset, p.nbytes)
         self.stats.host_bytes -= p.nbytes
         self.stats.to_ssd += p.nbytes
@@ -287,7 +258,7 @@ class ActivationSwapper:
         self.stats.host_peak = max(self.stats.host_peak, self.stats.host_bytes)
 
     def _start_fetch(self, p: _Parked) -> None:
-        p.fetch = self.session.swap_in_async([In(p.name, self.arena.buffer, p.offset, p.nbytes)])
+        p.fetch = self._tier.read(p.spilled, p.offset)
 
     def _read_ahead(self, key: int) -> None:
         """Start reading back the spilled activations backward needs next (the highest
@@ -307,9 +278,8 @@ class ActivationSwapper:
             self._uploading.append((uploading, p.offset, p.nbytes))
         self.stats.host_bytes -= p.nbytes
         del self._host[p.key]
-        if p.name is not None:  # its SSD copy goes too (without waiting for the daemon)
-            self._names.discard(p.name)
-            self.session.delete_async(p.name).add_done_callback(lambda f: f.exception())
+        if p.spilled is not None:  # its SSD copy goes too (without waiting for the daemon)
+            self._tier.drop(p.spilled)
 
     def recomputed(self, fn, on_recompute):
         """``fn`` wrapped for "recompute": torch.utils.checkpoint (non-reentrant, RNG state
@@ -353,9 +323,8 @@ class ActivationSwapper:
         for p in list(self._host.values()):
             self._arena.give(p.offset, p.nbytes)
         self._host.clear()
-        if self._names:
-            self.session.delete(*self._names, missing_ok=True)
-            self._names.clear()
+        if self._tier is not None:
+            self._tier.reset()
         self.stats.host_bytes = 0
         self.stats.device_bytes = 0
 

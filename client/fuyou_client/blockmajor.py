@@ -8,7 +8,9 @@ around (layer-to-layer training's order; FlexGen's for inference):
 * **forward**, block by block: block l runs for micro-batches 1..K before block l+1 does,
   without keeping a graph. Each micro-batch's input to each block (a checkpoint) is kept:
   on the CPU as the tensor itself, on a device with its own memory in a host arena of
-  shared memory (downloaded as it is made, uploaded again ahead of its use). The tail
+  shared memory (downloaded as it is made, uploaded again ahead of its use), and what
+  ``host_budget`` cannot hold on the SSD array (written as it is made, read back ahead
+  of backward: block_store.py). The tail
   (final norm, head, ``loss_fn``) runs with a graph, and its gradient with respect to the
   last block's output is taken at once;
 * **backward**, block by block in reverse: the block's weights come up once, then for
@@ -290,7 +292,8 @@ class BlockMajor:
         floating = [j for j, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
         self.out_specs.setdefault(l, (spec, floating))
         tensors = [leaves[j] for j in floating]
-        self.store.put(("x", l + 1, i), tensors)
+        if l + 1 < n or self._rest_trains():  # (the last outputs: for the rest's backward only)
+            self.store.put(("x", l + 1, i), tensors)
         micro.last = l
         if l == n - 1:  # the tail: with a graph, from leaves
             given = [t.detach().requires_grad_() for t in tensors]
@@ -327,8 +330,8 @@ class BlockMajor:
                     raise RuntimeError(f"block {l} of micro-batch {i} got an input that needs a gradient besides "
                                        "the previous block's output: train_step cannot carry it")
         if l == 0:
-            self.store.reserve(sum(t.numel() * t.element_size() for t in tensors) or 1,
-                               (len(self.blocks) + 2) * len(self.micros))
+            self.store.reserve(sum(t.numel() * t.element_size() for t in tensors) or 1, len(self.blocks),
+                               len(self.micros), last=self._rest_trains())
             self.store.put(("x", 0, i), tensors)
         for j in carried:
             leaves[j] = None  # (the stored tensors stand in for them)
