@@ -45,9 +45,11 @@ class FuyouAdminServicer(ServicerBase, rpc.FuyouAdminServicer):
         usage = d.store
         return pb.StatusReply(
             version=d.version, io_engine=d.io_engine, io_engine_reason=d.io_engine_reason,
-            devices=[pb.DeviceStatus(index=i, path=p, capacity_bytes=c, used_bytes=u)
-                     for i, (p, c, u) in enumerate(usage.devices)],
+            devices=[pb.DeviceStatus(index=i, path=p, capacity_bytes=c, used_bytes=u, available_bytes=a)
+                     for i, (p, c, u, a) in enumerate(usage.devices)],
             pinned_budget_bytes=d.pool.budget, pinned_used_bytes=d.pool.segments,
+            session_budget_bytes=d.pool.session_budget, segment_bytes=d.pool.segment_size,
+            optimizer_buffer_budget_bytes=d.optimizer_buffer_budget, optimizer_buffers=d.optimizer_buffers,
             sessions=d.sessions, objects=sum(usage.objects.values()), pid=d.pid,
             metrics_url=d.metrics_url, session_socket=d.session_socket,
             bytes_read=usage.bytes_read, bytes_written=usage.bytes_written, draining=d.draining,

@@ -87,6 +87,27 @@ class ExtentAllocator:
         else:
             self._insert(offset, size)
 
+    def tail_free(self) -> int:
+        """Free bytes at the very end of the space (joined by an ``extend``)."""
+        last = self._starts[-1] if self._starts else None
+        return self._lengths[last] if last is not None and last + self._lengths[last] == self.capacity else 0
+
+    def extend(self, capacity: int) -> None:
+        """Grow the address space to ``capacity`` (a data file that grew): the new room is
+        free, joined to a free extent that ended at the old end."""
+        if capacity % self.alignment or capacity < self.capacity:
+            raise ValueError(f"cannot extend from {self.capacity} to {capacity} bytes")
+        added, old = capacity - self.capacity, self.capacity
+        self.capacity = capacity
+        if not added:
+            return
+        self.free_bytes += added
+        last = self._starts[-1] if self._starts else None
+        if last is not None and last + self._lengths[last] == old:
+            self._lengths[last] += added
+        else:
+            self._insert(old, added)
+
     def _take(self, start: int, size: int) -> None:
         length = self._lengths.pop(start)
         self._starts.remove(start)

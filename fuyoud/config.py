@@ -36,9 +36,14 @@ def _default_runtime_dir() -> Path:
 
 
 def _default_pinned_budget() -> int:
-    """A quarter of physical memory, at most 8 GiB: room for a demo, not the whole host."""
+    """Half of physical memory. It is a ceiling, not a reservation: segments are made
+    when a session asks, and each client plans its buffers to need only what keeps its
+    run at speed (a 7B-class model's blocks about 5 GiB), so a dedicated training server
+    serves models whose blocks are GBs (a 70B-class block is 1.7 GB in bf16) without a
+    config, and the other half stays for the training process, the page cache and
+    whatever else runs. A shared workstation sets it lower (and session_budget)."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(total // 4, 8 << 30) // PAGE * PAGE
+    return total // 2 // PAGE * PAGE
 
 
 @dataclass
@@ -113,7 +118,12 @@ class MemorySection:
 class StorageSection:
     # One directory per SSD; empty means "<state_dir>/data".
     data_dirs: list[Path] = field(default_factory=list)
-    capacity_per_device: int = 16 << 30
+    # Size of each device's data file; 0 ("auto"): it grows on demand while the file
+    # system keeps `keep_free` bytes free (storage/device.py).
+    capacity_per_device: int = 0
+    # With "auto" capacity: what the data files leave free for everything else on their
+    # file system; 0 ("auto"): 5% of it, at least 1 GiB and at most 16 GiB.
+    keep_free: int = 0
     stripe_size: int = 4 << 20
     direct_io: bool = True
     # Bytes one namespace (one training run) may hold on the array, 0 for no limit.
@@ -178,8 +188,9 @@ class Config:
 _SIZE_KEYS = {
     "memory.pinned_budget", "memory.session_budget", "memory.segment_size", "memory.staging_size",
     "storage.capacity_per_device", "storage.stripe_size", "io.chunk_size", "optimizer.buffer_budget",
-    "storage.namespace_quota",
+    "storage.namespace_quota", "storage.keep_free",
 }
+_AUTO_ZERO = {"storage.capacity_per_device", "storage.keep_free"}  # "auto" is stored as 0
 _CHOICES = {
     "memory.lock": {"auto", "yes", "no"},
     "memory.huge_pages": {"auto", "hugetlb", "thp", "off"},
@@ -195,6 +206,8 @@ _PAGE_MULTIPLES = {
 
 
 def _convert(key: str, annotation: Any, value: Any) -> Any:
+    if key in _AUTO_ZERO and value == "auto":
+        return 0
     if key in _SIZE_KEYS:
         try:
             return parse_size(value)
@@ -225,6 +238,8 @@ def _validate(cfg: Config) -> None:
     for key in _POSITIVE | _PAGE_MULTIPLES:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
+        if value == 0 and key in _AUTO_ZERO:
+            continue
         if value <= 0:
             raise ConfigError(f"[{key}]: must be positive, got {value}")
         if key in _PAGE_MULTIPLES and value % PAGE:

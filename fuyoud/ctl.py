@@ -123,9 +123,10 @@ def cmd_status(args, channel) -> int:
     print(f"  objects      {reply.objects}")
     print(f"  metrics      {reply.metrics_url or 'off'}")
     print()
-    print(table(["DEVICE", "PATH", "USED", "CAPACITY", "USE%"],
+    print(table(["DEVICE", "PATH", "USED", "FILE", "AVAILABLE"],
                 [[d.index, d.path, format_size(d.used_bytes), format_size(d.capacity_bytes),
-                  f"{100 * d.used_bytes / max(d.capacity_bytes, 1):.0f}%"] for d in reply.devices]))
+                  format_size(d.available_bytes if d.HasField("available_bytes") else d.capacity_bytes - d.used_bytes)]
+                 for d in reply.devices]))
     print()
     print(sessions_table(reply.session_list) if metadata else f"{reply.sessions} session(s) {NOT_OPERATOR}")
     return 0

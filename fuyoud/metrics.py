@@ -57,6 +57,10 @@ class Metrics:
         self.optimizer_cache_bytes = Counter(
             "fuyoud_optimizer_cache_bytes", "Optimizer state bytes steps took from the state cache instead of the SSD",
             registry=r)
+        self.optimizer_masters_bytes = Counter(
+            "fuyoud_optimizer_client_masters_bytes",
+            "Master-weight bytes chunked steps took from the client's buffer (read for its backward) instead of the SSD",
+            registry=r)
         self.checkpoint_seconds = Histogram("fuyoud_checkpoint_duration_seconds", "Time to take a checkpoint, by mode",
                                             ["mode"], buckets=CHECKPOINT_BUCKETS, registry=r)
         self.checkpoint_bytes = Counter(
@@ -85,6 +89,7 @@ class Metrics:
         self.optimizer_steps.inc()
         self.optimizer_prefetched.inc(result.prefetched)
         self.optimizer_cache_bytes.inc(result.cached_bytes)
+        self.optimizer_masters_bytes.inc(result.masters_bytes)
         for phase, seconds in (("read", result.read_s), ("compute", result.compute_s), ("write", result.write_s)):
             self.optimizer_seconds.labels(phase).observe(seconds)
         self.optimizer_step_seconds.observe(result.read_s + result.compute_s + result.write_s)
@@ -187,11 +192,16 @@ class _DaemonCollector:
         yield obj_bytes
         cap = GaugeMetricFamily("fuyoud_device_capacity_bytes", "Size of each device's data file", labels=["device"])
         used = GaugeMetricFamily("fuyoud_device_used_bytes", "Bytes allocated on each device", labels=["device"])
-        for i, (_, capacity, in_use) in enumerate(usage.devices):
+        available = GaugeMetricFamily("fuyoud_device_available_bytes",
+                                      "Bytes still allocatable on each device (free in its data file, plus what an "
+                                      "\"auto\" data file may still grow by)", labels=["device"])
+        for i, (_, capacity, in_use, room) in enumerate(usage.devices):
             cap.add_metric([str(i)], capacity)
             used.add_metric([str(i)], in_use)
+            available.add_metric([str(i)], room)
         yield cap
         yield used
+        yield available
         depth = GaugeMetricFamily("fuyoud_io_queue_depth", "Engine requests in flight on each device now",
                                   labels=["device"])
         for i, n in enumerate(usage.in_flight):

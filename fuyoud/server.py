@@ -87,7 +87,8 @@ class Daemon:
         devices: list[Device] = []
         try:
             for i, d in enumerate(cfg.data_dirs):
-                devices.append(Device(i, d, cfg.storage.capacity_per_device, cfg.storage.direct_io))
+                devices.append(Device(i, d, cfg.storage.capacity_per_device, cfg.storage.direct_io,
+                                      cfg.storage.keep_free))
             index = IndexDB(cfg.daemon.state_dir / "index.sqlite")
             return Store(devices, index, self.engine, self.staging, cfg.io.chunk_size,
                          cfg.storage.stripe_size, observer=self.metrics.observe_io,
@@ -184,7 +185,8 @@ class Daemon:
         return Snapshot(__version__, os.getpid(), self.started, self.engine.name, self.engine_reason,
                         self.metrics_url, str(self.config.daemon.session_path), self.sessions.draining,
                         len(live), self.pool.usage(), self.staging.total_bytes,
-                        self.optimizer.buffers.mapped_bytes, self.optimizer.cached_bytes(), self.store.usage(),
+                        self.optimizer.buffers.mapped_bytes, self.optimizer.cached_bytes(),
+                        self.config.optimizer.buffer_budget, self.config.optimizer.buffers, self.store.usage(),
                         *rates, session_namespaces={s.id: s.namespace for s in live},
                         optimizer_buffers_held=self.optimizer.buffers.held())
 

@@ -23,6 +23,8 @@ class Snapshot:
     staging_bytes: int
     optimizer_buffer_bytes: int  # the optimizer's buffers, mapped
     optimizer_cached_bytes: int  # state the state cache holds
+    optimizer_buffer_budget: int  # [optimizer] buffer_budget and buffers
+    optimizer_buffers: int
     store: StoreUsage  # objects, devices, bytes moved, requests in flight, lifetime counters
     read_bytes_per_second: float  # over the last seconds (housekeeping's sampling)
     write_bytes_per_second: float

@@ -14,6 +14,21 @@ def test_defaults_work_without_a_file():
     assert cfg.metrics.listen.startswith("127.0.0.1:")
 
 
+def test_the_defaults_serve_a_training_server():
+    """Half of memory may be pinned (a ceiling: a client plans what it needs), and the data
+    files grow on demand ("auto", 0) while they leave keep_free ("auto", 0) on the disk."""
+    import os
+
+    cfg = load(None)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert total // 2 - 4096 < cfg.memory.pinned_budget <= total // 2
+    assert cfg.storage.capacity_per_device == 0 and cfg.storage.keep_free == 0
+    explicit = from_dict({"storage": {"capacity_per_device": "auto", "keep_free": "10GiB"}})
+    assert (explicit.storage.capacity_per_device, explicit.storage.keep_free) == (0, 10 << 30)
+    with pytest.raises(ConfigError, match=r"\[memory.pinned_budget\]: not a size"):
+        from_dict({"memory": {"pinned_budget": "auto"}})  # ("auto" only where it means something)
+
+
 def test_sizes_parse_in_human_units():
     cfg = from_dict({"memory": {"pinned_budget": "1GiB", "segment_size": "64MiB"}, "io": {"chunk_size": 4096}})
     assert cfg.memory.pinned_budget == 1 << 30

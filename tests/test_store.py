@@ -62,7 +62,7 @@ def test_large_objects_are_striped_over_every_device(tmp_path, engine):
     meta = store.write([WriteItem("ns", "big", buffer(data))])[0]
     assert sorted(e.device for e in meta.layout.extents) == [0, 1, 2]
     # Each device's file really holds its share.
-    assert all(used >= 2 * MiB for _, _, used in store.usage().devices)
+    assert all(d.used >= 2 * MiB for d in store.usage().devices)
     out = empty(len(data))
     store.read([ReadItem("ns", "big", out)])
     assert bytes(out) == data
@@ -87,7 +87,7 @@ def test_persistent_objects_survive_reopen_and_transient_ones_do_not(tmp_path, e
     assert bytes(out) == a[::-1]
     with pytest.raises(NotFound):
         store.stat("ns", "tmp")
-    assert sum(u for *_, u in store.usage().devices) < sum(u for *_, u in used)  # tmp's space is free again
+    assert sum(d.used for d in store.usage().devices) < sum(d.used for d in used)  # tmp's space is free again
     store.delete("ns", ["keep"])
     store.close()
     store = open_store(tmp_path, engine)
@@ -131,7 +131,7 @@ def test_failed_writes_are_never_committed(tmp_path, engine, kind, error, words)
     store.read([ReadItem("ns", "obj", out)])
     assert bytes(out) == old
     assert store.stat("ns", "other").size == 4
-    assert sum(u for *_, u in store.usage().devices) == sum(u for *_, u in used_before) + 4096
+    assert sum(d.used for d in store.usage().devices) == sum(d.used for d in used_before) + 4096
     store.close()
 
 
@@ -230,3 +230,41 @@ def test_a_read_of_part_of_a_block_reads_only_the_rest_of_it_for_its_check(tmp_p
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(ChecksumMismatch):
         store.read([ReadItem("ns", "obj", empty(2 * MiB), 4096)])
+
+
+def test_an_auto_data_file_grows_as_objects_need_it_and_leaves_keep_free(tmp_path, engine):
+    """capacity_per_device = "auto" (0): the data file starts empty and grows by what the
+    objects need (at least GROW_STEP when the disk allows), never into the last
+    ``keep_free`` bytes of the file system: past that a write is refused (StorageFull,
+    naming what to do) and commits nothing; the objects so far stay, also after a reopen,
+    which takes the file at the size it grew to."""
+    import os
+
+    def fs_free() -> int:
+        st = os.statvfs(tmp_path)
+        return st.f_bavail * st.f_frsize
+
+    root = tmp_path / "ssd0"
+    store = Store([Device(0, root, 0, keep_free=fs_free() - 40 * MiB)], IndexDB(tmp_path / "index.sqlite"), engine,
+                  StagingPool(2 * MiB, 256 * 1024 + 8192), chunk_size=256 * 1024, stripe_size=MiB)
+    assert store.usage().devices[0].capacity == 0 and 0 < store.usage().devices[0].available <= 40 * MiB
+    written = []
+    with pytest.raises(StorageFull, match="free space on the disks"):
+        for i in range(12):  # 96 MiB: more than the 40 MiB the file may grow by
+            data = random_bytes(8 * MiB, seed=i)
+            store.write([WriteItem("ns", f"o{i}", buffer(data), persistent=True)])
+            written.append(data)
+    usage = store.usage().devices[0]
+    assert 2 <= len(written) <= 5 and usage.capacity >= len(written) * 8 * MiB
+    assert usage.capacity == os.path.getsize(root / "fuyou.data")  # (the file is as large as the allocator's space)
+    with pytest.raises(NotFound):
+        store.stat("ns", f"o{len(written)}")  # (the refused write committed nothing)
+    store.close()
+    store = Store([Device(0, root, 0, keep_free=1 << 30)], IndexDB(tmp_path / "index.sqlite"), engine,
+                  StagingPool(2 * MiB, 256 * 1024 + 8192), chunk_size=256 * 1024, stripe_size=MiB)
+    assert store.usage().devices[0].capacity == usage.capacity
+    for i, data in enumerate(written):
+        out = empty(len(data))
+        store.read([ReadItem("ns", f"o{i}", out)])
+        assert bytes(out) == data
+    store.close()

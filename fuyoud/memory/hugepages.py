@@ -20,11 +20,10 @@ import os
 import re
 from pathlib import Path
 
-from fuyou_proto.contract import buffer_address
+from fuyou_proto.contract import HUGE, buffer_address
 
 log = logging.getLogger(__name__)
 
-HUGE = 2 << 20
 SHMEM_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 
 

@@ -12,10 +12,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from fuyou_proto.contract import PAGE
+from fuyou_proto.contract import PAGE, segment_bytes
 from fuyoud.allocator import ExtentAllocator, OutOfSpace
 from fuyoud.errors import InvalidArgument, OutOfMemoryBudget
-from fuyoud.memory.hugepages import HUGE  # segments are whole huge pages, whatever backs them
 from fuyoud.memory.segment import Segment
 from fuyoud.units import align_up, format_size
 
@@ -46,6 +45,8 @@ class _SegmentState:
 @dataclass
 class PoolUsage:
     budget: int
+    session_budget: int
+    segment_size: int
     segments: int  # bytes in segments (what is pinned)
     allocated: int  # bytes handed out as buffers
     by_session: dict[int, int]  # segment bytes per session
@@ -81,7 +82,7 @@ class Pool:
                 ref = self._try_allocate(self._segments[seg_id], size)
                 if ref is not None:
                     return ref, None
-            seg_size = align_up(max(size, self.segment_size), HUGE)
+            seg_size = segment_bytes(size, self.segment_size)
             self._check_budget(session_id, seg_size, nbytes)
             segment = self._make_segment(next(self._segment_ids), seg_size, session_id, self.lock_pages,
                                          self._pages(seg_size))
@@ -174,7 +175,8 @@ class Pool:
             by_pages = {"hugetlb": 0, "thp": 0, "none": 0}
             for s in self._segments.values():
                 by_pages[s.segment.pages] += s.segment.size
-            return PoolUsage(self.budget, self._pinned, allocated, by_session, by_pages)
+            return PoolUsage(self.budget, self.session_budget, self.segment_size, self._pinned, allocated, by_session,
+                             by_pages)
 
     def _session_bytes(self, session_id: int) -> int:
         return sum(self._segments[s].segment.size for s in self._by_session.get(session_id, ()))

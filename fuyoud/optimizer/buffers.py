@@ -45,6 +45,7 @@ from collections import deque
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from fuyou_proto.contract import optimizer_buffer_bytes
 from fuyoud.memory.hugepages import HUGE, huge_page_buffer
 from fuyoud.units import align_up
 
@@ -73,7 +74,7 @@ class StateBuffers:
         if not 0 <= session_buffers <= count:
             raise ValueError(f"a session's budget of {session_buffers} buffers is not within 0..{count}")
         self.count = count
-        self.per_buffer = budget // count // HUGE * HUGE
+        self.per_buffer = optimizer_buffer_bytes(budget, count)
         self.session_buffers = session_buffers  # the most one session holds at once; 0: no limit
         self._free: list[_Buffer | None] = [None] * count  # None: not mapped yet
         self._owners: dict[int, tuple[_Buffer, str | None]] = {}  # id(view handed out) -> its buffer, session

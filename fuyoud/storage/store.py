@@ -14,7 +14,7 @@ import logging
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from fuyoud.allocator import OutOfSpace
 from fuyoud.errors import InvalidArgument, NotFound, QuotaExceeded, StorageFull
@@ -51,7 +51,7 @@ class Entry:
 
 @dataclass
 class StoreUsage:
-    devices: list[tuple[str, int, int]]  # (path, capacity, used)
+    devices: list["DeviceUsage"]
     objects: dict[bool, int]  # persistent? -> count
     object_bytes: dict[bool, int]
     bytes_read: int = 0
@@ -59,6 +59,13 @@ class StoreUsage:
     in_flight: list[int] = field(default_factory=list)  # engine requests in flight, per device
     # Bytes moved per (device, "read"|"write") over the array's whole life (drive endurance).
     lifetime: dict[tuple[int, str], int] = field(default_factory=dict)
+
+
+class DeviceUsage(NamedTuple):
+    path: str
+    capacity: int  # the data file's size
+    used: int
+    available: int  # still allocatable: free in the file plus what an "auto" file may grow by
 
 
 class Store:
@@ -155,21 +162,33 @@ class Store:
             extents: list[Extent] = []
             try:
                 for dev, length in zip(order, lengths):
-                    extents.append(Extent(dev, self.devices[dev].allocator.allocate(length), length))
+                    extents.append(Extent(dev, self._allocate_on(self.devices[dev], length), length))
             except OutOfSpace as exc:
                 for e in extents:
                     self.devices[e.device].allocator.free(e.offset, e.length)
-                free = sum(d.allocator.free_bytes for d in self.devices)
+                free = sum(d.available() for d in self.devices)
                 raise StorageFull(
                     f"SSD array full: object {namespace}/{name} needs {format_size(size)}, "
                     f"{format_size(free)} free over {n} device(s) (largest hole {format_size(exc.largest)} "
-                    "on one of them); delete objects or add capacity") from None
+                    "on one of them); delete objects, add capacity ([storage] capacity_per_device, data_dirs) "
+                    "or free space on the disks") from None
             version = self._next_version
             self._next_version += 1
             layout = Layout(size, self.stripe_size, tuple(extents))
             self._extents.adopt(layout)
             self._reserved[namespace] += size
         return ObjectMeta(namespace, name, size, False, version, layout)
+
+    @staticmethod
+    def _allocate_on(device: Device, length: int) -> int:
+        """(lock held) An extent on ``device``, growing an "auto" data file when it has no
+        hole large enough."""
+        try:
+            return device.allocator.allocate(length)
+        except OutOfSpace:
+            if not device.grow(length):
+                raise
+            return device.allocator.allocate(length)
 
     def _commit(self, metas: list[ObjectMeta]) -> None:
         persistent = [m for m in metas if m.persistent]
@@ -352,7 +371,8 @@ class Store:
             for e in self._objects.values():
                 objects[e.meta.persistent] += 1
                 nbytes[e.meta.persistent] += e.meta.size
-            devices = [(str(d.directory), d.capacity, d.allocator.used_bytes) for d in self.devices]
+            devices = [DeviceUsage(str(d.directory), d.capacity, d.allocator.used_bytes, d.available())
+                       for d in self.devices]
         read, written = self.io.moved()
         return StoreUsage(devices, objects, nbytes, read, written, self.io.in_flight(), self._lifetime())
 

@@ -73,6 +73,33 @@ def state_object_bytes(kind: str, state_dtype: str, numel: int) -> int:
     return HEADER + sum(slot_bytes(dtype, per, numel) for _, dtype, per in STATE_SLOTS[(kind, state_dtype)])
 
 
+HUGE = 2 << 20  # shared segments and optimizer buffers are whole 2 MiB (huge) pages
+
+
+def optimizer_buffer_bytes(budget: int, count: int) -> int:
+    """The size of each of the daemon's ``count`` optimizer buffers in ``budget`` bytes."""
+    return budget // count // HUGE * HUGE
+
+
+def step_buffer_bytes(state_bytes: int, numel: int) -> int:
+    """What a whole-group step holds: the state, then room for the new weights in any dtype."""
+    return state_bytes + slot_bytes("float32", 1, numel)
+
+
+def stepped_in_chunks(state_bytes: int, numel: int, buffer_budget: int, buffers: int) -> bool:
+    """Whether the daemon steps a group (``state_bytes`` of state, ``numel`` parameters) in
+    chunks: its step does not fit one optimizer buffer."""
+    return step_buffer_bytes(state_bytes, numel) > optimizer_buffer_bytes(buffer_budget, buffers)
+
+
+def segment_bytes(nbytes: int, segment: int) -> int:
+    """Pinned bytes a shared buffer of ``nbytes`` takes from a session's budget when it
+    gets a segment of its own (a buffer of at least ``segment`` bytes); smaller ones
+    share segments of ``segment`` bytes."""
+    size = -(-nbytes // PAGE) * PAGE
+    return -(-max(size, segment) // HUGE) * HUGE
+
+
 def buffer_address(buf) -> int:
     """Address of the first byte of a buffer (mmap, bytearray, memoryview, read-only too)."""
     return np.frombuffer(buf, dtype=np.uint8).ctypes.data

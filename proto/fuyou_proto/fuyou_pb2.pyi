@@ -194,23 +194,25 @@ class GetGroupRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
-    __slots__ = ("name", "optimizer", "numel", "step", "state_bytes", "weights_offset")
+    __slots__ = ("name", "optimizer", "numel", "step", "state_bytes", "weights_offset", "chunked")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CHUNKED_FIELD_NUMBER: _ClassVar[int]
     name: str
     optimizer: OptimizerSpec
     numel: int
     step: int
     state_bytes: int
     weights_offset: int
-    def __init__(self, name: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., state_bytes: _Optional[int] = ..., weights_offset: _Optional[int] = ...) -> None: ...
+    chunked: bool
+    def __init__(self, name: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., state_bytes: _Optional[int] = ..., weights_offset: _Optional[int] = ..., chunked: _Optional[bool] = ...) -> None: ...
 
 class StepGroupRequest(_message.Message):
-    __slots__ = ("name", "grads", "grads_offset", "grad_dtype", "weights_out", "weights_out_offset", "out_dtype", "lr", "grad_scale", "weights_object", "hyper")
+    __slots__ = ("name", "grads", "grads_offset", "grad_dtype", "weights_out", "weights_out_offset", "out_dtype", "lr", "grad_scale", "weights_object", "hyper", "masters", "masters_offset")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     GRADS_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +224,8 @@ class StepGroupRequest(_message.Message):
     GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_OBJECT_FIELD_NUMBER: _ClassVar[int]
     HYPER_FIELD_NUMBER: _ClassVar[int]
+    MASTERS_FIELD_NUMBER: _ClassVar[int]
+    MASTERS_OFFSET_FIELD_NUMBER: _ClassVar[int]
     name: str
     grads: BufferRef
     grads_offset: int
@@ -233,7 +237,9 @@ class StepGroupRequest(_message.Message):
     grad_scale: float
     weights_object: str
     hyper: OptimizerSpec
-    def __init__(self, name: _Optional[str] = ..., grads: _Optional[_Union[BufferRef, _Mapping]] = ..., grads_offset: _Optional[int] = ..., grad_dtype: _Optional[_Union[DType, str]] = ..., weights_out: _Optional[_Union[BufferRef, _Mapping]] = ..., weights_out_offset: _Optional[int] = ..., out_dtype: _Optional[_Union[DType, str]] = ..., lr: _Optional[float] = ..., grad_scale: _Optional[float] = ..., weights_object: _Optional[str] = ..., hyper: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
+    masters: BufferRef
+    masters_offset: int
+    def __init__(self, name: _Optional[str] = ..., grads: _Optional[_Union[BufferRef, _Mapping]] = ..., grads_offset: _Optional[int] = ..., grad_dtype: _Optional[_Union[DType, str]] = ..., weights_out: _Optional[_Union[BufferRef, _Mapping]] = ..., weights_out_offset: _Optional[int] = ..., out_dtype: _Optional[_Union[DType, str]] = ..., lr: _Optional[float] = ..., grad_scale: _Optional[float] = ..., weights_object: _Optional[str] = ..., hyper: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., masters: _Optional[_Union[BufferRef, _Mapping]] = ..., masters_offset: _Optional[int] = ...) -> None: ...
 
 class FetchWeightsRequest(_message.Message):
     __slots__ = ("name", "out", "out_offset", "out_dtype")
@@ -254,39 +260,43 @@ class FetchWeightsReply(_message.Message):
     def __init__(self, served: _Optional[bool] = ...) -> None: ...
 
 class StepGroupReply(_message.Message):
-    __slots__ = ("step", "read_seconds", "compute_seconds", "write_seconds", "prefetched", "cached_bytes")
+    __slots__ = ("step", "read_seconds", "compute_seconds", "write_seconds", "prefetched", "cached_bytes", "masters_bytes")
     STEP_FIELD_NUMBER: _ClassVar[int]
     READ_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WRITE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFETCHED_FIELD_NUMBER: _ClassVar[int]
     CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MASTERS_BYTES_FIELD_NUMBER: _ClassVar[int]
     step: int
     read_seconds: float
     compute_seconds: float
     write_seconds: float
     prefetched: bool
     cached_bytes: int
-    def __init__(self, step: _Optional[int] = ..., read_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ..., prefetched: _Optional[bool] = ..., cached_bytes: _Optional[int] = ...) -> None: ...
+    masters_bytes: int
+    def __init__(self, step: _Optional[int] = ..., read_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ..., prefetched: _Optional[bool] = ..., cached_bytes: _Optional[int] = ..., masters_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DeviceStatus(_message.Message):
-    __slots__ = ("index", "path", "capacity_bytes", "used_bytes")
+    __slots__ = ("index", "path", "capacity_bytes", "used_bytes", "available_bytes")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     index: int
     path: str
     capacity_bytes: int
     used_bytes: int
-    def __init__(self, index: _Optional[int] = ..., path: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
+    available_bytes: int
+    def __init__(self, index: _Optional[int] = ..., path: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., available_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "io_engine", "io_engine_reason", "devices", "pinned_budget_bytes", "pinned_used_bytes", "sessions", "objects", "pid", "metrics_url", "session_socket", "bytes_read", "bytes_written", "draining", "read_bytes_per_second", "write_bytes_per_second", "uptime_seconds", "session_list")
+    __slots__ = ("version", "io_engine", "io_engine_reason", "devices", "pinned_budget_bytes", "pinned_used_bytes", "sessions", "objects", "pid", "metrics_url", "session_socket", "bytes_read", "bytes_written", "draining", "read_bytes_per_second", "write_bytes_per_second", "uptime_seconds", "session_list", "session_budget_bytes", "segment_bytes", "optimizer_buffer_budget_bytes", "optimizer_buffers")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     IO_ENGINE_FIELD_NUMBER: _ClassVar[int]
     IO_ENGINE_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +315,10 @@ class StatusReply(_message.Message):
     WRITE_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_LIST_FIELD_NUMBER: _ClassVar[int]
+    SESSION_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_BUFFER_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     version: str
     io_engine: str
     io_engine_reason: str
@@ -323,7 +337,11 @@ class StatusReply(_message.Message):
     write_bytes_per_second: float
     uptime_seconds: int
     session_list: _containers.RepeatedCompositeFieldContainer[SessionInfo]
-    def __init__(self, version: _Optional[str] = ..., io_engine: _Optional[str] = ..., io_engine_reason: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., pinned_budget_bytes: _Optional[int] = ..., pinned_used_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., objects: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_url: _Optional[str] = ..., session_socket: _Optional[str] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., draining: _Optional[bool] = ..., read_bytes_per_second: _Optional[float] = ..., write_bytes_per_second: _Optional[float] = ..., uptime_seconds: _Optional[int] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+    session_budget_bytes: int
+    segment_bytes: int
+    optimizer_buffer_budget_bytes: int
+    optimizer_buffers: int
+    def __init__(self, version: _Optional[str] = ..., io_engine: _Optional[str] = ..., io_engine_reason: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., pinned_budget_bytes: _Optional[int] = ..., pinned_used_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., objects: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_url: _Optional[str] = ..., session_socket: _Optional[str] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., draining: _Optional[bool] = ..., read_bytes_per_second: _Optional[float] = ..., write_bytes_per_second: _Optional[float] = ..., uptime_seconds: _Optional[int] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., session_budget_bytes: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., optimizer_buffer_budget_bytes: _Optional[int] = ..., optimizer_buffers: _Optional[int] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
     __slots__ = ("iterations", "iteration_seconds", "exposed_optimizer_seconds", "activation_bytes_to_host", "activation_bytes_to_ssd")
