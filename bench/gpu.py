@@ -121,8 +121,9 @@ def fuyou_depth(width: int, seq: int, cap: int) -> int:
 
 
 def arena_bytes(layers: int, micro: int, accum: int, seq: int, width: int) -> int:
-    """train_step's host arena: (blocks + 2) x micro-batches slots of one bf16 hidden state,
-    4 KiB aligned (blockmajor.Store.reserve); the most that any micro-batch Fuyou's fit may
+    """train_step's host arena, large enough that nothing spills to the SSD array: (blocks + 2)
+    x micro-batches slots of one bf16 hidden state, 4 KiB aligned (block_store.Store.reserve;
+    beyond a smaller budget the inputs spill); the most that any micro-batch Fuyou's fit may
     halve to needs (fuyoud's pinned budget is set before the fit)."""
     need = 0
     while True:

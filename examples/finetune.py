@@ -125,11 +125,13 @@ def main() -> int:
 
     daemon = None
     if args.socket is None:
-        daemon, args.socket = private_daemon(args, params, world, local)
+        daemon, args.socket = private_daemon(args, world, local)
     try:
         if args.trainer:
             return with_trainer(args, model, tokens, args.socket)
         engine = fuyou_client.attach(model, opt, socket=args.socket, namespace="finetune-demo", max_grad_norm=None)
+        if not quiet:
+            print(engine.memory_plan(), flush=True)  # (the shared buffers it took, planned from the daemon's budget)
         sched = torch.optim.lr_scheduler.LambdaLR(
             engine.optimizer, lambda s: min(1.0, (s + 1) / 5) * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
         gen = torch.Generator().manual_seed(rank)  # (each rank its own batches)
@@ -202,7 +204,7 @@ def daemon_dir(args, world: int) -> Path:
     return Path(args.state_dir) / f"{socketlib.gethostname()}-{os.environ.get('GROUP_RANK', '0')}"
 
 
-def private_daemon(args, params: int, world: int, local: int):
+def private_daemon(args, world: int, local: int):
     """(daemon or None, its socket): local rank 0 starts it and announces its socket in a
     file; the other ranks of the host read it after a barrier."""
     where = daemon_dir(args, world)
@@ -210,9 +212,7 @@ def private_daemon(args, params: int, world: int, local: int):
     daemon = None
     if local == 0:
         shutil.rmtree(where, ignore_errors=True)
-        daemon = fuyou_client.start_daemon(where, config={
-            "storage": {"capacity_per_device": max(1 << 30, params * 12 * 3) // 4096 * 4096},
-            "optimizer": {"buffer_budget": "1GiB"}})
+        daemon = fuyou_client.start_daemon(where)  # (its defaults: the data file grows as the state needs)
         announce.write_text(str(daemon.socket))
     if world > 1:
         import torch.distributed as dist
@@ -240,6 +240,7 @@ def with_trainer(args, model, tokens, socket: str) -> int:
     t0 = time.perf_counter()
     trainer.train()
     elapsed = time.perf_counter() - t0
+    print(trainer.engine.memory_plan(), flush=True)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     trainer.save_model(args.out)
     trainer.engine.close(materialize=False)

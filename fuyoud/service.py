@@ -62,11 +62,12 @@ def _dtype(value: int, what: str, needed: bool = True) -> str:
         raise InvalidArgument(f"{what}: {exc}") from None
 
 
-def group_info(group: Group) -> pb.GroupInfo:
+def group_info(group: Group, chunked: bool) -> pb.GroupInfo:
     spec = group.spec.to_dict()
     spec["state_dtype"] = state_dtype_value(spec["state_dtype"])
     return pb.GroupInfo(name=group.name, optimizer=pb.OptimizerSpec(**spec), numel=group.numel,
-                        step=group.step, state_bytes=state_bytes(group.spec, group.numel), weights_offset=HEADER)
+                        step=group.step, state_bytes=state_bytes(group.spec, group.numel), weights_offset=HEADER,
+                        chunked=chunked)
 
 
 def object_info(meta: ObjectMeta) -> pb.ObjectInfo:
@@ -188,12 +189,13 @@ class FuyouServicer(CheckpointMethods, rpc.FuyouServicer):
                                   f"{exc}") from None
         self.sessions.claim_namespace(session)
         group = self.optimizer.create(session.namespace, session.id, name, spec, body, numel, request.step)
-        return group_info(group)
+        return group_info(group, self.optimizer.chunked(group))
 
     @_handler
     def GetGroup(self, request, context):
         session = self._session(context)
-        return group_info(self.optimizer.get(session.namespace, _check_name(request.name)))
+        group = self.optimizer.get(session.namespace, _check_name(request.name))
+        return group_info(group, self.optimizer.chunked(group))
 
     @_handler
     def StepGroup(self, request, context):
@@ -213,12 +215,15 @@ class FuyouServicer(CheckpointMethods, rpc.FuyouServicer):
         if request.weights_object:
             weights_object = _check_writable(_check_name(request.weights_object))
         hyper = _spec(request.hyper) if request.HasField("hyper") else None
+        masters = None
+        if request.HasField("masters"):
+            masters = pool.view(session.id, _ref(request.masters), request.masters_offset, group.numel * 4)
         result = opt.step(group, grads, grad_dtype, out, out_dtype, request.lr, scale, session.id, weights_object,
-                          hyper)
+                          hyper, masters)
         self.metrics.observe_step(result)
         return pb.StepGroupReply(step=result.step, read_seconds=result.read_s, compute_seconds=result.compute_s,
                                  write_seconds=result.write_s, prefetched=result.prefetched,
-                                 cached_bytes=result.cached_bytes)
+                                 cached_bytes=result.cached_bytes, masters_bytes=result.masters_bytes)
 
     @_handler
     def FetchWeights(self, request, context):

@@ -14,7 +14,8 @@ from fuyou_client import SGD, AdamW
 from fuyoud.errors import ResourceExhausted
 from fuyou_proto.contract import buffer_address
 from fuyoud.optimizer import chunks
-from fuyoud.optimizer.groups import HEADER, Group, slot_bytes
+from fuyoud.optimizer.groups import HEADER, Group
+from fuyou_proto.contract import slot_bytes as contract_slot_bytes
 from fuyoud.optimizer.kernels import OptimizerSpec
 from fuyoud.units import format_size
 
@@ -96,6 +97,11 @@ def new_group(session, name, spec, n, seed=0):
     w.tensor(torch.float32)[:n].copy_(init)
     session.create_group(name, w, spec)
     return w, init
+
+
+def slot_bytes(n: int) -> int:
+    """An fp32 slot of the state object, padding included."""
+    return contract_slot_bytes("float32", 1, n)
 
 
 def state_of(session, name, n, slots):

@@ -34,6 +34,7 @@ from fuyou_proto.contract import state_object
 
 from fuyou_client.errors import ResourceExhausted
 from fuyou_client.grouping import flat_parts
+from fuyou_client.memory_plan import EXPORT_PIECE
 from fuyou_client.session import In
 
 if TYPE_CHECKING:
@@ -139,6 +140,33 @@ def read_masters(session: "Session", spec: "ParamGroup"):
     return buf, infos
 
 
+def read_masters_into(session: "Session", spec: "ParamGroup", out: list[torch.Tensor],
+                      piece: int = EXPORT_PIECE) -> None:
+    """A layer group's fp32 master weights into ``out`` (one tensor per trained parameter,
+    in the group's order, of any dtype: cast as they are copied), read from the SSD array
+    through one shared buffer of at most ``piece`` bytes: export holds no more pinned
+    memory than that, whatever the group's size."""
+    infos = {part.name: session.group(part.name) for part in spec.parts}
+    for part in spec.parts:
+        if infos[part.name].numel != part.numel:
+            raise ValueError(f"group {part.name} has {infos[part.name].numel} parameters in the daemon, "
+                             f"{part.numel} in this model")
+    buf = session.allocate(min(piece, spec.numel * 4))
+    per, at = buf.size // 4, 0
+    try:
+        for t in out:
+            flat, done = t.view(-1), 0
+            while done < flat.numel():
+                part = next(p for p in spec.parts if p.start <= at < p.start + p.numel)
+                n = min(per, flat.numel() - done, part.start + part.numel - at)
+                session.swap_in(state_object(part.name), buf, length=n * 4,
+                                object_offset=infos[part.name].weights_offset + (at - part.start) * 4)
+                flat[done:done + n].copy_(buf.tensor(torch.float32)[:n])
+                done, at = done + n, at + n
+    finally:
+        buf.free()
+
+
 def export(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | None = None,
            masters=None) -> Path:
     """Write the trained weights, the frozen parameters and the model's persistent buffers
@@ -149,10 +177,6 @@ def export(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | 
     out = Path(directory)
     world = engine.world
     writes = world is None or world.rank == 0  # (data parallel: every rank gathers, rank 0 writes)
-    if masters is None:  # (data parallel: the engine gathers them from the ranks' shards)
-        def masters(session, spec):
-            buf, _ = read_masters(session, spec)
-            return buf
     model = engine.model
     names = {}
     for name, p in model.named_parameters():
@@ -417,16 +441,15 @@ def _group_tensors(session: "Session", g, names: dict[int, str], dtype: torch.dt
     frozen ones from the object they were stored in."""
     tensors = {}
     shapes = g.offloaded.shapes if g.offloaded is not None else [p.shape for _, p in g.spec.params]
-    if g.spec.numel:
-        buf = masters(session, g.spec)
-        try:
-            flat = buf[:g.spec.numel] if isinstance(buf, torch.Tensor) else buf.tensor(torch.float32)[:g.spec.numel]
-            trained = shapes[:len(g.spec.params)]
-            for (_, p), shape, part in zip(g.spec.params, trained, flat_parts(flat, trained)):
-                tensors[names[id(p)]] = part.view(shape).to(dtype or g.dtype, copy=True)
-        finally:
-            if not isinstance(buf, torch.Tensor):
-                buf.free()
+    trained = shapes[:len(g.spec.params)]
+    if g.spec.numel and masters is None:
+        out = [torch.empty(shape, dtype=dtype or g.dtype) for shape in trained]
+        read_masters_into(session, g.spec, out)
+        tensors.update((names[id(p)], t) for (_, p), t in zip(g.spec.params, out))
+    elif g.spec.numel:  # (data parallel: gathered from the ranks' shards)
+        flat = masters(session, g.spec)[:g.spec.numel]
+        for (_, p), shape, part in zip(g.spec.params, trained, flat_parts(flat, trained)):
+            tensors[names[id(p)]] = part.view(shape).to(dtype or g.dtype, copy=True)
     frozen = g.offloaded.params[len(g.spec.params):] if g.offloaded is not None else []
     if frozen:
         source = next(s for s in g.offloaded.sources if not s.part)  # (frozen/<group>: no optimizer group)

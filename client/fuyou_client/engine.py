@@ -25,18 +25,22 @@ resident. Gradients of every group stay in shared memory (they accumulate there)
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
+from concurrent.futures import Future
 
 import torch
 from torch import nn
 
-from fuyou_client import blockmajor, checkpoints, clipping, dp_checkpoints, grad_guard, heap, layergroup, sharded
+from fuyou_client import (blockmajor, checkpoints, clipping, dp_checkpoints, grad_guard, heap, layergroup,
+                          memory_plan, sharded)
 from fuyou_client.activations import ActivationSwapper, treatments
 from fuyou_client.autoplan import AutoPlanner
 from fuyou_client.device import Device
-from fuyou_client.distributed import Collectives
+from fuyou_client.distributed import Collectives, Shards
 from fuyou_client.errors import NonFinite
-from fuyou_client.gradstrategy import GradientStrategy, HostAccumulated, Pooled, Resident
+from fuyou_client.gradstrategy import HostAccumulated, Pooled, Resident, placement
 from fuyou_client.grouping import ParamGroup
 from fuyou_client.layergroup import LayerGroup
 from fuyou_client.offload import Offloader, Saved
@@ -46,7 +50,10 @@ from fuyou_client.options import AttachOptions
 from fuyou_client.param_groups import TorchGroups
 from fuyou_client.session import Session, gather
 from fuyou_client.torch_optimizer import TorchOptimizer
+from fuyou_proto.contract import stepped_in_chunks
 
+
+log = logging.getLogger(__name__)
 
 GRADIENT_CHECKPOINTING = (
     "the model has Hugging Face gradient checkpointing on (gradient_checkpointing_enable()): it reruns blocks "
@@ -73,6 +80,19 @@ class Engine:
         options = options.for_device(device.shares_host_memory)
         self.world = world  # data parallelism (distributed.World), or None
         self.peers: list | None = None  # data parallelism: each rank's (host, daemon)
+        self.session = session
+        pool_grads = bool(options.offload) and options.accumulation_steps == 1 and options.max_grad_norm is None
+        layout = [(spec, *where) for spec in groups
+                  if (where := placement(spec, options.offload, pool_grads, options.grad_accumulation,
+                                         world is not None)) is not None]
+        # Every shared buffer below, planned from the session's budget first (memory_plan.py):
+        # a budget that cannot hold the smallest plan is refused before anything is allocated.
+        self.memory = self._plan_memory(layout, torch_groups, options, device, world)
+        if self.memory.shrunk:
+            log.warning("%s", self.memory.describe())
+        else:
+            log.info("%s", self.memory.describe())
+        options = dataclasses.replace(options, prefetch=self.memory.prefetch, host_budget=self.memory.host_budget)
         self.collectives = Collectives(world, options.check_collectives) if world is not None else None
         self.options = options
         self.model = model
@@ -80,10 +100,9 @@ class Engine:
         self._resume = resume  # the groups exist in the daemon (restored): take their weights
         self.checkpoint_extra = None  # what save_checkpoint(extra=...) kept, after a resume
         self._checkpoint_groups: list[dict] = []  # each param group's hyperparameters at the checkpoint
-        self.session = session
         self.max_grad_norm = options.max_grad_norm
         self.accumulation_steps = accumulation_steps = options.accumulation_steps
-        max_grad_norm, offload, prefetch, keep = options.max_grad_norm, options.offload, options.prefetch, options.keep
+        max_grad_norm, offload = options.max_grad_norm, options.offload
         activations, host_budget, device_budget = options.activations, options.host_budget, options.device_budget
         self._owns_session = owns_session
         self.last_step_infos: list[StepInfo] = []
@@ -100,29 +119,18 @@ class Engine:
         # step (accumulation over micro-batches, exact clipping); kept gradients are in
         # each group's own buffer, or accumulate in host memory instead of on the device.
         resident, pooled, host = Resident(self.device), Pooled(), HostAccumulated()
-        pool_grads = bool(offload) and accumulation_steps == 1 and max_grad_norm is None
         self.sharding = Sharded(world, self.collectives, options.reduce, device) if world is not None else None
-
-        def strategy_for(mode) -> GradientStrategy:
-            if self.sharding is not None:
-                return self.sharding
-            if mode and pool_grads:
-                return pooled
-            return host if options.grad_accumulation == "host" else resident
+        strategies = {"resident": resident, "pooled": pooled, "host": host, "sharded": self.sharding}
         originals = [(p, p.data, p.grad) for spec in groups for _, p in (*spec.params, *spec.frozen)]
         try:
-            for spec in groups:
+            for spec, mode, kind in layout:
                 index = sum(1 for g in self.groups if g.offloaded is not None)  # position in forward order
-                mode = offload if spec.module is not None else False  # (the rest group stays resident)
-                if not spec.params and mode is not True:  # a frozen block that is not offloaded: as it is
-                    continue
                 if materializer is not None:  # a model on the meta device: this group's values, now
                     materializer.fill(spec, self.device.torch_device)
                 optimizers = [torch_groups.spec(part.index) for part in spec.parts]
                 shards = self.sharding.shards(spec.numel) if self.sharding is not None and spec.params else None
                 self.groups.append(layergroup.upload(session, self.device, spec, optimizers, mode, index,
-                                                     strategy_for(mode) if spec.params else resident, self._resume,
-                                                     shards))
+                                                     strategies[kind], self._resume, shards))
                 if shards is not None:
                     self.sharding.bind(session, self.groups[-1])
             if materializer is not None:
@@ -136,17 +144,21 @@ class Engine:
             raise
         del originals
         offloaded = [g.offloaded for g in self.groups if g.offloaded is not None]
-        self.offloader = Offloader(session, self.device, offloaded, prefetch, keep) if offloaded else None
+        for g in self.groups:  # (blocks stepped in chunks: their steps take the masters their backward read)
+            if g.offloaded is not None:
+                g.offloaded.hands_over = self.memory.handoff and self._hands_over(g)
+        self.offloader = Offloader(session, self.device, offloaded, self.memory.prefetch, self.memory.keep,
+                                   slots=self.memory.weight_slots) if offloaded else None
         if self.offloader is not None and self.sharding is not None:
             self.offloader.gather = self.sharding.gather_fetch(session, {g.spec.name: g.shard.shards for g in self.groups
                                                                          if g.offloaded is not None and g.shard})
         accumulated = [g for g in self.groups if g.strategy is host]
-        self.host_grads = host.bind(session, self.device, max(g.numel for g in accumulated) * 4) \
-            if accumulated else None
+        self.host_grads = host.bind(session, self.device, max(g.numel for g in accumulated) * 4,
+                                    self.memory.staging_buffers) if accumulated else None
         self.gradients = None
         if any(g.strategy is pooled for g in self.groups):
             by_name = {g.spec.name: g for g in self.groups}
-            self.gradients = pooled.bind(session, self.device, prefetch + 3,
+            self.gradients = pooled.bind(session, self.device, self.memory.grad_buffers,
                                          max(g.numel * g.dtype.itemsize for g in self.groups if g.strategy is pooled))
 
             def on_backward(og) -> None:
@@ -189,6 +201,43 @@ class Engine:
         self.zero_grad()
 
     # -- set-up ---------------------------------------------------------------------------
+    def _plan_memory(self, layout, torch_groups: TorchGroups, options: AttachOptions, device: Device,
+                     world) -> memory_plan.MemoryPlan:
+        """The shared buffers of this engine, planned from the session's budget and the
+        groups' sizes (memory_plan.py); raises memory_plan.DoesNotFit before any allocation."""
+        limits = memory_plan.limits_of(self.session)
+        shapes = []
+        for spec, mode, kind in layout:
+            dtype = (spec.params or spec.frozen)[0][1].dtype
+            numel, shard = spec.numel, 0
+            if world is not None and spec.params:
+                shards = Shards(spec.numel, world.size, world.rank)
+                numel, shard = shards.padded, shards.per
+            chunked = any(stepped_in_chunks(torch_groups.spec(part.index).state_bytes(part.numel), part.numel,
+                                            limits.optimizer_buffer_budget, limits.optimizer_buffers)
+                          for part in spec.parts)
+            shapes.append(memory_plan.GroupShape(
+                spec.name, numel, dtype.itemsize, chunked=chunked, offload=mode, strategy=kind, shard=shard,
+                frozen_bytes=spec.frozen_numel * dtype.itemsize if mode is True else 0))
+        acts = options.activations
+        swaps = acts in ("swap", "auto") or (isinstance(acts, dict) and "swap" in acts.values())
+        wanted = memory_plan.Wanted(options.prefetch, options.keep, options.host_budget,
+                                    arena=any(spec.module is not None for spec, _, _ in layout), swaps=swaps,
+                                    shares_host_memory=device.shares_host_memory)
+        return memory_plan.plan(shapes, limits, wanted)
+
+    def memory_plan(self) -> memory_plan.MemoryPlan:
+        """The shared buffers this engine planned and holds: ``print(engine.memory_plan())``
+        shows what goes where and what was given up to fit the session's budget."""
+        return self.memory
+
+    def _hands_over(self, g: LayerGroup) -> bool:
+        """Whether the group's steps take its fp32 master weights from the slot its backward
+        used (its parts are stepped in chunks, which would read them from the SSD again)."""
+        og = g.offloaded
+        return og.host is None and g.dtype == torch.float32 and g.shard is None and bool(g.chunked) \
+            and g.strategy.name == "pooled"  # (its step goes as its backward ends, the slot lent meanwhile)
+
     def _check_capacity(self, groups: list[ParamGroup], torch_groups: TorchGroups, offload) -> None:
         """Fail before any work starts when the SSD array cannot hold what training puts
         there: every group's state (in its state dtype; after a resume it is there
@@ -205,12 +254,14 @@ class Engine:
             need += sum(g.frozen_numel * g.frozen[0][1].dtype.itemsize for g in groups
                         if g.module is not None and g.frozen)
         status = self.session.daemon_status
-        free = sum(d.capacity_bytes - d.used_bytes for d in status.devices)
+        free = sum(d.available_bytes if d.HasField("available_bytes") else d.capacity_bytes - d.used_bytes
+                   for d in status.devices)
         if need > free:
             raise RuntimeError(
-                f"the SSD array of fuyoud has {_size(free)} free but this model needs {_size(need)} there (its optimizer state, the new versions of the steps in flight and offloaded weights); raise "
-                "[storage] capacity_per_device, add data_dirs, or keep the state in fewer bytes "
-                "(AdamW(state_dtype='bf16' or 'int8'))")
+                f"the SSD array of fuyoud has {_size(free)} free but this model needs {_size(need)} there (its "
+                "optimizer state, the new versions of the steps in flight and offloaded weights); free space on "
+                "its disks, raise [storage] capacity_per_device (or lower keep_free), add data_dirs, or keep the "
+                "state in fewer bytes (AdamW(state_dtype='bf16' or 'int8'))")
 
     # -- the training loop ------------------------------------------------------------------
     @property
@@ -261,6 +312,8 @@ class Engine:
         if self._auto is not None:
             self._auto.backward_seen = True
         g.pending -= 1
+        if self.offloader is not None:
+            self.offloader.poll()  # (a slot lent to a step may be back: a deferred prefetch starts)
         if g.pending:
             return
         g.pending = len(g.spec.params)
@@ -276,15 +329,23 @@ class Engine:
             g.strategy.on_backward(g, first=g.backwards == 1)  # (before the weights go: views need their shapes)
         elif g.backwards == self.accumulation_steps:  # (train_step: the micro-batches' sum, made on the device)
             g.strategy.on_backward(g, first=True)
+        steps_now = g.backwards == self.accumulation_steps and self.max_grad_norm is None and not g.submitted
         if g.offloaded is not None and (not self._block_major or g.backwards == self.accumulation_steps):
             g.offloaded.busy = False
+            if steps_now and g.offloaded.hands_over and g.offloaded.slot is not None:
+                masters = self.offloader.lend(g.offloaded)  # (the step reads the masters there)
+                self.offloader.lent_until(self._submit(g, masters=masters))
+                return
             self.offloader.release(g.offloaded)  # backward is done with these weights
-        if g.backwards == self.accumulation_steps and self.max_grad_norm is None and not g.submitted:
+        if steps_now:
             self._submit(g)  # final gradients: step now, while backward goes on
 
-    def _submit(self, g: LayerGroup, scale: float | None = None) -> None:
+    def _submit(self, g: LayerGroup, scale: float | None = None, masters=None) -> Future | None:
         """Send the group's step: one per part, each with its torch group's learning rate
-        and hyperparameters as of now (the steps may go from another thread)."""
+        and hyperparameters as of now (the steps may go from another thread). ``masters``:
+        the shared buffer holding the group's fp32 weights as its backward read them, from
+        which its chunked parts' steps take their master weights. Returns the step's future
+        where the gradient strategy keeps it (pooled gradients)."""
         offloaded_bf = g.offloaded is not None and g.dtype != torch.float32 and g.offloaded.host is None
         session, groups = self.session, self.optimizer.param_groups
         parts = [(part, groups[part.index]["lr"], self._torch_groups.spec(part.index, groups[part.index]))
@@ -300,13 +361,15 @@ class Engine:
             return gather([session.step_group_async(
                 part.name, grads, lr, grads_offset=at[id(part)] * gsize, grad_dtype=g.grad_dtype,
                 out=g.weights if out is None else out, out_offset=at[id(part)] * wsize, out_dtype=g.dtype,
-                grad_scale=scale, hyper=hyper, weights_object=f"weights/{part.name}" if offloaded_bf else "")
+                grad_scale=scale, hyper=hyper, weights_object=f"weights/{part.name}" if offloaded_bf else "",
+                masters=masters if part.name in g.chunked else None, masters_offset=part.start * 4)
                 for part, lr, hyper in parts if id(part) in at],
                 combine=StepInfo.combine)
 
         g.submitted = True
-        g.strategy.submit(g, start)
+        future = g.strategy.submit(g, start)
         grad_guard.guard(g.spec.params, g.spec.name)  # (read-only until the barrier: grad_guard.py)
+        return future
 
     @property
     def plan(self):
@@ -440,8 +503,10 @@ class Engine:
         are not called after it). Trains exactly as the ordinary loop over the same
         micro-batches would, each micro-batch's dropout drawn as under
         ``fuyou_client.micro_batch_rng``. Each micro-batch's input to each block is kept
-        until backward: on a GPU in host memory (``host_budget`` must hold blocks + 2
-        times the micro-batches of them). ``activations=`` does not apply to it, and each
+        until backward, in host memory up to ``host_budget`` bytes (on a GPU in a shared
+        arena), the rest on the SSD array, read back ahead of backward (block_store.py;
+        ``engine.train_step_stats`` counts it); ``host_budget`` must hold at least the
+        micro-batches of one block plus two. ``activations=`` does not apply to it, and each
         group's gradients add up on the compute device over the micro-batches (in the
         parameters' dtype, as torch adds them) whatever ``grad_accumulation`` says: they
         leave it once per step."""
@@ -452,6 +517,13 @@ class Engine:
             raise RuntimeError("train_step is not built for data parallelism yet: train with the ordinary loop "
                                "(accumulation_steps=K for K micro-batches per step)")
         return blockmajor.train_step(self, micro_batches, loss_fn)
+
+    @property
+    def train_step_stats(self):
+        """The last ``train_step``'s traffic to and from the SSD array (block_store.StoreStats:
+        bytes of kept inputs spilled and read back, seconds waited for them), or None before
+        the first."""
+        return self._train_step_store.stats if self._train_step_store is not None else None
 
     def _land(self, infos: dict, errors: list) -> None:
         """Wait for every step in flight and put its new weights into the parameters; each
@@ -474,6 +546,8 @@ class Engine:
             kept, kept_errors = strategy.reclaim()
             infos.update(kept)
             errors.extend(kept_errors)
+        if self.offloader is not None:
+            self.offloader.take_back_all()  # (slots lent to steps: every step has landed)
 
     def _report(self, t_start: float) -> None:
         """Send this iteration's time and the part of it spent waiting in step() to the
@@ -579,6 +653,7 @@ class Engine:
             for strategy in self._strategies:
                 strategy.reclaim()
             if self.offloader is not None:
+                self.offloader.take_back_all()
                 self.offloader.release_all()
             with torch.no_grad():
                 for g in self.groups:

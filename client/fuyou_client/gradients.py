@@ -77,8 +77,9 @@ class GradientPool:
         self.assign(group)
         group.adopt_grads(self._flat(group))
 
-    def submit(self, group, start) -> None:
-        """The group's gradients go to its step: ``start(host_buffer)`` issues it."""
+    def submit(self, group, start) -> Future:
+        """The group's gradients go to its step: ``start(host_buffer)`` issues it. Returns
+        the step's future (the pool keeps it too: ``reclaim_all``)."""
         self.collect(group)
         if self._device.shares_host_memory:
             future = start(group.grads)
@@ -92,6 +93,7 @@ class GradientPool:
             group.grads = host
             future = after(self._device, downloaded, lambda: start(host))
         self._inflight.append((future, group.grads, group))
+        return future
 
     def _reclaim_oldest(self) -> None:
         future, buf, group = self._inflight.popleft()

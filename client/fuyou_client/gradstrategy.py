@@ -28,6 +28,25 @@ from fuyou_client.session import Session
 Start = Callable[[object], Future]
 
 
+def placement(spec, offload: bool | str, pool_grads: bool, grad_accumulation: str,
+              data_parallel: bool) -> tuple[bool | str, str] | None:
+    """Where a layer group's weights and gradients live: (offload mode, strategy kind), or
+    None for a frozen block left as it is. Blocks follow ``offload``, the rest group stays
+    resident; offloaded groups borrow pooled gradient buffers when nothing keeps gradients
+    until the step (``pool_grads``: no accumulation, no exact clipping), else each group
+    keeps its own (on the device, or summed on the host); data parallelism shards them."""
+    mode = offload if spec.module is not None else False
+    if not spec.params and mode is not True:
+        return None
+    if not spec.params:
+        return mode, "resident"  # (a frozen offloaded block: no gradients)
+    if data_parallel:
+        return mode, "sharded"
+    if mode and pool_grads:
+        return mode, "pooled"
+    return mode, "host" if grad_accumulation == "host" else "resident"
+
+
 class GradientStrategy:
     name = ""
 
@@ -55,9 +74,10 @@ class GradientStrategy:
     def before_grad(self, g) -> None:
         """Before autograd adds a gradient to one of the group's parameters."""
 
-    def submit(self, g, start: Start) -> None:
+    def submit(self, g, start: Start) -> Future | None:
         """Send the group's step: ``start(buffer)`` issues it once the gradients are
-        there; the step's future goes to ``g.future`` unless the strategy keeps it."""
+        there; the step's future goes to ``g.future`` unless the strategy keeps it (and
+        then returns it)."""
         raise NotImplementedError
 
     def landing(self, g, stepped: Future) -> Future:
@@ -122,9 +142,10 @@ class Pooled(GradientStrategy):
     def on_backward(self, g, first: bool) -> None:
         self.pool.collect(g)  # (before the weights go: views need the parameters' shapes)
 
-    def submit(self, g, start: Start) -> None:
-        self.pool.submit(g, start)  # the pool keeps the step's future
+    def submit(self, g, start: Start) -> Future:
+        future = self.pool.submit(g, start)  # the pool keeps the step's future
         g.future = None
+        return future
 
     def reclaim(self) -> tuple[dict, list]:
         return self.pool.reclaim_all() if self.pool is not None else ({}, [])
@@ -136,8 +157,8 @@ class HostAccumulated(GradientStrategy):
     def __init__(self):
         self.acc: HostAccumulation | None = None  # once the groups' sizes are known (bind)
 
-    def bind(self, session: Session, device: Device, nbytes: int) -> HostAccumulation:
-        self.acc = HostAccumulation(session, device, nbytes)
+    def bind(self, session: Session, device: Device, nbytes: int, staging: int = 3) -> HostAccumulation:
+        self.acc = HostAccumulation(session, device, nbytes, staging)
         return self.acc
 
     def host_buffer_bytes(self, numel: int, dtype: torch.dtype) -> int:

@@ -48,6 +48,7 @@ class LayerGroup:
     downloaded: object = DONE  # event: the last download of device_grads
     shard: object = None  # data parallelism: this rank's shard of the group (sharded.ShardState)
     shard_padded: int = 0  # data parallelism: the flat vectors' length, padded to the shards' sum
+    chunked: frozenset[str] = frozenset()  # its parts the daemon steps in chunks
 
     @property
     def numel(self) -> int:
@@ -184,7 +185,8 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
     if frozen:
         sources.append(_store_frozen(session, spec.name, frozen, frozen_numel, dtype, n * size))
     padded = shards.padded if shards is not None else n
-    group = LayerGroup(spec, weights, grads, dtype, strategy=strategy, shard_padded=padded if shards else 0)
+    group = LayerGroup(spec, weights, grads, dtype, strategy=strategy, shard_padded=padded if shards else 0,
+                       chunked=frozenset(info.name for info in infos if info.chunked))
     if device.shares_host_memory:  # (offload="host" does not come here: on the CPU it is resident)
         flat_w = weights.tensor(dtype)[:n] if weights is not None else None
         flat_g = grads.tensor(dtype)[:n] if grads is not None else None

@@ -24,7 +24,17 @@ upload. A handful of slots hold the groups in use:
   its parameters: autograd shapes new gradients after their parameter, so that must
   not be an empty placeholder then;
 * a group's weights go as soon as its gradients are complete (its step is then
-  submitted). Parameters not resident are empty placeholders.
+  submitted). Parameters not resident are empty placeholders. A group whose step is
+  done in chunks in the daemon (its state is larger than an optimizer buffer) and whose
+  slot holds its fp32 master weights *lends* the slot to its step instead (``lend``,
+  ``hands_over``): the step takes the masters from there rather than reading them from
+  the SSD again, and the slot comes back when the step is done (a fetch that finds no
+  free slot waits for the oldest lent one before it evicts a resident group). Such a
+  group's backward fetch is a plain read: serving it from a read-ahead would hold daemon
+  buffers the step needs.
+
+How many slots: the memory plan's (memory_plan.py), by default the block computing,
+``prefetch`` ahead, ``keep``, and a spare or the slots lent to steps in flight.
 
 A slot is a shared host buffer (where the daemon puts the weights) and the compute
 device's memory for them. On the CPU these are the same bytes. On a GPU a landed fetch
@@ -35,6 +45,7 @@ upload's event only, and the host buffer takes a new fetch only after its upload
 """
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -73,6 +84,7 @@ class OffloadedGroup:
     fetch: Future | None = None
     fetch_slot: "Slot | None" = None
     fetch_via_state: bool = False  # the fetch asks the daemon to serve it from a state read-ahead
+    fetch_backward: bool = False  # the fetch is for backward
     in_backward: bool = False
     busy: bool = False  # between its forward pre- and post-hook: its slot must stay
     last_used: int = 0
@@ -80,6 +92,7 @@ class OffloadedGroup:
     placeholders: list[torch.Tensor] = field(default_factory=list)
     host: object = None  # offload="host": the shared buffer holding the weights (the step writes it)
     host_uploaded: object = DONE  # event: the last upload out of ``host`` (the step waits for it)
+    hands_over: bool = False  # its slot goes to its step, which takes the fp32 masters from it (lend)
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +122,7 @@ class Saved:
 
 class Offloader:
     def __init__(self, session: Session, device: Device, groups: list[OffloadedGroup], prefetch: int,
-                 keep: int = 0):
+                 keep: int = 0, slots: int | None = None):
         self.session = session
         self.device = device
         self.groups = groups
@@ -117,12 +130,17 @@ class Offloader:
         self.keep = keep  # blocks (the last ones) kept from forward to backward: fewer fetches, more memory
         nbytes = max(g.nbytes for g in groups)
         from_ssd = any(g.host is None for g in groups)
-        self._free = [Slot(session, device, nbytes, host=from_ssd) for _ in range(prefetch + 2 + keep)]
+        count = slots if slots is not None else prefetch + 2 + keep
+        self._free = [Slot(session, device, nbytes, host=from_ssd) for _ in range(count)]
         self._all = list(self._free)
+        self._lent: deque[tuple[Future, Slot]] = deque()  # slots whose masters a step reads, oldest first
+        self._lending: Slot | None = None  # lent, its step not submitted yet
+        self._deferred: list[tuple[OffloadedGroup, bool]] = []  # prefetches waiting for a slot (poll)
         self._clock = 0
         self._by_ptr: dict[int, OffloadedGroup] = {}
         self._hooks = []
         self.fetched_bytes = 0  # weight bytes read from the SSD array for this client
+        self.fetched_forward = 0  # of which for forward (the rest: backward's)
         self.served_bytes = 0  # weight bytes served from optimizer-state read-aheads (no extra read)
         self.on_backward = lambda g: None  # called when a group's backward begins (weights resident)
         # Data parallelism (sharded.py): the sources are this rank's shard; gather(g, slot,
@@ -141,17 +159,65 @@ class Offloader:
         self._frozen_blocks = [g for g in groups if not any(p.requires_grad for p in g.params)]
 
     # -- residency ----------------------------------------------------------------------
-    def _start_fetch(self, g: OffloadedGroup, via_state: bool = False) -> None:
-        """Start reading a group's weights into a free slot. In backward (``via_state``) the
-        daemon serves them from a read-ahead of the group's optimizer state, which the
-        group's step, due right after, then uses: one SSD read instead of two."""
-        if g.slot is not None or g.fetch is not None or not self._free:
+    def _start_fetch(self, g: OffloadedGroup, backward: bool = False) -> None:
+        """Start reading a group's weights into a free slot. In backward the daemon serves
+        them from a read-ahead of the group's optimizer state, which the group's step, due
+        right after, then uses: one SSD read instead of two (unless the group lends its
+        slot to its step instead: ``lend``)."""
+        if g.slot is not None or g.fetch is not None:
             return
-        self._fetch_into(g, self._free.pop(0), via_state)  # (the longest free: its last use is furthest back)
+        self._take_back()
+        if self._free:
+            self._fetch_into(g, self._free.pop(0), backward)  # (the longest free: its last use is furthest back)
+        elif not any(d is g for d, _ in self._deferred):  # (started when a lent slot comes back: poll)
+            self._deferred.append((g, backward))
 
-    def _fetch_into(self, g: OffloadedGroup, slot: Slot, via_state: bool) -> None:
+    def poll(self) -> None:
+        """Cheap, called often (each gradient): slots lent to steps that are done are free
+        again, and the fetches deferred for want of a slot start in them."""
+        if not self._lent and not self._deferred:
+            return
+        self._take_back()
+        while self._free and self._deferred:
+            g, backward = self._deferred.pop(0)
+            if g.slot is None and g.fetch is None:
+                self._fetch_into(g, self._free.pop(0), backward)
+
+    def _take_back(self, wait: bool = False) -> None:
+        """Slots lent to steps that are done are free again (``wait``: the oldest is waited for)."""
+        if wait and self._lent:
+            self._lent[0][0].exception()  # (waits; whatever the step's outcome, it reads the slot no more)
+        while self._lent and self._lent[0][0].done():
+            self._free.append(self._lent.popleft()[1])
+
+    def lend(self, g: OffloadedGroup):
+        """Backward is done with the group's weights, and its step will read its fp32 masters
+        from the slot: the parameters let go of it as with ``release``, but the slot is out of
+        use until ``lent_until``'s future is done. Returns the slot's shared buffer."""
+        slot = g.slot
+        self.release(g, lend=True)
+        self._lending = slot
+        return slot.host
+
+    def lent_until(self, step: Future) -> None:
+        """The step that reads the slot just lent; the slot is free again once it is done."""
+        self._lent.append((step, self._lending))
+        self._lending = None
+
+    def take_back_all(self) -> None:
+        """(at the barrier, every step landed) Every lent slot is free again; prefetches
+        still deferred are forgotten (the next forward asks again)."""
+        for step, slot in self._lent:
+            step.exception()
+            self._free.append(slot)
+        self._lent.clear()
+        self._deferred.clear()
+
+    def _fetch_into(self, g: OffloadedGroup, slot: Slot, backward: bool) -> None:
         slot.uploaded.synchronize()  # the host buffer's last upload has run (normally long ago)
-        g.fetch_slot, g.fetch_via_state = slot, via_state
+        self._deferred = [(d, b) for d, b in self._deferred if d is not g]
+        via_state = backward and not g.hands_over
+        g.fetch_slot, g.fetch_via_state, g.fetch_backward = slot, via_state, backward
         if g.host is not None:  # nothing to read: the upload starts when the fetch lands
             g.fetch = Future()
             g.fetch.set_result(False)
@@ -167,14 +233,22 @@ class Offloader:
         return self.session.swap_in_async([In(s.object, slot.host, s.offset, s.length, s.object_offset)
                                            for s in sources])
 
-    def ensure(self, g: OffloadedGroup, via_state: bool = False) -> None:
+    def ensure(self, g: OffloadedGroup, backward: bool = False) -> None:
         """Make the group's weights resident (waits for its fetch); the compute stream's
         next work waits for their upload."""
         if g.slot is None:
             if g.fetch is None:
-                self._fetch_into(g, self._free.pop(0) if self._free else self._evict(g), via_state)
+                self._fetch_into(g, self._slot_for(g), backward)
             self._land(g)
         self.device.wait(g.ready)
+
+    def _slot_for(self, g: OffloadedGroup) -> "Slot":
+        """A slot for a fetch that cannot wait: a free one, else the oldest lent one once its
+        step is done, else a resident group's (evicted)."""
+        self._take_back()
+        if not self._free and self._lent:
+            self._take_back(wait=True)
+        return self._free.pop(0) if self._free else self._evict(g)
 
     def _land(self, g: OffloadedGroup) -> None:
         """A fetch is done (or waited for): upload it and point the parameters at it."""
@@ -187,8 +261,11 @@ class Offloader:
             if declined:  # no optimizer buffer was spare: read them ourselves
                 self.session.swap_in_many([In(s.object, slot.host, s.offset, s.length, s.object_offset)
                                            for s in declined])
+            read = sum(s.length for s, ok in zip(g.sources, served) if not ok)
             self.served_bytes += sum(s.length for s, ok in zip(g.sources, served) if ok)
-            self.fetched_bytes += sum(s.length for s, ok in zip(g.sources, served) if not ok)
+            self.fetched_bytes += read
+            if not g.fetch_backward:
+                self.fetched_forward += read
         g.slot, g.fetch, g.fetch_slot = slot, None, None
         if self.gather is not None:  # (data parallel: gathered in the slot's device memory already)
             slot.uploaded = DONE
@@ -224,9 +301,10 @@ class Offloader:
         self.release(min(victims, key=lambda g: g.last_used))
         return self._free.pop()
 
-    def release(self, g: OffloadedGroup, keep_params: bool = False) -> None:
+    def release(self, g: OffloadedGroup, keep_params: bool = False, lend: bool = False) -> None:
         """Give the group's slot back; its parameters become empty placeholders (unless
-        ``keep_params``: the caller has already pointed them elsewhere)."""
+        ``keep_params``: the caller has already pointed them elsewhere; ``lend``: the slot
+        goes to the group's step, see ``lend``)."""
         if g.slot is None:
             return
         if not keep_params:
@@ -234,7 +312,8 @@ class Offloader:
                 p.data = ph
         self._by_ptr.pop(g.slot.weights(g.dtype).untyped_storage().data_ptr(), None)
         g.slot.released = self.device.record()  # the compute enqueued so far may still read it
-        self._free.append(g.slot)
+        if not lend:
+            self._free.append(g.slot)
         g.slot, g.ready = None, DONE
 
     def release_all(self) -> None:
@@ -288,14 +367,14 @@ class Offloader:
                 if done.index > g.index and done.slot is not None and not done.busy:
                     self.release(done)
         if g.slot is None:
-            self.ensure(g, via_state=True)
+            self.ensure(g, backward=True)
             for prev in reversed(self.groups[max(0, g.index - self.prefetch):g.index]):
-                self._start_fetch(prev, via_state=True)
+                self._start_fetch(prev, backward=True)
         else:
             self.device.wait(g.ready)
 
     def _gradient_arriving(self, g: OffloadedGroup) -> None:
-        self.ensure(g, via_state=True)
+        self.ensure(g, backward=True)
         self._begin_backward(g)
 
     def _begin_backward(self, g: OffloadedGroup) -> None:

@@ -102,6 +102,7 @@ class GroupInfo:
     state_bytes: int
     optimizer: AdamW | SGD
     weights_offset: int  # of the fp32 master weights in the state object "optim/<name>"
+    chunked: bool = False  # the daemon steps it in chunks (its state does not fit one optimizer buffer)
 
     @classmethod
     def from_pb(cls, m: pb.GroupInfo) -> "GroupInfo":
@@ -109,7 +110,7 @@ class GroupInfo:
         spec = (AdamW(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                       state_dtype=state_dtype_name(o.state_dtype)) if o.kind == "adamw"
                 else SGD(momentum=o.momentum, dampening=o.dampening, weight_decay=o.weight_decay, nesterov=o.nesterov))
-        return cls(m.name, m.numel, m.step, m.state_bytes, spec, m.weights_offset)
+        return cls(m.name, m.numel, m.step, m.state_bytes, spec, m.weights_offset, m.chunked)
 
 
 @dataclass(frozen=True)
@@ -120,10 +121,12 @@ class StepInfo:
     write_seconds: float
     prefetched: bool
     cached_bytes: int = 0  # state bytes the daemon's state cache had: not read from the SSD
+    masters_bytes: int = 0  # master-weight bytes the step took from the client's buffer: not read from the SSD
 
     @classmethod
     def from_pb(cls, m: pb.StepGroupReply) -> "StepInfo":
-        return cls(m.step, m.read_seconds, m.compute_seconds, m.write_seconds, m.prefetched, m.cached_bytes)
+        return cls(m.step, m.read_seconds, m.compute_seconds, m.write_seconds, m.prefetched, m.cached_bytes,
+                   m.masters_bytes)
 
     @classmethod
     def combine(cls, infos: list["StepInfo"]) -> "StepInfo":
@@ -132,4 +135,5 @@ class StepInfo:
             return infos[0]
         return cls(max(i.step for i in infos), sum(i.read_seconds for i in infos),
                    sum(i.compute_seconds for i in infos), sum(i.write_seconds for i in infos),
-                   all(i.prefetched for i in infos), sum(i.cached_bytes for i in infos))
+                   all(i.prefetched for i in infos), sum(i.cached_bytes for i in infos),
+                   sum(i.masters_bytes for i in infos))

@@ -68,16 +68,21 @@ class AttachOptions:
       (a device that shares host memory) both are the same: ``for_device`` makes it
       "device".
 
-    Memory:
+    Memory (the shared buffers all these take are planned from the daemon's session
+    budget before anything is allocated: memory_plan.py, ``engine.memory_plan()``):
       ``offload``: True (the default): the blocks' weights are on the SSD array and in
-      memory only while they compute, fetched ``prefetch`` blocks ahead; the last ``keep``
-      blocks stay from forward to backward instead of being fetched twice. "host": the
+      memory only while they compute, fetched ``prefetch`` blocks ahead (default: chosen
+      by the memory plan: two for small blocks, one for blocks of 512 MiB or more, fewer
+      when the budget is tight); the last ``keep`` blocks stay from forward to backward
+      instead of being fetched twice. "host": the
       blocks' weights stay in shared host memory (each step writes them there) and are
       uploaded to the device ahead of each use; on the CPU that is simply resident, so
       ``for_device`` makes it False there. False: every group resident.
       ``activations``: what happens to the blocks' activations saved for backward: "keep",
       "swap" (to a host arena of ``host_budget`` bytes of shared memory, then to the SSD
-      array), "recompute" (only block inputs kept, the block run again in backward), or a
+      array; default: 256 MiB, less when the budget is tight; ``train_step`` keeps its
+      blocks' inputs in such an arena too), "recompute" (only block inputs kept, the block
+      run again in backward), or a
       dict of those by group name; or "auto": the planner chooses per block after
       profiling the first iteration, fastest within ``device_budget`` bytes of
       activations on the compute device (None: no limit).
@@ -109,10 +114,10 @@ class AttachOptions:
     accumulation_steps: int = 1
     grad_accumulation: str = "device"
     offload: bool | str = True
-    prefetch: int = 2
+    prefetch: int | None = None
     keep: int = 0
     activations: str | dict[str, str] = "keep"
-    host_budget: int = 256 << 20
+    host_budget: int | None = None
     device_budget: int | None = None
     process_group: Any = None
     reduce: str = "step"
@@ -121,9 +126,11 @@ class AttachOptions:
 
     def __post_init__(self) -> None:
         _count("accumulation_steps", self.accumulation_steps, 1)
-        _count("prefetch", self.prefetch, 0)
+        if self.prefetch is not None:
+            _count("prefetch", self.prefetch, 0)
         _count("keep", self.keep, 0)
-        _count("host_budget", self.host_budget, 1)
+        if self.host_budget is not None:
+            _count("host_budget", self.host_budget, 1)
         if self.device_budget is not None:
             _count("device_budget", self.device_budget, 1)
         mgn = self.max_grad_norm

@@ -275,6 +275,12 @@ class Session:
                     seg.register(self._device)
             return self._segments[segment_id]
 
+    @property
+    def pinned_bytes(self) -> int:
+        """The shared memory this session holds (its segments, as the daemon counts them)."""
+        with self._seg_lock:
+            return sum(seg.size for seg in self._segments.values())
+
     def use_device(self, device) -> None:
         """Register every shared segment, mapped now or later, with a compute device
         (``fuyou_client.device``: cudaHostRegister on CUDA); None unregisters them."""
@@ -362,7 +368,7 @@ class Session:
         return GroupInfo.from_pb(_call(self._stub.GetGroup, pb.GetGroupRequest(name=name), self._metadata))
 
     def _step_request(self, name, grads, lr, grads_offset, grad_dtype, out, out_offset, out_dtype, grad_scale,
-                      weights_object, hyper):
+                      weights_object, hyper, masters=None, masters_offset=0):
         req = pb.StepGroupRequest(name=name, grads=grads.ref, grads_offset=grads_offset,
                                   grad_dtype=dtype_value(DTYPE_NAMES[grad_dtype]), lr=lr, weights_object=weights_object,
                                   out_dtype=dtype_value(DTYPE_NAMES[out_dtype]))
@@ -373,6 +379,9 @@ class Session:
             req.grad_scale = grad_scale
         if hyper is not None:
             req.hyper.CopyFrom(hyper.to_pb())
+        if masters is not None:
+            req.masters.CopyFrom(masters.ref)
+            req.masters_offset = masters_offset
         return req
 
     def step_group(self, name: str, grads: SharedBuffer, lr: float, *, grads_offset: int = 0,
@@ -387,15 +396,19 @@ class Session:
     def step_group_async(self, name: str, grads: SharedBuffer, lr: float, *, grads_offset: int = 0,
                          grad_dtype=None, out: SharedBuffer | None = None, out_offset: int = 0, out_dtype=None,
                          grad_scale: float | None = None, weights_object: str = "",
-                         hyper: AdamW | SGD | None = None) -> Future:
+                         hyper: AdamW | SGD | None = None, masters: SharedBuffer | None = None,
+                         masters_offset: int = 0) -> Future:
         """Submit a group's step; the future's result is a StepInfo. ``weights_object``
         names a transient object that receives the new weights (``out_dtype``) too.
         ``hyper``: this step's hyperparameters (``lr`` aside), where they differ from the
-        group's (a scheduler changed them); the same optimizer and state dtype."""
+        group's (a scheduler changed them); the same optimizer and state dtype.
+        ``masters``: the group's fp32 master weights at its current step (from
+        ``masters_offset``), as this client read them: a step in chunks takes them from
+        there instead of the SSD; leave them unchanged until the step is done."""
         import torch
 
         req = self._step_request(name, grads, lr, grads_offset, grad_dtype or torch.float32, out, out_offset,
-                                 out_dtype or torch.float32, grad_scale, weights_object, hyper)
+                                 out_dtype or torch.float32, grad_scale, weights_object, hyper, masters, masters_offset)
         return _wrap_future(self._stub.StepGroup.future(req, metadata=self._metadata), StepInfo.from_pb)
 
     def status(self) -> pb.StatusReply:

@@ -57,9 +57,8 @@ from fuyoud.optimizer.buffers import StateBuffers
 from fuyoud.optimizer import lowp
 from fuyoud.optimizer.kernels import OptimizerSpec, all_finite, step as run_kernel
 from fuyoud.optimizer.layout import HEADER
-from fuyou_proto.contract import STATE_PREFIX, group_of, state_object
+from fuyou_proto.contract import STATE_PREFIX, group_of, state_object, step_buffer_bytes
 from fuyoud.storage.store import ReadItem, Store, WriteItem
-from fuyoud.units import align_up
 
 log = logging.getLogger(__name__)
 CACHE_RESERVE = 3  # buffers the state cache leaves free: a step, a read-ahead and a FetchWeights in backward
@@ -75,10 +74,6 @@ def itemsize(dtype: str) -> int:
 
 def state_name(group: str) -> str:
     return state_object(group)
-
-
-def slot_bytes(numel: int) -> int:
-    return align_up(numel * 4, 4096)
 
 
 def state_bytes(spec: OptimizerSpec, numel: int) -> int:
@@ -105,7 +100,7 @@ class Group:
     @property
     def buffer_bytes(self) -> int:
         """A step's buffer: the state, then room for the new weights in any dtype."""
-        return self.nbytes + slot_bytes(self.numel)
+        return step_buffer_bytes(self.nbytes, self.numel)
 
     def chunk_plan(self, per_buffer: int, buffers: int = 1) -> chunks.ChunkPlan:
         """How a step of this group is cut into chunks within ``buffers`` buffers of
@@ -121,6 +116,7 @@ class StepResult:
     write_s: float
     prefetched: bool
     cached_bytes: int = 0  # state bytes not read from the SSD: the state cache had them
+    masters_bytes: int = 0  # master weights taken from the client's buffer (not read from the SSD)
 
 
 @contextmanager
@@ -260,12 +256,14 @@ class Optimizer:
     # -- stepping -----------------------------------------------------------------------------
     def step(self, group: Group, grads: memoryview, grad_dtype: str, out: memoryview | None, out_dtype: str,
              lr: float, grad_scale: float, session_id: int, weights_object: str = "",
-             hyper: OptimizerSpec | None = None) -> StepResult:
+             hyper: OptimizerSpec | None = None, masters: memoryview | None = None) -> StepResult:
         """One step. The new weights go, in ``out_dtype``, to the client's ``out`` buffer
         and/or to the transient object ``weights_object`` (for clients that offload them).
         ``hyper``: this step's hyperparameters (a scheduler may change betas, eps, weight
         decay between steps), the group's from its commit on; its layout must be the
-        group's.
+        group's. ``masters``: the group's fp32 master weights as the client holds them (read
+        for its backward); a chunked step takes them from there instead of the SSD, a
+        whole-group step ignores them.
 
         Nothing non-finite reaches the state: ``lr`` and ``grad_scale`` must be finite and
         non-negative (InvalidArgument, before anything is read), and a step whose new state
@@ -287,8 +285,10 @@ class Optimizer:
         out_t = _tensor(out, DTYPES[out_dtype], group.numel) if out is not None else None
         self._note_order(group)
         if self.chunked(group):
+            client = held_weights.ClientMasters(_tensor(masters, torch.float32, group.numel), group.step) \
+                if masters is not None else None
             result = self._step_chunked(group, grad, out_t, DTYPES[out_dtype] if weights_object else None, lr,
-                                        grad_scale, session_id, weights_object, hyper)
+                                        grad_scale, session_id, weights_object, hyper, client)
             self._prefetch_next(group)  # (a group that fits, after this one)
             return result
         with group.lock:
@@ -380,7 +380,8 @@ class Optimizer:
 
     def _step_chunked(self, group: Group, grad: torch.Tensor, out: torch.Tensor | None,
                       weights_dtype: torch.dtype | None, lr: float, grad_scale: float, session_id: int,
-                      weights_object: str, hyper: OptimizerSpec | None) -> StepResult:
+                      weights_object: str, hyper: OptimizerSpec | None,
+                      client: "held_weights.ClientMasters | None" = None) -> StepResult:
         """A step of a group larger than a buffer, chunk by chunk (chunks.py), in one
         buffer, or in up to three (one per stage: larger chunks, fewer and longer
         transfers) when that many are free without waiting and one stays free. Each
@@ -411,9 +412,11 @@ class Optimizer:
             if group.dead:
                 raise NotFound(f"optimizer group {group.name!r} was deleted or replaced while this step waited")
             held, group.held = group.held, None
-            if held is not None and held.step != group.step:  # (read before another step: stale)
+            if held is not None and (held.step != group.step or client is not None):  # (stale, or not needed)
                 held.release()
                 held = None
+            if client is not None:  # (the client's copy of this step count's masters)
+                held = client
             bufs = []
             try:
                 bufs.append(self.buffers.acquire_blocking(per_buffer, group.namespace))
@@ -444,7 +447,8 @@ class Optimizer:
                 if held is not None:
                     held.release()
         return StepResult(group.step, timing.read_s, timing.compute_s, timing.write_s, False,
-                          cached_bytes=held.nbytes if held is not None else 0)
+                          cached_bytes=held.nbytes if held is not None and client is None else 0,
+                          masters_bytes=held.nbytes if client is not None else 0)
 
     def _restore_out(self, group: Group, area: memoryview, plan: chunks.ChunkPlan, out: torch.Tensor, end: int,
                      exc: BaseException) -> None:

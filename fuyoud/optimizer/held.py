@@ -73,6 +73,34 @@ class HeldWeights:
         self.buffers.release(self.views[j])
 
 
+class ClientMasters:
+    """The same for master weights the client holds: a chunked step given the fp32
+    masters the client read for its backward (StepGroupRequest.masters) copies each
+    chunk's from the client's shared buffer instead of reading them from the SSD. They
+    were checked against the object's checksums when the client read them; the client
+    answers for them until the step returns (a client can only hurt its own state, as
+    with its gradients, and a master it changed into a NaN is refused with the step)."""
+
+    def __init__(self, masters: torch.Tensor, step: int):
+        self.masters, self.step, self.covered = masters, step, masters.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.covered
+
+    def covers(self, a: int, b: int) -> bool:
+        return b <= self.covered
+
+    def copy(self, a: int, b: int, dst: memoryview) -> None:
+        torch.frombuffer(dst, dtype=torch.float32)[:b - a].copy_(self.masters[a:b])
+
+    def done_below(self, end: int) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
 def read(store: Store, buffers: StateBuffers, namespace: str, name: str, numel: int, step: int,
          out: torch.Tensor) -> HeldWeights | None:
     """The master weights of a chunked group (state object ``namespace/name`` of

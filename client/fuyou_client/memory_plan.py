@@ -1,0 +1,342 @@
+"""The client's memory plan: every shared buffer a training process takes from fuyoud,
+worked out from the session's pinned budget and the model's layer groups before
+anything is allocated, then allocated exactly so (the engine builds its parts with the
+counts the plan chose; ``engine.memory_plan()`` shows it).
+
+What a training process holds in shared memory:
+
+* per layer group, for the whole run: the gradients kept until its step (resident and
+  host-accumulated groups: gradstrategy.py), the weights its step writes (resident
+  groups; ``offload="host"``), with data parallelism its shard buffers (sharded.py);
+* weight slots (offload.py), each as large as the largest offloaded block: the block
+  computing, ``prefetch`` blocks fetched ahead, the ``keep`` blocks kept from forward to
+  backward, and a spare; where the steps of blocks stepped in chunks take their fp32
+  master weights from the slot their block's backward used (``handoff``: 4 SSD bytes per
+  parameter fewer), the slots of the steps in flight instead of the spare;
+* gradient buffers shared by the offloaded blocks (gradients.py): the block in backward
+  and the steps in flight;
+* staging buffers of host gradient accumulation (hostgrads.py);
+* the host arena of ``host_budget`` bytes (activations.py's swapped activations;
+  block_store.py's kept inputs of ``train_step``);
+* for a moment, the largest group's fp32 master weights (attach creates each group's
+  state from them, resume reads them back) before the training buffers exist, and a
+  buffer export reads master weights through (``EXPORT_PIECE``) beside them.
+
+How many of each: enough bytes in flight to keep an SSD array busy (``WINDOW``), capped at
+the counts that serve small blocks: a 28 MiB block gets two fetched ahead and four steps
+in flight, a 772 MiB one (Llama-7B's, fp32) one and one. While that plan is larger than
+what the session may still take, it gives up, in this order: the spare slot, steps in
+flight, the master handoff, arena bytes (to ``ARENA_FLOOR``), prefetch, down to the
+smallest plan that still trains (no block ahead, one gradient buffer). A budget below that
+is refused before anything is allocated, with the bytes needed and what to change. What
+the caller fixed (``prefetch``, ``keep``, ``host_budget`` given to attach) is never
+changed: a plan that cannot hold it is refused naming it.
+
+The plan is a pure function of numbers (``GroupShape``, ``Limits``, ``Wanted``), so the
+planner of a model that does not exist here yet can call it too.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from fuyou_client.errors import ResourceExhausted
+from fuyou_proto.contract import segment_bytes
+
+WINDOW = 512 << 20  # bytes in flight that keep an SSD array busy: more buffers buy no speed
+MAX_PREFETCH = 2  # blocks fetched ahead, at most (small blocks)
+MAX_STAGING = 3  # host accumulation's staging buffers, at most
+ARENA_DEFAULT = 256 << 20  # host_budget when attach leaves it to the plan
+ARENA_FLOOR = 64 << 20  # the least the plan shrinks it to
+EXPORT_PIECE = 64 << 20  # the shared buffer export reads master weights through (checkpoints.py)
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError
+
+
+def depth(nbytes: int, most: int) -> int:
+    """How many buffers of ``nbytes`` fill ``WINDOW``: at least 1, at most ``most``."""
+    return max(1, min(most, -(-WINDOW // max(nbytes, 1))))
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """What the plan needs of a layer group."""
+    name: str
+    numel: int  # trained elements (with data parallelism: padded to the shards' sum)
+    itemsize: int  # of the compute dtype
+    chunked: bool = False  # the daemon steps it in chunks (fuyou_proto.contract.stepped_in_chunks)
+    frozen_bytes: int = 0  # an offloaded block's frozen parameters, fetched with its weights
+    offload: bool | str = False  # True: weights on the SSD array; "host": in shared memory; False: resident
+    strategy: str = "resident"  # where its gradients live: resident | pooled | host | sharded (gradstrategy.py)
+    shard: int = 0  # data parallelism: this rank's shard, elements
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def fetched_bytes(self) -> int:
+        """What one weight slot holds of it (offloaded groups)."""
+        return self.weight_bytes + self.frozen_bytes
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the daemon gives a session (its Status)."""
+    session_budget: int
+    held: int = 0  # what the session holds already
+    segment: int = 64 << 20
+    optimizer_buffer_budget: int = 1 << 30
+    optimizer_buffers: int = 6
+
+    @property
+    def room(self) -> int:
+        return max(0, self.session_budget - self.held)
+
+
+def limits_of(session) -> Limits:
+    """The limits of a session of a running daemon, now (its Status; daemons older than
+    the session budget's field: their whole pinned budget). The daemon's budget for all
+    sessions bounds it too."""
+    st = session.status()
+    budget = st.session_budget_bytes or st.pinned_budget_bytes
+    held = session.pinned_bytes
+    others = max(0, st.pinned_used_bytes - held)
+    return Limits(min(budget, max(0, st.pinned_budget_bytes - others)), held, st.segment_bytes or 64 << 20,
+                  st.optimizer_buffer_budget_bytes or 1 << 30, st.optimizer_buffers or 6)
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What the caller fixed (None: the plan chooses)."""
+    prefetch: int | None = None
+    keep: int = 0
+    host_budget: int | None = None
+    arena: bool = True  # a host arena may be used (train_step's)
+    swaps: bool = False  # activations "swap" or "auto": the activation swapper's arena too
+    shares_host_memory: bool = True  # the compute device is the CPU (no device-side copies)
+
+
+    @property
+    def arenas(self) -> int:
+        return int(self.arena) + int(self.swaps)
+
+
+@dataclass(frozen=True)
+class Item:
+    what: str
+    count: int
+    each: int  # bytes per buffer
+    why: str
+    phase: str = "run"  # "run": from attach on; "train": from the end of attach; "attach", "export": for a moment
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.each
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    prefetch: int
+    keep: int
+    weight_slots: int
+    slot_bytes: int
+    slots_on_host: bool  # the slots have a shared host buffer (some block is read from the SSD array)
+    grad_buffers: int
+    grad_bytes: int
+    staging_buffers: int
+    staging_bytes: int
+    host_budget: int
+    handoff: bool  # chunked fp32 blocks' steps take their masters from the slot (held until the step is done)
+    items: tuple[Item, ...]
+    limits: Limits
+    shrunk: tuple[str, ...] = ()  # what was given up to fit, in order
+    segment: int = field(default=64 << 20, repr=False)
+
+    def _at(self, *phases: str) -> int:
+        return pinned_bytes([i for i in self.items if i.phase in phases], self.segment)
+
+    @property
+    def training(self) -> int:
+        """What training holds, as the daemon counts it (segments)."""
+        return self._at("run", "train")
+
+    @property
+    def total(self) -> int:
+        """The most the plan holds at once: while attach makes a group's state (before the
+        training buffers exist), or while export reads one back (beside them)."""
+        return max(self._at("run", "attach"), self._at("run", "train", "export"))
+
+    def describe(self) -> str:
+        """A short table: what goes where, and what was given up to fit."""
+        rows = [f"  {i.what:<34} {i.count:>3} x {_size(i.each):>10} = {_size(i.nbytes):>10}  {i.why}"
+                for i in self.items if i.count]
+        head = (f"memory plan: {_size(self.total)} of shared memory (session budget {_size(self.limits.session_budget)}"
+                f"{f', {_size(self.limits.held)} held already' if self.limits.held else ''}); prefetch "
+                f"{self.prefetch}, {self.weight_slots} weight slot(s), {self.grad_buffers} gradient buffer(s)"
+                f"{', master weights handed to the steps' if self.handoff else ''}")
+        tail = [f"  to fit, gave up: {', '.join(self.shrunk)}"] if self.shrunk else []
+        return "\n".join([head, *rows, *tail])
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def pinned_bytes(items, segment: int) -> int:
+    """Pinned bytes of these buffers, as the daemon's pool counts them (an upper bound): a
+    buffer of a segment or more gets one of its own (2 MiB pages), one of more than half a
+    segment takes a segment to itself (no other its size fits beside it), smaller ones
+    share segments (one more counted for how they pack)."""
+    whole = sum(i.count * segment_bytes(i.each, segment) for i in items if i.count and i.each > segment // 2)
+    small = sum(i.count * -(-i.each // 4096) * 4096 for i in items if i.count and 0 < i.each <= segment // 2)
+    return whole + (-(-small // segment) + 1) * segment if small else whole
+
+
+@dataclass(frozen=True)
+class _Knobs:
+    prefetch: int
+    spare: int
+    inflight: int  # steps in flight while a block is in backward (gradient buffers: 1 + this)
+    handoff: bool
+    arena: int
+    staging: int
+
+
+class DoesNotFit(ResourceExhausted):
+    """The smallest plan is larger than what the session may take; the message says by
+    how much and what to change."""
+
+
+def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted()) -> MemoryPlan:
+    """The largest plan of at most the wanted counts that fits ``limits.room``."""
+    offloaded = [g for g in groups if g.offload and g.numel + g.frozen_bytes]
+    from_ssd = [g for g in offloaded if g.offload is True]
+    pooled = [g for g in groups if g.strategy == "pooled"]
+    hosted = [g for g in groups if g.strategy == "host"]
+    slot = max((g.fetched_bytes for g in offloaded), default=0)
+    grad = max((g.weight_bytes for g in pooled), default=0)
+    staging = max((g.numel * 4 for g in hosted), default=0)
+    chunked_fp32 = [g for g in from_ssd if g.strategy == "pooled" and g.itemsize == 4 and g.chunked]
+    fixed = _fixed(groups, wanted.shares_host_memory)
+
+    def build(k: _Knobs, shrunk: tuple[str, ...] = ()) -> MemoryPlan:
+        held_by_steps = k.inflight if k.handoff else 0
+        # Blocks of a WINDOW or more: a fetch and a step's I/O share the SSD array, so a
+        # prefetch may wait for a slot a step holds (offload.py: deferred, started as the
+        # step ends) at no cost; smaller ones get room for both.
+        shared = held_by_steps and slot >= WINDOW
+        extra = max(k.prefetch, held_by_steps) if shared else k.prefetch + (held_by_steps or k.spare)
+        n_slots = (1 + extra + wanted.keep) if offloaded else 0
+        n_grads = (1 + k.inflight) if pooled else 0
+        n_staging = k.staging if hosted else 0
+        items = list(fixed)
+        items.append(Item("weight slots", n_slots if from_ssd else 0, slot,  # (offload="host": device memory only)
+                          f"the block computing, {k.prefetch} ahead"
+                          + (f", {wanted.keep} kept" if wanted.keep else "")
+                          + (f" (or lent to the {held_by_steps} step(s) in flight: master handoff)" if shared else
+                             f", {held_by_steps} lent to steps in flight (master handoff)" if held_by_steps else
+                             ", a spare" if k.spare else ""), "train"))
+        items.append(Item("gradient buffers", n_grads, grad, f"the block in backward, {k.inflight} step(s) in flight",
+                          "train"))
+        items.append(Item("host accumulation staging", n_staging, staging, "gradients added on the host", "train"))
+        if wanted.arenas:
+            items.append(Item("host arena (host_budget)", wanted.arenas, k.arena,
+                              "train_step's kept inputs" + (", swapped activations" if wanted.arenas > 1 else "")
+                              + " (beyond it: the SSD array)", "train"))
+        items.append(Item("a group's state being made", 1, max((_made(g) for g in groups), default=0),
+                          "while attach creates (or resume reads) it", phase="attach"))
+        items.append(Item("export's read buffer", 1, min(EXPORT_PIECE, max((g.numel * 4 for g in groups), default=0)),
+                          "while export reads master weights", phase="export"))
+        return MemoryPlan(k.prefetch, wanted.keep, n_slots, slot, bool(from_ssd), n_grads, grad, n_staging, staging,
+                          k.arena, k.handoff, tuple(i for i in items if i.count and i.each), limits, shrunk,
+                          limits.segment)
+
+    p0 = wanted.prefetch if wanted.prefetch is not None else depth(slot, MAX_PREFETCH)
+    arena = wanted.host_budget if wanted.host_budget is not None else ARENA_DEFAULT
+    knobs = _Knobs(prefetch=p0, spare=1 if slot < WINDOW else 0, inflight=depth(grad, p0 + 2),
+                   handoff=bool(chunked_fp32), arena=arena, staging=depth(staging, MAX_STAGING))
+    shrunk: list[str] = []
+    best = build(knobs)
+    for what, smaller in _ladder(wanted):
+        while best.total > limits.room and (nxt := smaller(knobs)) is not None:
+            knobs = nxt
+            trial = build(knobs, tuple(shrunk))
+            if trial.total < best.total and what not in shrunk:  # (named only where it saved bytes)
+                shrunk.append(what)
+            best = build(knobs, tuple(shrunk))
+    if best.total <= limits.room:
+        return best
+    raise DoesNotFit(_refusal(best, wanted, limits))
+
+
+def _ladder(wanted: Wanted):
+    """What the plan gives up, in order, each one step at a time (None: no further)."""
+    def spare(k):
+        return dataclasses.replace(k, spare=0) if k.spare else None
+
+    def inflight(k):
+        return dataclasses.replace(k, inflight=k.inflight - 1) if k.inflight > 1 else None
+
+    def handoff(k):
+        return dataclasses.replace(k, handoff=False) if k.handoff else None
+
+    def arena(k):
+        if wanted.host_budget is not None or k.arena <= ARENA_FLOOR:
+            return None
+        return dataclasses.replace(k, arena=max(ARENA_FLOOR, k.arena // 2))
+
+    def prefetch(k):
+        return dataclasses.replace(k, prefetch=k.prefetch - 1) if wanted.prefetch is None and k.prefetch else None
+
+    def staging(k):
+        return dataclasses.replace(k, staging=k.staging - 1) if k.staging > 1 else None
+
+    def last_inflight(k):
+        return dataclasses.replace(k, inflight=0) if k.inflight else None
+
+    return [("the spare weight slot", spare), ("steps in flight", inflight),
+            ("the master handoff (4 more SSD bytes per parameter)", handoff), ("arena bytes", arena),
+            ("prefetch", prefetch), ("host accumulation staging", staging),
+            ("overlap of steps with backward", last_inflight)]
+
+
+def _made(g: GroupShape) -> int:
+    """What attach holds for a moment while it makes a group's state: its fp32 masters, an
+    offloaded block's weights in a 16-bit dtype (written to the SSD array) and its frozen
+    parameters."""
+    weights = g.weight_bytes if g.offload is True and g.itemsize != 4 else 0
+    return g.numel * 4 + weights + (g.frozen_bytes if g.offload is True else 0)
+
+
+def _fixed(groups: list[GroupShape], shares_host_memory: bool) -> list[Item]:
+    """The buffers each group keeps for the whole run."""
+    items = []
+    for g in groups:
+        if g.strategy == "resident":
+            items.append(Item(f"{g.name} gradients", 1, g.weight_bytes, "kept until its step"))
+        elif g.strategy == "host":
+            items.append(Item(f"{g.name} gradients (fp32)", 1, g.numel * 4, "accumulated on the host"))
+        elif g.strategy == "sharded":
+            items.append(Item(f"{g.name} gradients", 1, g.weight_bytes, "reduce-scattered at its step"))
+            items.append(Item(f"{g.name} shard", 2, g.shard * max(g.itemsize, 4), "this rank's shard"))
+        if g.offload == "host" or (not g.offload and g.numel):
+            items.append(Item(f"{g.name} weights", 1, g.weight_bytes, "written by each step"))
+    return items
+
+
+def _refusal(smallest: MemoryPlan, wanted: Wanted, limits: Limits) -> str:
+    fixed = [f"{w}={v}" for w, v in (("prefetch", wanted.prefetch), ("keep", wanted.keep or None),
+                                      ("host_budget", wanted.host_budget)) if v is not None]
+    return (f"this model does not fit the session's pinned-memory budget: the smallest plan takes "
+            f"{_size(smallest.total)} and the session may take {_size(limits.room)} (budget "
+            f"{_size(limits.session_budget)}{f', {_size(limits.held)} held already' if limits.held else ''}). "
+            f"Raise fuyoud's [memory] pinned_budget (and session_budget, if set) to at least "
+            f"{_size(smallest.total + limits.held)}"
+            + (f", or leave {', '.join(fixed)} to the plan" if fixed else "")
+            + "; bf16 weights halve the blocks' buffers.\n" + smallest.describe())
