@@ -1,0 +1,132 @@
+"""The training process of bench/bigmodel.py: builds the model on the meta device, attaches
+it to the daemon, trains, and reports one JSON line per event on stdout.
+
+    python bench/bigmodel_worker.py '{"family": "llama", "width": 4096, ...}'
+
+Events: "attached" (seconds, the memory plan), "step" (loss, seconds, optimizer phase,
+SSD bytes read and written by the daemon, and by cause: the client's weight reads in
+forward and backward, master weights handed to the steps, state served from the cache,
+spilled block-major inputs), "done" (peak resident memory).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import transformers
+
+import fuyou_client
+
+
+def build(args: dict):
+    """The model on the meta device, its parameters counted."""
+    torch.manual_seed(0)
+    if args["family"] == "llama":
+        cfg = transformers.LlamaConfig(
+            hidden_size=args["width"], intermediate_size=args["mlp"], num_hidden_layers=args["layers"],
+            num_attention_heads=args["heads"], num_key_value_heads=args["heads"], vocab_size=args["vocab"],
+            max_position_embeddings=args["seq"], tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+        cls = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.GPT2Config(
+            n_embd=args["width"], n_layer=args["layers"], n_head=args["heads"], n_inner=args["mlp"],
+            vocab_size=args["vocab"], n_positions=args["seq"], tie_word_embeddings=False, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        cls = transformers.GPT2LMHeadModel
+    with torch.device("meta"):
+        model = cls(cfg)
+    return model
+
+
+class StepTimes:
+    """When each group step was submitted and done (the optimizer phase of an iteration)."""
+
+    def __init__(self, session):
+        self.times: list[list[float]] = []
+        submit = session.step_group_async
+
+        def timed(*a, **kw):
+            fut = submit(*a, **kw)
+            rec = [time.perf_counter(), None]
+            fut.add_done_callback(lambda _f, rec=rec: rec.__setitem__(1, time.perf_counter()))
+            self.times.append(rec)
+            return fut
+        session.step_group_async = timed
+
+    def phase(self) -> float:
+        done = [r for r in self.times if r[1] is not None]
+        return max(r[1] for r in done) - min(r[0] for r in done) if done else 0.0
+
+
+def counters(engine) -> dict:
+    """The offloader's byte counters, by cause (running totals)."""
+    off = engine.offloader
+    return {
+        "forward_weight_reads": off.fetched_forward if off is not None else 0,
+        "backward_weight_reads": off.fetched_bytes - off.fetched_forward if off is not None else 0,
+        "backward_weights_served": off.served_bytes if off is not None else 0,
+    }
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    model = build(args)
+    params = sum(p.numel() for p in model.parameters())
+    options = {k: args[k] for k in ("prefetch", "host_budget") if args.get(k) is not None}
+    k = args["micro_batches"]
+    t0 = time.perf_counter()
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=args["lr"], weight_decay=0.01,
+                                                           state_dtype=args["state_dtype"]),
+                                 socket=args["socket"], namespace="bigmodel", weights="init", offload=True,
+                                 activations=args["activations"],
+                                 accumulation_steps=k if args["schedule"] == "loop" else 1, **options)
+    attach_s = time.perf_counter() - t0
+    plan = engine.memory_plan()
+    print(json.dumps({"event": "attached", "params": params, "seconds": attach_s, "plan": plan.describe(),
+                      "plan_bytes": plan.total, "prefetch": plan.prefetch, "weight_slots": plan.weight_slots,
+                      "grad_buffers": plan.grad_buffers, "handoff": plan.handoff, "host_budget": plan.host_budget,
+                      "chunked_groups": sum(1 for g in engine.groups if g.chunked)}), flush=True)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, args["vocab"], (args["batch"], args["seq"]), generator=gen) for _ in range(k)]
+    times = StepTimes(engine.session)
+    for _ in range(args["steps"]):
+        times.times.clear()
+        st0, c0 = engine.session.status(), counters(engine)
+        cached0 = masters0 = 0
+        t0 = time.perf_counter()
+        if args["schedule"] == "block-major":
+            losses = engine.train_step(batches, lambda mb: model(mb, labels=mb).loss / k).tolist()
+            t1 = t2 = time.perf_counter()
+        else:
+            losses = []
+            for i, mb in enumerate(batches):
+                loss = model(mb, labels=mb).loss / k
+                t1 = time.perf_counter()
+                loss.backward()
+                losses.append(loss.item())
+            t2 = time.perf_counter()
+            engine.step()
+            engine.zero_grad()
+        t3 = time.perf_counter()
+        infos = engine.last_step_infos
+        st1, c1 = engine.session.status(), counters(engine)
+        event = {"event": "step", "losses": losses, "loss": sum(losses), "seconds": t3 - t0,
+                 "forward": t1 - t0, "backward": t2 - t1, "exposed": t3 - t2, "optimizer": times.phase(),
+                 "read": st1.bytes_read - st0.bytes_read, "written": st1.bytes_written - st0.bytes_written,
+                 "masters_handed": sum(i.masters_bytes for i in infos) - masters0,
+                 "state_cached": sum(i.cached_bytes for i in infos) - cached0}
+        event.update({key: c1[key] - c0[key] for key in c1})
+        stats = engine.train_step_stats if args["schedule"] == "block-major" else None  # (this step's)
+        event.update({"spilled_inputs_written": stats.spilled if stats is not None else 0,
+                      "spilled_inputs_read": stats.read_back if stats is not None else 0,
+                      "spill_read_wait": stats.read_wait_s if stats is not None else 0.0})
+        print(json.dumps(event), flush=True)
+    peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    print(json.dumps({"event": "done", "vmhwm": peak}), flush=True)
+    engine.close(materialize=False)
+
+
+if __name__ == "__main__":
+    main()
