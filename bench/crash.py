@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 import fuyou_client
-from fuyoud.optimizer.groups import HEADER, slot_bytes
+from fuyou_proto.contract import HEADER, slot_bytes as _slot_bytes
 from fuyoud.optimizer.kernels import OptimizerSpec
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
@@ -116,6 +116,11 @@ def group_names(engine) -> dict[str, list[str]]:
     """Each engine group's parameters by their model names, in group order."""
     by_id = {id(p): n for n, p in engine.model.named_parameters()}
     return {g.spec.name: [by_id[id(p)] for _, p in g.spec.params] for g in engine.groups}
+
+
+def slot_bytes(numel: int) -> int:
+    """An fp32 slot of a state object, padding included."""
+    return _slot_bytes("float32", 1, numel)
 
 
 def read_state(session, group: str, numel: int) -> tuple[int, list[torch.Tensor]]:

@@ -25,6 +25,7 @@ resident. Gradients of every group stay in shared memory (they accumulate there)
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -122,6 +123,10 @@ class Engine:
         self.sharding = Sharded(world, self.collectives, options.reduce, device) if world is not None else None
         strategies = {"resident": resident, "pooled": pooled, "host": host, "sharded": self.sharding}
         originals = [(p, p.data, p.grad) for spec in groups for _, p in (*spec.params, *spec.frozen)]
+        # The daemon creates a group's state while the next group's values are made (a
+        # reused buffer: layergroup.Scratch); resume and data parallelism read or shard instead.
+        biggest = max((spec.numel for spec, _, _ in layout), default=0)
+        scratch = layergroup.Scratch(session, biggest * 4) if biggest and not resume and world is None else None
         try:
             for spec, mode, kind in layout:
                 index = sum(1 for g in self.groups if g.offloaded is not None)  # position in forward order
@@ -129,13 +134,24 @@ class Engine:
                     materializer.fill(spec, self.device.torch_device)
                 optimizers = [torch_groups.spec(part.index) for part in spec.parts]
                 shards = self.sharding.shards(spec.numel) if self.sharding is not None and spec.params else None
+                buf = scratch.take() if scratch is not None and spec.numel else None
                 self.groups.append(layergroup.upload(session, self.device, spec, optimizers, mode, index,
-                                                     strategies[kind], self._resume, shards))
+                                                     strategies[kind], self._resume, shards, buf))
+                if buf is not None:
+                    scratch.lend(buf, self.groups[-1].created)
+            if scratch is not None:
+                scratch.close()
+                scratch = None
+            for g in self.groups:
+                g.settle()
                 if shards is not None:
                     self.sharding.bind(session, self.groups[-1])
             if materializer is not None:
                 materializer.finish(self.device.torch_device)
         except BaseException:  # leave the user's model as it was
+            if scratch is not None:
+                with contextlib.suppress(Exception):  # (the error raised is the one that stopped attach)
+                    scratch.close()
             with torch.no_grad():
                 for p, data, grad in originals:
                     p.grad = None

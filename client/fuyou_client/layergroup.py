@@ -16,18 +16,19 @@ Offloaded groups (offload.py) have no resident weights; pooled gradients
 """
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
-from fuyou_proto.contract import state_object
+from fuyou_proto.contract import HEADER, state_object
 from fuyou_client import checkpoints
 from fuyou_client.device import DONE, Device
 from fuyou_client.grouping import ParamGroup, flat_parts
 from fuyou_client.gradstrategy import GradientStrategy
 from fuyou_client.offload import OffloadedGroup, Source
-from fuyou_client.session import Out, Session
+from fuyou_client.session import Out, Session, gather
 
 
 @dataclass(eq=False)
@@ -49,10 +50,24 @@ class LayerGroup:
     shard: object = None  # data parallelism: this rank's shard of the group (sharded.ShardState)
     shard_padded: int = 0  # data parallelism: the flat vectors' length, padded to the shards' sum
     chunked: frozenset[str] = frozenset()  # its parts the daemon steps in chunks
+    created: Future | None = None  # its parts' creation in the daemon, still going on (upload with scratch)
 
     @property
     def numel(self) -> int:
         return self.spec.numel
+
+    def settle(self) -> None:
+        """Once its state is created (``created``): which parts are stepped in chunks, and the
+        master weights where the daemon's layout puts them."""
+        if self.created is None:
+            return
+        infos, self.created = self.created.result(), None
+        self.chunked = frozenset(info.name for info in infos if info.chunked)
+        if self.offloaded is not None:
+            offsets = {info.name: info.weights_offset for info in infos}
+            self.offloaded.sources = [dataclasses.replace(s, object_offset=offsets[s.part])
+                                      if s.part in offsets and s.object == state_object(s.part) else s
+                                      for s in self.offloaded.sources]
 
     def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``flat`` (the group's elements in parameter order) as one flat view per parameter."""
@@ -125,8 +140,46 @@ def flat_copy(params, out: torch.Tensor) -> None:
         out.copy_(torch.cat([p.detach().reshape(-1).to(out.dtype) for p in params]))
 
 
+class Scratch:
+    """The shared buffer attach makes the groups' optimizer state from, reused group after
+    group (allocating a segment per group cost about a second each on a 7B model): the
+    daemon writes one group's state from it (``create_group_async``) while the next
+    group's values are made in the process's own memory; they are copied in once that
+    write is done. (A second buffer would overlap the copy too, for one more block's
+    memory at attach.)"""
+
+    def __init__(self, session: Session, nbytes: int, count: int = 1):
+        self._free = [session.allocate(nbytes) for _ in range(count)]
+        self._busy: list[tuple[Future, object]] = []
+
+    def take(self):
+        """A buffer no create reads any more (waits for the oldest otherwise)."""
+        if not self._free:
+            created, buf = self._busy.pop(0)
+            created.exception()  # (waits; the error is the group's own, raised by the caller)
+            self._free.append(buf)
+        return self._free.pop(0)
+
+    def lend(self, buf, created: Future | None) -> None:
+        """``buf`` is read by the create of ``created`` until it is done."""
+        if created is None:
+            self._free.append(buf)
+        else:
+            self._busy.append((created, buf))
+
+    def close(self) -> None:
+        """Wait for every create, free the buffers."""
+        for created, buf in self._busy:
+            created.exception()
+            self._free.append(buf)
+        self._busy.clear()
+        for buf in self._free:
+            buf.free()
+        self._free.clear()
+
+
 def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list, offload: bool | str, index: int,
-           strategy: GradientStrategy, resume: bool, shards=None) -> LayerGroup:
+           strategy: GradientStrategy, resume: bool, shards=None, scratch=None) -> LayerGroup:
     """Create the group's optimizer state in the daemon from the parameters, one daemon
     group per part with ``optimizers[k]`` (its torch group's hyperparameters), or with
     ``resume`` take the restored groups' weights; then the parameters become views of
@@ -138,7 +191,12 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
 
     With data parallelism (``shards``: distributed.Shards) the daemon's groups are this
     rank's shard of each part (``resume``: restored ones, whose masters the caller put in
-    the parameters), and the flat weights and gradients are padded to the shards' sum."""
+    the parameters), and the flat weights and gradients are padded to the shards' sum.
+
+    ``scratch`` (a shared buffer of at least the group's fp32 bytes): the masters go there
+    and the daemon creates the state without the call waiting (``group.created``, a future
+    of the parts' GroupInfos: ``settle`` it before training); the caller leaves the buffer
+    alone until then."""
     frozen = [p for _, p in spec.frozen] if offload is True else []
     dtypes = {p.dtype for _, p in spec.params} | {p.dtype for p in frozen}
     if len(dtypes) != 1:
@@ -151,8 +209,11 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
     shapes = [p.shape for p in params]
     frozen_shapes = [p.shape for p in frozen]  # (before they are emptied)
     frozen_numel = spec.frozen_numel if frozen else 0
+    created = None
     if shards is None:
-        master, infos = _masters(session, spec, optimizers, resume)
+        master, infos = _masters(session, spec, optimizers, resume, scratch)
+        if isinstance(infos, Future):  # (created while the caller goes on: the masters' offset is the layout's)
+            created, infos = infos, [None] * len(spec.parts)
         pieces = [(part, part.start, part.start + part.numel) for part in spec.parts]
     else:  # (data parallel: this rank's shard of each part)
         if frozen:
@@ -168,8 +229,8 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
         weights = None
     elif offload and not on_host and dtype == torch.float32:  # the compute weights are the masters: read in place
         weights = None
-        sources = [Source(state_object(part.name), info.weights_offset, lo * 4, (hi - lo) * 4, part.name)
-                   for (part, lo, hi), info in zip(pieces, infos)]
+        sources = [Source(state_object(part.name), info.weights_offset if info is not None else HEADER, lo * 4,
+                          (hi - lo) * 4, part.name) for (part, lo, hi), info in zip(pieces, infos)]
     else:
         weights = session.allocate((shards.padded if shards is not None else n) * size)
         if offload or device.shares_host_memory:  # (a GPU's resident group: the step fills it, nothing reads it now)
@@ -186,7 +247,8 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
         sources.append(_store_frozen(session, spec.name, frozen, frozen_numel, dtype, n * size))
     padded = shards.padded if shards is not None else n
     group = LayerGroup(spec, weights, grads, dtype, strategy=strategy, shard_padded=padded if shards else 0,
-                       chunked=frozenset(info.name for info in infos if info.chunked))
+                       chunked=frozenset(info.name for info in infos if info is not None and info.chunked),
+                       created=created)
     if device.shares_host_memory:  # (offload="host" does not come here: on the CPU it is resident)
         flat_w = weights.tensor(dtype)[:n] if weights is not None else None
         flat_g = grads.tensor(dtype)[:n] if grads is not None else None
@@ -216,15 +278,20 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
     return group
 
 
-def _masters(session: Session, spec: ParamGroup, optimizers: list, resume: bool):
+def _masters(session: Session, spec: ParamGroup, optimizers: list, resume: bool, scratch=None):
     """The parts' optimizer groups in the daemon: created from the parameters' values
     (fp32, in a shared buffer), or with ``resume`` restored ones, whose masters the
     parameters take (cast as each step casts them). (that buffer or None, each part's
-    GroupInfo)"""
+    GroupInfo); with ``scratch``: (None, a future of the GroupInfos), created from it."""
     n = spec.numel
     if not n:  # (a frozen block)
         return None, []
     params = [p for _, p in spec.params]
+    if not resume and scratch is not None:
+        flat_copy(params, scratch.tensor(torch.float32)[:n])
+        return None, gather([session.create_group_async(part.name, scratch, optimizer, offset=part.start * 4,
+                                                        numel=part.numel)
+                             for part, optimizer in zip(spec.parts, optimizers)])
     if not resume:
         master = session.allocate(n * 4)
         flat_copy(params, master.tensor(torch.float32)[:n])

@@ -18,9 +18,9 @@ What a training process holds in shared memory:
 * staging buffers of host gradient accumulation (hostgrads.py);
 * the host arena of ``host_budget`` bytes (activations.py's swapped activations;
   block_store.py's kept inputs of ``train_step``);
-* for a moment, the largest group's fp32 master weights (attach creates each group's
-  state from them, resume reads them back) before the training buffers exist, and a
-  buffer export reads master weights through (``EXPORT_PIECE``) beside them.
+* for a moment: a buffer of the largest group's fp32 master weights (attach creates each
+  group's state from it; resume reads them back) before the training buffers exist, and
+  a buffer export reads master weights through (``EXPORT_PIECE``) beside them.
 
 How many of each: enough bytes in flight to keep an SSD array busy (``WINDOW``), capped at
 the counts that serve small blocks: a 28 MiB block gets two fetched ahead and four steps
@@ -249,8 +249,10 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted()) ->
             items.append(Item("host arena (host_budget)", wanted.arenas, k.arena,
                               "train_step's kept inputs" + (", swapped activations" if wanted.arenas > 1 else "")
                               + " (beyond it: the SSD array)", "train"))
-        items.append(Item("a group's state being made", 1, max((_made(g) for g in groups), default=0),
-                          "while attach creates (or resume reads) it", phase="attach"))
+        items.append(Item("attach's buffer for groups' masters", 1, max((g.numel * 4 for g in groups), default=0),
+                          "the daemon makes each group's state from it (resume reads them back)", phase="attach"))
+        items.append(Item("a block's weights stored", 1, max((_stored(g) for g in groups), default=0),
+                          "16-bit weights and frozen parameters, written once at attach", phase="attach"))
         items.append(Item("export's read buffer", 1, min(EXPORT_PIECE, max((g.numel * 4 for g in groups), default=0)),
                           "while export reads master weights", phase="export"))
         return MemoryPlan(k.prefetch, wanted.keep, n_slots, slot, bool(from_ssd), n_grads, grad, n_staging, staging,
@@ -306,12 +308,11 @@ def _ladder(wanted: Wanted):
             ("overlap of steps with backward", last_inflight)]
 
 
-def _made(g: GroupShape) -> int:
-    """What attach holds for a moment while it makes a group's state: its fp32 masters, an
-    offloaded block's weights in a 16-bit dtype (written to the SSD array) and its frozen
-    parameters."""
+def _stored(g: GroupShape) -> int:
+    """What attach holds for a moment beside a group's masters: an offloaded block's
+    weights in a 16-bit dtype and its frozen parameters, written to the SSD array."""
     weights = g.weight_bytes if g.offload is True and g.itemsize != 4 else 0
-    return g.numel * 4 + weights + (g.frozen_bytes if g.offload is True else 0)
+    return weights + (g.frozen_bytes if g.offload is True else 0)
 
 
 def _fixed(groups: list[GroupShape], shares_host_memory: bool) -> list[Item]:

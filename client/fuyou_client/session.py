@@ -356,12 +356,18 @@ class Session:
         ``optimizer.state_bytes(numel) - HEADER`` bytes, what swap_in of ``optim/<g>``
         from ``weights_offset`` gives) and the group starts at step count ``step``: a
         job resuming at another world size re-shards its optimizer state so."""
+        return self.create_group_async(name, weights, optimizer, offset, numel, state=state, step=step).result()
+
+    def create_group_async(self, name: str, weights: SharedBuffer, optimizer: AdamW | SGD, offset: int = 0,
+                           numel: int | None = None, *, state: bool = False, step: int = 0) -> Future:
+        """``create_group`` without waiting: the future's result is the GroupInfo. The daemon
+        reads ``weights`` until it is done (leave them unchanged until then)."""
         if state and numel is None:
             raise ValueError("create_group(state=True) needs numel: the buffer's size does not tell it")
         numel = (weights.size - offset) // 4 if numel is None else numel
         req = pb.CreateGroupRequest(name=name, optimizer=optimizer.to_pb(), weights=weights.ref, offset=offset,
                                     numel=numel, with_state=state, step=step)
-        return GroupInfo.from_pb(_call(self._stub.CreateGroup, req, self._metadata))
+        return _wrap_future(self._stub.CreateGroup.future(req, metadata=self._metadata), GroupInfo.from_pb)
 
     def group(self, name: str) -> GroupInfo:
         """An existing group (also one created before a daemon restart)."""
