@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -105,12 +106,16 @@ def size_model(args, memory: int) -> tuple[int, int]:
 
 class RssSampler:
     """Peak resident memory, sampled in a thread: of each process (VmRSS), and of the two
-    together at the same instant with the shared memory counted once (the client maps every
-    segment of the daemon's pool: client VmRSS + daemon VmRSS - daemon RssShmem)."""
+    together at the same instant with the shared memory counted once (the daemon maps and
+    prefaults every segment of its pool, the client maps them and touches what it uses:
+    client VmRSS - client RssShmem + daemon VmRSS), with what made up that peak
+    (``at_peak``: each process's anonymous, file and shared pages, and when: CLOCK_MONOTONIC,
+    as the worker stamps its events)."""
 
     def __init__(self, interval: float = 0.05):
         self.pids: dict[str, int] = {}
         self.peak: dict[str, int] = {}
+        self.at_peak: dict = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, args=(interval,))
         self._thread.start()
@@ -124,8 +129,12 @@ class RssSampler:
                     now[name] = rss
                     self.peak[name] = max(self.peak.get(name, 0), rss)
             if len(now) == 2:
-                both = now["client"] + now["daemon"] - (read_status(self.pids["daemon"], "RssShmem") or 0)
-                self.peak["together"] = max(self.peak.get("together", 0), both)
+                parts = {f"{name}_{key}": read_status(pid, key) or 0 for name, pid in self.pids.items()
+                         for key in ("RssAnon", "RssFile", "RssShmem")}
+                both = now["client"] - parts["client_RssShmem"] + now["daemon"]
+                if both > self.peak.get("together", 0):
+                    self.peak["together"] = both
+                    self.at_peak = {**parts, "monotonic": time.monotonic()}
 
     def stop(self) -> None:
         self._stop.set()
@@ -317,6 +326,7 @@ def main(argv=None) -> int:
                                                            "chunked_groups")},
         "peak_rss_client_bytes": client_peak, "peak_rss_daemon_bytes": daemon_peak,
         "peak_rss_together_bytes": together, "peak_rss_over_state": together / (STATE_BYTES_PER_PARAM * params),
+        "peak_rss_together_parts": sampler.at_peak,
         "resident_gib_per_billion_params": gib_per_b,
         "seconds_per_step": statistics.median(s["seconds"] for s in timed),
         "optimizer_seconds": optimizer, "ssd_bound_seconds": bound, "optimizer_over_ssd_bound": optimizer / bound,

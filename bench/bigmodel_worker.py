@@ -84,7 +84,7 @@ def main() -> None:
                                  accumulation_steps=k if args["schedule"] == "loop" else 1, **options)
     attach_s = time.perf_counter() - t0
     plan = engine.memory_plan()
-    print(json.dumps({"event": "attached", "params": params, "seconds": attach_s, "plan": plan.describe(),
+    print(json.dumps({"event": "attached", "at": time.monotonic(), "params": params, "seconds": attach_s, "plan": plan.describe(),
                       "plan_bytes": plan.total, "prefetch": plan.prefetch, "weight_slots": plan.weight_slots,
                       "grad_buffers": plan.grad_buffers, "handoff": plan.handoff, "host_budget": plan.host_budget,
                       "chunked_groups": sum(1 for g in engine.groups if g.chunked)}), flush=True)
@@ -112,7 +112,7 @@ def main() -> None:
         t3 = time.perf_counter()
         infos = engine.last_step_infos
         st1, c1 = engine.session.status(), counters(engine)
-        event = {"event": "step", "losses": losses, "loss": sum(losses), "seconds": t3 - t0,
+        event = {"event": "step", "at": time.monotonic(), "losses": losses, "loss": sum(losses), "seconds": t3 - t0,
                  "forward": t1 - t0, "backward": t2 - t1, "exposed": t3 - t2, "optimizer": times.phase(),
                  "read": st1.bytes_read - st0.bytes_read, "written": st1.bytes_written - st0.bytes_written,
                  "masters_handed": sum(i.masters_bytes for i in infos) - masters0,
