@@ -32,9 +32,12 @@ The daemon runs with its defaults for memory and storage unless ``--pinned-budge
   same instants with the shared memory counted once: peak_rss_over_state and
   resident_gib_per_billion_params (target <= 1.0);
 * attach_seconds against the time to write the state at the disk's durable write bandwidth
-  (attach_over_write_bound, target <= 1.2);
+  (attach_over_write_bound, target <= 1.2), and the time the model's own init takes just to
+  draw its weights from torch's CPU generator (attach_init_draw_seconds: one stream, as a
+  CPU build draws them; with ``weights="init"`` attach cannot be faster);
 * seconds per step, the optimizer phase of each step (first group step submitted to last
-  group step done) against its SSD bound (the state read once at the bare read bandwidth and
+  group step done; the share of it the disk had I/O in flight, from /proc/diskstats:
+  optimizer_disk_busy) against its SSD bound (the state read once at the bare read bandwidth and
   written once at the durable write bandwidth, measured before and after the run with
   fuyoud's own I/O engine, a write pass timed until its fdatasync has returned, as each step's
   new state is synced before its commit): optimizer_over_ssd_bound (target <= 1.15);
@@ -201,6 +204,12 @@ def parse(argv):
     return args
 
 
+def disk_name(directory: Path) -> str | None:
+    """The block device under ``directory`` as /proc/diskstats names it (vda), or None."""
+    source = host_info(directory).get("fs_source") or ""
+    return Path(source).name if source.startswith("/dev/") else None
+
+
 def daemon_config(args) -> dict:
     """The daemon's config: its defaults, but for what the command line sets."""
     config: dict = {}
@@ -224,7 +233,7 @@ def train(args, layers: int, work: Path, sampler: "RssSampler", schedule: str, t
                  "lr": args.lr, "prefetch": args.prefetch, "activations": args.activations,
                  "state_dtype": args.state_dtype, "schedule": schedule, "micro_batches": args.micro_batches,
                  "host_budget": parse_size(args.host_budget) if args.host_budget else None,
-                 "socket": daemon.socket}
+                 "socket": daemon.socket, "disk": disk_name(work)}
         proc = subprocess.Popen([sys.executable, str(WORKER), json.dumps(child)], stdout=subprocess.PIPE, text=True)
         sampler.pids["client"] = proc.pid
         steps, events = [], {}
@@ -321,6 +330,9 @@ def main(argv=None) -> int:
     result.update({
         "attach_seconds": events["attached"]["seconds"], "attach_write_bound_seconds": attach_bound,
         "attach_over_write_bound": events["attached"]["seconds"] / attach_bound,
+        # weights="init" draws every weight from torch's one CPU generator stream (bitwise what
+        # a CPU build gets): at this machine's rate that alone is this long, whatever the disk.
+        "attach_init_draw_seconds": events["attached"]["init_draw_seconds"],
         "memory_plan": {k: events["attached"][k] for k in ("plan", "plan_bytes", "prefetch", "weight_slots",
                                                            "grad_buffers", "handoff", "host_budget",
                                                            "chunked_groups")},
@@ -330,6 +342,7 @@ def main(argv=None) -> int:
         "resident_gib_per_billion_params": gib_per_b,
         "seconds_per_step": statistics.median(s["seconds"] for s in timed),
         "optimizer_seconds": optimizer, "ssd_bound_seconds": bound, "optimizer_over_ssd_bound": optimizer / bound,
+        "optimizer_disk_busy": statistics.median(s["optimizer_disk_busy"] for s in timed),
         "ssd_cached_bound_seconds": cached_bound, "optimizer_over_ssd_cached_bound": optimizer / cached_bound,
         "ssd_bytes_per_param_per_iter": statistics.median((s["read"] + s["written"]) / params for s in timed),
         "bytes_by_cause": {key: statistics.median(by_cause(s, params)[key] for s in timed)

@@ -40,24 +40,44 @@ def build(args: dict):
     return model
 
 
-class StepTimes:
-    """When each group step was submitted and done (the optimizer phase of an iteration)."""
+def disk_ticks(disk: str | None) -> float:
+    """Seconds the block device has spent with I/O in flight (/proc/diskstats' io_ticks)."""
+    if not disk:
+        return 0.0
+    for line in open("/proc/diskstats"):
+        fields = line.split()
+        if fields[2] == disk:
+            return int(fields[12]) / 1000
+    return 0.0
 
-    def __init__(self, session):
+
+class StepTimes:
+    """When each group step was submitted and done (the optimizer phase of an iteration),
+    and the disk's busy time then."""
+
+    def __init__(self, session, disk: str | None):
         self.times: list[list[float]] = []
         submit = session.step_group_async
 
         def timed(*a, **kw):
             fut = submit(*a, **kw)
-            rec = [time.perf_counter(), None]
-            fut.add_done_callback(lambda _f, rec=rec: rec.__setitem__(1, time.perf_counter()))
+            rec = [time.perf_counter(), None, disk_ticks(disk), None]
+
+            def done(_f, rec=rec):
+                rec[1], rec[3] = time.perf_counter(), disk_ticks(disk)
+            fut.add_done_callback(done)
             self.times.append(rec)
             return fut
         session.step_group_async = timed
 
-    def phase(self) -> float:
+    def phase(self) -> tuple[float, float]:
+        """(the phase's seconds, the share of them the disk was busy)."""
         done = [r for r in self.times if r[1] is not None]
-        return max(r[1] for r in done) - min(r[0] for r in done) if done else 0.0
+        if not done:
+            return 0.0, 0.0
+        first, last = min(done, key=lambda r: r[0]), max(done, key=lambda r: r[1])
+        seconds = last[1] - first[0]
+        return seconds, (last[3] - first[2]) / seconds if seconds else 0.0
 
 
 def counters(engine) -> dict:
@@ -70,10 +90,21 @@ def counters(engine) -> dict:
     }
 
 
+def draw_rate(n: int = 1 << 26) -> float:
+    """Normal samples per second of torch's CPU generator, as the model's own init draws
+    them (one stream: ``weights="init"`` is bitwise a CPU build's, so it cannot go faster)."""
+    t = torch.empty(n)
+    t.normal_()
+    t0 = time.perf_counter()
+    t.normal_(0.0, 0.02)
+    return n / (time.perf_counter() - t0)
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     model = build(args)
     params = sum(p.numel() for p in model.parameters())
+    init_floor = params / draw_rate()  # (every weight matrix is drawn; the norms are filled)
     options = {k: args[k] for k in ("prefetch", "host_budget") if args.get(k) is not None}
     k = args["micro_batches"]
     t0 = time.perf_counter()
@@ -84,13 +115,14 @@ def main() -> None:
                                  accumulation_steps=k if args["schedule"] == "loop" else 1, **options)
     attach_s = time.perf_counter() - t0
     plan = engine.memory_plan()
-    print(json.dumps({"event": "attached", "at": time.monotonic(), "params": params, "seconds": attach_s, "plan": plan.describe(),
+    print(json.dumps({"event": "attached", "at": time.monotonic(), "params": params, "seconds": attach_s,
+                      "init_draw_seconds": init_floor, "plan": plan.describe(),
                       "plan_bytes": plan.total, "prefetch": plan.prefetch, "weight_slots": plan.weight_slots,
                       "grad_buffers": plan.grad_buffers, "handoff": plan.handoff, "host_budget": plan.host_budget,
                       "chunked_groups": sum(1 for g in engine.groups if g.chunked)}), flush=True)
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, args["vocab"], (args["batch"], args["seq"]), generator=gen) for _ in range(k)]
-    times = StepTimes(engine.session)
+    times = StepTimes(engine.session, args.get("disk"))
     for _ in range(args["steps"]):
         times.times.clear()
         st0, c0 = engine.session.status(), counters(engine)
@@ -112,8 +144,10 @@ def main() -> None:
         t3 = time.perf_counter()
         infos = engine.last_step_infos
         st1, c1 = engine.session.status(), counters(engine)
+        phase, busy = times.phase()
         event = {"event": "step", "at": time.monotonic(), "losses": losses, "loss": sum(losses), "seconds": t3 - t0,
-                 "forward": t1 - t0, "backward": t2 - t1, "exposed": t3 - t2, "optimizer": times.phase(),
+                 "forward": t1 - t0, "backward": t2 - t1, "exposed": t3 - t2, "optimizer": phase,
+                 "optimizer_disk_busy": busy,
                  "read": st1.bytes_read - st0.bytes_read, "written": st1.bytes_written - st0.bytes_written,
                  "masters_handed": sum(i.masters_bytes for i in infos) - masters0,
                  "state_cached": sum(i.cached_bytes for i in infos) - cached0}

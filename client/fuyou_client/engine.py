@@ -316,6 +316,8 @@ class Engine:
 
     def _before_grad(self, g: LayerGroup) -> None:
         """Before autograd accumulates a gradient into a parameter's .grad."""
+        if self.offloader is not None:
+            self.offloader.poll()  # (a slot lent to a step may be back: a deferred prefetch starts)
         g.strategy.before_grad(g)
         if g.submitted:  # its step may be reading the gradient buffer right now
             raise RuntimeError(
