@@ -192,3 +192,26 @@ def test_chunked_blocks_hand_their_masters_to_their_steps_counted_by_cause(short
     for with_, without in zip(counts[True], counts[False]):
         assert without["masters"] == 0 and without["written"] == with_["written"]
         assert without["read"] - with_["read"] >= 4 * block - 3 * len(chunked) * MiB  # the masters, read again
+
+
+def test_unchunked_blocks_read_their_state_once_counted_by_cause(short_tmp):
+    """Blocks whose state fits an optimizer buffer: backward's weights are served from a
+    read-ahead of the state their step then uses, or read by the client when no buffer is
+    spare; either way the daemon's reads are the client's weight reads plus each group's
+    state once (less what the state cache kept: StepInfo.cached_bytes), its writes each
+    group's state: 4 + 12 + 12 bytes per parameter in fp32 at most. (A read of a part of a
+    persistent object reads the checksum blocks, 1 MiB, it lies in: the daemon counts those.)"""
+    torch.manual_seed(0)
+    model = tiny_llama(layers=3, width=128, vocab=256)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with private_daemon(SMALL) as d:
+        engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), socket=d.socket, host_budget=MiB)
+        assert not any(g.chunked for g in engine.groups) and not engine.memory_plan().handoff
+        state = sum(engine.session.group(part.name).state_bytes for g in engine.groups for part in g.spec.parts)
+        for _ in range(3):
+            c = step_bytes(engine, model, x)
+            cached = sum(i.cached_bytes for i in engine.last_step_infos)
+            assert c["masters"] == 0 and c["written"] == state
+            edges = c["read"] - c["client_reads"] - (state - cached)
+            assert 0 <= edges <= 2 * 3 * MiB, (c, state, cached)  # (3 blocks, read at most twice each)
+        engine.close()
