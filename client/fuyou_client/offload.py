@@ -169,7 +169,7 @@ class Offloader:
         self._take_back()
         if self._free:
             self._fetch_into(g, self._free.pop(0), backward)  # (the longest free: its last use is furthest back)
-        elif not any(d is g for d, _ in self._deferred):  # (started when a lent slot comes back: poll)
+        elif self._lent and not any(d is g for d, _ in self._deferred):  # (when a lent slot is back: poll)
             self._deferred.append((g, backward))
 
     def poll(self) -> None:
