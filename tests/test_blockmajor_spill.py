@@ -224,3 +224,23 @@ def test_a_spilled_input_that_comes_back_damaged_names_its_block_and_micro_batch
         engine.close()
     finally:
         fuyoud.stop()
+
+
+def test_a_step_whose_spilled_inputs_the_array_cannot_hold_is_refused_before_any_work(short_tmp):
+    """A disk with room for the state but not for the step's spilled inputs: train_step
+    refuses before anything is written, naming the bytes and what to change."""
+    from conftest import SMALL, merge, private_daemon
+
+    torch.manual_seed(0)
+    model = tiny_gpt2(layers=LAYERS, width=WIDTH)
+    shape = (64, 32)  # 512 KiB a kept input: 15 of them go with a budget of 5
+    x = [torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(i)) for i in range(K)]
+    with private_daemon(merge(SMALL, {"storage": {"capacity_per_device": "8MiB"}})) as d:
+        engine = attach(model, d.socket, host_budget=5 * shape[0] * shape[1] * WIDTH * 4)
+        written = engine.session.status().bytes_written
+        with pytest.raises(ValueError, match=r"would spill 7864320 bytes .* can take \d+ bytes more: raise "
+                                             r"host_budget"):
+            engine.train_step(x, lambda b: model(b, labels=b).loss / K)
+        assert engine.part_steps() == {0: 0} and engine.session.status().bytes_written == written
+        assert not [o for o in engine.session.objects(PREFIX)]
+        engine.close()

@@ -194,6 +194,8 @@ class Store:
             return
         plan = self.plan if self.plan is not None and self.plan.same(nbytes, blocks, micro_batches, last) \
             else Plan(nbytes, blocks, micro_batches, self.budget, last)
+        if plan is not self.plan and plan.to_ssd:
+            self._check_room(len(plan.to_ssd) * plan.slot)
         if self.host:
             slots = STAGING if plan.to_ssd else 0
         else:
@@ -209,6 +211,19 @@ class Store:
         self.stats = StoreStats()
         self._backward, self._read_next = False, 0
         self._read_index = {key: j for j, key in enumerate(plan.reads)}
+
+    def _check_room(self, nbytes: int) -> None:
+        """Refuse, before anything is written, a step whose spilled inputs the SSD array
+        cannot hold now."""
+        devices = self.session.status().devices
+        free = sum(d.available_bytes if d.HasField("available_bytes") else d.capacity_bytes - d.used_bytes
+                   for d in devices)
+        if nbytes > free:
+            raise ValueError(
+                f"train_step would spill {nbytes} bytes of kept block inputs to the SSD array (beyond host_budget="
+                f"{self.budget}), but the array can take {free} bytes more: raise host_budget (every input in "
+                "memory needs (blocks + 2) x micro-batches of them), use fewer or smaller micro-batches, or free "
+                "space on fuyoud's disks")
 
     def put(self, key, tensors: list) -> None:
         self._reap()
