@@ -163,4 +163,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Exception as exc:
+        print(json.dumps({"event": "error", "error": f"{type(exc).__name__}: {exc}"[:4000]}), flush=True)
+        raise
