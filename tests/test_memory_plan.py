@@ -68,6 +68,15 @@ def test_a_budget_below_the_smallest_plan_is_refused_with_the_numbers():
     assert "[memory] pinned_budget" in msg and isinstance(err.value, fuyou_client.ResourceExhausted)
 
 
+def test_gradients_kept_until_the_step_are_named_when_they_do_not_fit():
+    """Accumulation (or clipping) keeps every block's gradients until the step: at a 7B size
+    more than a host has; the refusal says so and names the way out."""
+    shapes = blocks(32, 202_383_360, strategy="resident")
+    with pytest.raises(mp.DoesNotFit, match=r"Every block keeps its gradients until the step \(24.1 GiB.*"
+                                            r"engine.train_step"):
+        mp.plan(shapes, mp.Limits(12 * GiB))
+
+
 def test_what_the_caller_fixed_is_kept_or_refused_by_name():
     shapes = blocks(8, 50_000_000)
     roomy = mp.plan(shapes, mp.Limits(4 * GiB), mp.Wanted(prefetch=3, keep=1, host_budget=8 * MiB))

@@ -274,7 +274,8 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted()) ->
             best = build(knobs, tuple(shrunk))
     if best.total <= limits.room:
         return best
-    raise DoesNotFit(_refusal(best, wanted, limits))
+    kept = sum(g.weight_bytes for g in groups if g.offload is True and g.strategy in ("resident", "host"))
+    raise DoesNotFit(_refusal(best, wanted, limits, kept))
 
 
 def _ladder(wanted: Wanted):
@@ -331,7 +332,7 @@ def _fixed(groups: list[GroupShape], shares_host_memory: bool) -> list[Item]:
     return items
 
 
-def _refusal(smallest: MemoryPlan, wanted: Wanted, limits: Limits) -> str:
+def _refusal(smallest: MemoryPlan, wanted: Wanted, limits: Limits, kept: int = 0) -> str:
     fixed = [f"{w}={v}" for w, v in (("prefetch", wanted.prefetch), ("keep", wanted.keep or None),
                                       ("host_budget", wanted.host_budget)) if v is not None]
     return (f"this model does not fit the session's pinned-memory budget: the smallest plan takes "
@@ -340,4 +341,9 @@ def _refusal(smallest: MemoryPlan, wanted: Wanted, limits: Limits) -> str:
             f"Raise fuyoud's [memory] pinned_budget (and session_budget, if set) to at least "
             f"{_size(smallest.total + limits.held)}"
             + (f", or leave {', '.join(fixed)} to the plan" if fixed else "")
-            + "; bf16 weights halve the blocks' buffers.\n" + smallest.describe())
+            + "; bf16 weights halve the blocks' buffers."
+            + (f" Every block keeps its gradients until the step ({_size(kept)}: accumulation_steps > 1 or "
+               "max_grad_norm): engine.train_step(micro_batches) adds a block's micro-batches up on the compute "
+               "device and sends them once, and without clipping the blocks share a few gradient buffers."
+               if kept > limits.room // 2 else "")
+            + "\n" + smallest.describe())
