@@ -139,13 +139,13 @@ class Engine:
                                                      strategies[kind], self._resume, shards, buf))
                 if buf is not None:
                     scratch.lend(buf, self.groups[-1].created)
+                if shards is not None:
+                    self.sharding.bind(session, self.groups[-1])
             if scratch is not None:
                 scratch.close()
                 scratch = None
             for g in self.groups:
                 g.settle()
-                if shards is not None:
-                    self.sharding.bind(session, self.groups[-1])
             if materializer is not None:
                 materializer.finish(self.device.torch_device)
         except BaseException:  # leave the user's model as it was
