@@ -111,7 +111,8 @@ class RssSampler:
     """Peak resident memory, sampled in a thread: of each process (VmRSS), and of the two
     together at the same instant with the shared memory counted once (the daemon maps and
     prefaults every segment of its pool, the client maps them and touches what it uses:
-    client VmRSS - client RssShmem + daemon VmRSS), with what made up that peak
+    client RssAnon + RssFile + daemon VmRSS, each process's fields read at once), with what
+    made up that peak
     (``at_peak``: each process's anonymous, file and shared pages, and when: CLOCK_MONOTONIC,
     as the worker stamps its events)."""
 
@@ -127,21 +128,31 @@ class RssSampler:
         while not self._stop.wait(interval):
             now = {}
             for name, pid in list(self.pids.items()):
-                rss = read_status(pid, "VmRSS")
-                if rss is not None:
-                    now[name] = rss
-                    self.peak[name] = max(self.peak.get(name, 0), rss)
-            if len(now) == 2:
-                parts = {f"{name}_{key}": read_status(pid, key) or 0 for name, pid in self.pids.items()
-                         for key in ("RssAnon", "RssFile", "RssShmem")}
-                both = now["client"] - parts["client_RssShmem"] + now["daemon"]
+                status = read_statuses(pid)  # (one read: the fields of one instant)
+                if "VmRSS" in status:
+                    now[name] = status
+                    self.peak[name] = max(self.peak.get(name, 0), status["VmRSS"])
+            if len(now) == 2:  # the client's own pages, and the daemon's with every segment
+                both = now["client"]["RssAnon"] + now["client"]["RssFile"] + now["daemon"]["VmRSS"]
                 if both > self.peak.get("together", 0):
                     self.peak["together"] = both
-                    self.at_peak = {**parts, "monotonic": time.monotonic()}
+                    self.at_peak = {f"{name}_{key}": now[name].get(key, 0) for name in now
+                                    for key in ("RssAnon", "RssFile", "RssShmem")}
+                    self.at_peak["monotonic"] = time.monotonic()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def read_statuses(pid: int) -> dict[str, int]:
+    """The memory fields of /proc/PID/status (bytes), read at once; {} if it is gone."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    return {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in lines)
+            if k.startswith(("Vm", "Rss")) and v.strip().endswith("kB")}
 
 
 def read_status(pid: int, key: str) -> int | None:
