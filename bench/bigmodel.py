@@ -308,6 +308,7 @@ def main(argv=None) -> int:
           f"memory {format_size(memory)}; {args.state_dtype} optimizer state {format_size(state)} in {work}",
           flush=True)
     result = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "params": params, "family": args.family, "layers": layers, "width": args.width, "mlp": args.mlp,
               "vocab": args.vocab, "seq": args.seq, "batch": args.batch, "micro_batches": args.micro_batches,
               "schedule": args.schedule, "activations": args.activations, "state_dtype": args.state_dtype,
