@@ -271,7 +271,9 @@ class Fuyou(Case):
         self.daemon = fuyou_client.start_daemon(d / "fuyou-state", config={
             "storage": {"data_dirs": [str(d / "fuyou-data")],
                         "capacity_per_device": max(GiB, int(state * 2.3) // GiB * GiB)},
-            "memory": {"pinned_budget": spec["host_budget"] + arena},
+            # (the engine's host arena, which its memory plan counts: train_step's, or the
+            # activation swapper's of --act-host-budget in the loop)
+            "memory": {"pinned_budget": spec["host_budget"] + (arena or spec["act_host_budget"])},
             "optimizer": {"buffer_budget": spec["buffer_budget"], "buffers": 3}})
         self.fallbacks: list[dict] = []
         self.attach()
@@ -279,7 +281,7 @@ class Fuyou(Case):
         self.info = {"layers": spec["layers"], "params": self.params, "schedule": spec["schedule"],
                      "offload": OFFLOAD[spec["weights"]], "grads": spec["grads"], "micro": self.micro,
                      "accum": self.accum, "micro_fallbacks": self.fallbacks, "arena_bytes": arena or None,
-                     "daemon_host_bytes": spec["host_budget"] + spec["buffer_budget"] + arena,
+                     "daemon_host_bytes": spec["host_budget"] + spec["buffer_budget"] + (arena or spec["act_host_budget"]),
                      "io_engine": self.engine.session.daemon_status.io_engine}
 
     def attach(self) -> None:

@@ -25,9 +25,11 @@ What a training process holds in shared memory:
 How many of each: enough bytes in flight to keep an SSD array busy (``WINDOW``), capped at
 the counts that serve small blocks: a 28 MiB block gets two fetched ahead and four steps
 in flight, a 772 MiB one (Llama-7B's, fp32) one and one. While that plan is larger than
-what the session may still take, it gives up, in this order: the spare slot, steps in
-flight, the master handoff, arena bytes (to ``ARENA_FLOOR``), prefetch, down to the
-smallest plan that still trains (no block ahead, one gradient buffer). A budget below that
+what the session may still take, it gives up, in this order: arena bytes (to
+``ARENA_FLOOR``: beyond it what the arena would hold goes to the SSD array, a small share
+of a step's traffic, and most runs never allocate it), the spare slot, steps in flight,
+the master handoff, prefetch, down to the smallest plan that still trains (no block
+ahead, one gradient buffer). A budget below that
 is refused before anything is allocated, with the bytes needed and what to change. What
 the caller fixed (``prefetch``, ``keep``, ``host_budget`` given to attach) is never
 changed: a plan that cannot hold it is refused naming it.
@@ -125,7 +127,9 @@ class Wanted:
 
     @property
     def arenas(self) -> int:
-        return int(self.arena) + int(self.swaps)
+        """Host arenas of ``host_budget`` bytes: train_step's or the activation swapper's
+        (train_step ignores ``activations=``: a run uses one of them)."""
+        return int(self.arena or self.swaps)
 
 
 @dataclass(frozen=True)
@@ -247,7 +251,7 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted()) ->
         items.append(Item("host accumulation staging", n_staging, staging, "gradients added on the host", "train"))
         if wanted.arenas:
             items.append(Item("host arena (host_budget)", wanted.arenas, k.arena,
-                              "train_step's kept inputs" + (", swapped activations" if wanted.arenas > 1 else "")
+                              ("swapped activations or " if wanted.swaps else "") + "train_step's kept inputs"
                               + " (beyond it: the SSD array)", "train"))
         items.append(Item("attach's buffer for groups' masters", 1, max((g.numel * 4 for g in groups), default=0),
                           "the daemon makes each group's state from it (resume reads them back)", phase="attach"))
@@ -303,8 +307,8 @@ def _ladder(wanted: Wanted):
     def last_inflight(k):
         return dataclasses.replace(k, inflight=0) if k.inflight else None
 
-    return [("the spare weight slot", spare), ("steps in flight", inflight),
-            ("the master handoff (4 more SSD bytes per parameter)", handoff), ("arena bytes", arena),
+    return [("arena bytes", arena), ("the spare weight slot", spare), ("steps in flight", inflight),
+            ("the master handoff (4 more SSD bytes per parameter)", handoff),
             ("prefetch", prefetch), ("host accumulation staging", staging),
             ("overlap of steps with backward", last_inflight)]
 
