@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fuyou_client
-from conftest import SMALL, merge, step_pair, tiny_gpt2, tiny_llama
+from conftest import SMALL, merge, scrape, step_pair, tiny_gpt2, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -417,3 +417,23 @@ def test_options_can_be_given_as_one_object(daemon):
     with fuyou_client.attach(model, fuyou_client.AdamW(), options=opts, accumulation_steps=2) as engine:
         assert engine.options.offload is False  # "host" is resident weights on the CPU
         assert (engine.max_grad_norm, engine.accumulation_steps) == (1.0, 2)
+
+
+def test_a_group_the_daemon_refuses_mid_attach_stops_it_and_leaves_the_model(short_tmp):
+    """attach has the daemon create a group's state while it makes the next group's values
+    (layergroup.Scratch): a group refused halfway (a namespace quota that holds the first
+    blocks' state only) stops attach at the refusal, with the daemon's error, the model as
+    it came and nothing left held."""
+    torch.manual_seed(0)
+    model = tiny_llama(layers=6, width=128, vocab=256)
+    before = [p.detach().clone() for p in model.parameters()]
+    with fuyou_client.start_daemon(short_tmp / "state", config=merge(SMALL, {"storage": {"namespace_quota": "4MiB"}})
+                                   ) as d:
+        with pytest.raises(fuyou_client.ResourceExhausted, match="quota"):
+            fuyou_client.attach(model, fuyou_client.AdamW(), socket=d.socket, namespace="quota")
+        with fuyou_client.connect(d.socket) as s:
+            status = s.status()
+            assert status.pinned_used_bytes == 0
+            creates = scrape(status.metrics_url)['fuyoud_requests_total{method="CreateGroup"}']
+        assert creates <= 4, creates  # (two blocks fit, the third is refused: not all seven were tried)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))

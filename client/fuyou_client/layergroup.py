@@ -153,11 +153,14 @@ class Scratch:
         self._busy: list[tuple[Future, object]] = []
 
     def take(self):
-        """A buffer no create reads any more (waits for the oldest otherwise)."""
+        """A buffer no create reads any more (waits for the oldest otherwise; a create that
+        failed is raised here, so attach stops at the first group the daemon refused)."""
         if not self._free:
             created, buf = self._busy.pop(0)
-            created.exception()  # (waits; the error is the group's own, raised by the caller)
             self._free.append(buf)
+            error = created.exception()  # (waits)
+            if error is not None:
+                raise error
         return self._free.pop(0)
 
     def lend(self, buf, created: Future | None) -> None:
