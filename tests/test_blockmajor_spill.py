@@ -28,6 +28,7 @@ from discrete_device import LateCopyDevice
 from fuyou_client.block_store import Plan, Store
 from fuyou_client.device import HostDevice
 from test_attach import daemon  # noqa: F401 (a module-scoped fuyoud)
+from test_blockmajor import assert_same, loop_step
 
 pytest.importorskip("transformers")
 K, STEPS, SHAPE, LAYERS, WIDTH = 3, 2, (2, 16), 4, 64
@@ -44,22 +45,6 @@ def batches(seed: int = 1, steps: int = STEPS):
 
 def attach(model, socket, device=None, **kwargs):
     return fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), socket=socket, device=device, **kwargs)
-
-
-def loop_step(model, engine, micro_batches):
-    losses = []
-    for x in micro_batches:
-        loss = model(x, labels=x).loss / K
-        loss.backward()
-        losses.append(loss.detach())
-    engine.step()
-    engine.zero_grad()
-    return torch.stack(losses)
-
-
-def assert_same(a, b):
-    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
-        assert torch.equal(x, y), f"{name}: max diff {(x.float() - y.float()).abs().max().item()}"
 
 
 @pytest.mark.parametrize("slots", [12, 5])  # some inputs go; every input goes (the least that runs)

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fuyou_client.device import DONE, Device
+from fuyou_client.session import flatten
 from fuyou_client.spill import Arena, Spilled, SsdTier, aligned
 
 STAGING = 2  # slots beyond the plan's: writes in flight in forward, reads in backward
@@ -264,7 +265,7 @@ class Store:
                     for ev in events:
                         ev.synchronize()
                     return self.tier.write(e.offset, e.nbytes, label)
-                e.write = _flatten(self.device.then(events[-1], write))
+                e.write = flatten(self.device.then(events[-1], write))
         if e.write is not None:
             self._writing.append(e)
             self.stats.spilled += nbytes
@@ -466,21 +467,3 @@ class Store:
             out.append(t)
             self.bytes_up += spec[1].numel() * spec[2].itemsize
         self._on_device[e.key] = (out, last)
-
-
-def _flatten(outer: Future) -> Future:
-    """A future of a future's result, as one."""
-    out: Future = Future()
-
-    def inner_done(f: Future) -> None:
-        exc = f.exception()
-        out.set_exception(exc) if exc is not None else out.set_result(f.result())
-
-    def outer_done(f: Future) -> None:
-        exc = f.exception()
-        if exc is not None:
-            out.set_exception(exc)
-        else:
-            f.result().add_done_callback(inner_done)
-    outer.add_done_callback(outer_done)
-    return out

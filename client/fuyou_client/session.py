@@ -136,6 +136,25 @@ def gather(futures: Sequence[Future], combine=list) -> Future:
     return out
 
 
+def flatten(outer: Future) -> Future:
+    """A future of a future's result, as one (a step submitted from a callback)."""
+    out: Future = Future()
+
+    def inner_done(inner: Future) -> None:
+        exc = inner.exception()
+        out.set_exception(exc) if exc is not None else out.set_result(inner.result())
+
+    def outer_done(f: Future) -> None:
+        exc = f.exception()
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            f.result().add_done_callback(inner_done)
+
+    outer.add_done_callback(outer_done)
+    return out
+
+
 NO_SOCKET_WAIT_S = 1.0  # how long connecting waits for a socket that is not there yet
 
 

@@ -42,7 +42,7 @@ from fuyou_client.distributed import Collectives, Shards, World
 from fuyou_client.errors import NonFinite
 from fuyou_client.gradstrategy import GradientStrategy, Start
 from fuyou_client.optim import StepInfo
-from fuyou_client.session import In
+from fuyou_client.session import In, flatten
 
 REDUCE_MODES = ("step", "backward")
 
@@ -57,25 +57,6 @@ class ShardState:
     device_weights: torch.Tensor | None = None  # ... and the all-gather's input
     staging: object = None  # SharedBuffer: per-backward reduction on such a device, a micro-batch's shard
     reduced: Future | None = None  # the reduce-scatter(s) of this iteration's gradients so far
-
-
-def flatten(outer: Future) -> Future:
-    """A future of a future's result."""
-    out: Future = Future()
-
-    def inner_done(inner: Future) -> None:
-        exc = inner.exception()
-        out.set_exception(exc) if exc is not None else out.set_result(inner.result())
-
-    def outer_done(f: Future) -> None:
-        exc = f.exception()
-        if exc is not None:
-            out.set_exception(exc)
-        else:
-            f.result().add_done_callback(inner_done)
-
-    outer.add_done_callback(outer_done)
-    return out
 
 
 class Sharded(GradientStrategy):
