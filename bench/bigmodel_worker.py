@@ -90,21 +90,35 @@ def counters(engine) -> dict:
     }
 
 
-def draw_rate(n: int = 1 << 26) -> float:
-    """Normal samples per second of torch's CPU generator, as the model's own init draws
-    them (one stream: ``weights="init"`` is bitwise a CPU build's, so it cannot go faster)."""
-    t, gen = torch.empty(n), torch.Generator().manual_seed(0)  # (not the default one: the init's draws stay)
-    t.normal_(generator=gen)
+def draw_seconds(model) -> float:
+    """Seconds torch's CPU generator takes to make the draws the model's init makes (one
+    stream: ``weights="init"`` is bitwise a CPU build's, so attach cannot go faster): each
+    nn.Linear's constructor draws its weight uniformly (kaiming) and each nn.Embedding's
+    normally, then the Hugging Face init draws every one again, normally; the norms are
+    filled. The rates are measured here, on a generator of its own (the default one's
+    state is the init's)."""
+    n, gen = 1 << 26, torch.Generator().manual_seed(0)
+    t = torch.empty(n)
+    t.normal_(generator=gen)  # (first touch)
     t0 = time.perf_counter()
+    t.uniform_(-0.01, 0.01, generator=gen)
+    t1 = time.perf_counter()
     t.normal_(0.0, 0.02, generator=gen)
-    return n / (time.perf_counter() - t0)
+    t2 = time.perf_counter()
+    per = {"uniform": (t1 - t0) / n, "normal": (t2 - t1) / n}
+    seconds = 0.0
+    for module in model.modules():
+        first = "uniform" if isinstance(module, torch.nn.Linear) else "normal"
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            seconds += module.weight.numel() * (per[first] + per["normal"])
+    return seconds
 
 
 def main() -> None:
     args = json.loads(sys.argv[1])
     model = build(args)
     params = sum(p.numel() for p in model.parameters())
-    init_floor = params / draw_rate()  # (every weight matrix is drawn; the norms are filled)
+    init_floor = draw_seconds(model)
     options = {k: args[k] for k in ("prefetch", "host_budget") if args.get(k) is not None}
     k = args["micro_batches"]
     t0 = time.perf_counter()

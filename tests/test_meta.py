@@ -340,3 +340,18 @@ def test_an_init_that_leaves_values_unwritten_is_refused_by_name(daemon, tmp_pat
     x = torch.randn(3, 8)
     assert torch.equal(model(x), ref(x))
     engine.close()
+
+
+def test_the_unwritten_value_check_is_exact_where_the_sum_is_not_finite():
+    """The init's NaN sentinel is found by one summation, and exactly (element by element)
+    where the sum alone cannot tell: infinities, or finite values whose sum overflows."""
+    from fuyou_client.materialize import _has_nan
+    big = torch.full((3 << 21,), 3e38)  # (finite; the sum overflows to infinity)
+    assert not _has_nan(big) and not _has_nan(torch.zeros(0))
+    assert not _has_nan(torch.tensor([float("inf"), float("-inf"), 1.0]))  # (the sum is NaN, no element is)
+    for t in (big.clone(), torch.randn(5 << 20), torch.randn(64, 64).to(torch.bfloat16)):
+        t.view(-1)[-1] = float("nan")
+        assert _has_nan(t)
+    mixed = big.clone()
+    mixed[7] = float("nan")
+    assert _has_nan(mixed)
