@@ -157,16 +157,6 @@ def read_statuses(pid: int) -> dict[str, int]:
             if k.startswith(("Vm", "Rss")) and v.strip().endswith("kB")}
 
 
-def read_status(pid: int, key: str) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def bare_bandwidth(directory: Path, size: int) -> dict:
     loop = BareLoop(directory / "bare.bin", size, 1 << 20, 32)
     try:
@@ -264,7 +254,7 @@ def train(args, layers: int, work: Path, sampler: "RssSampler", schedule: str, t
         if proc.wait() != 0:
             raise RuntimeError(f"the training process failed (exit code {proc.returncode}): "
                                f"{events.get('error', {}).get('error', 'see its output above')}")
-        return events, steps, read_status(daemon.pid, "VmHWM") or 0
+        return events, steps, read_statuses(daemon.pid).get("VmHWM", 0)
     finally:
         sampler.pids.pop("client", None)
         sampler.pids.pop("daemon", None)

@@ -355,3 +355,23 @@ def test_the_unwritten_value_check_is_exact_where_the_sum_is_not_finite():
     mixed = big.clone()
     mixed[7] = float("nan")
     assert _has_nan(mixed)
+
+
+def test_attach_reuses_the_memory_of_tensors_gone_and_never_of_one_alive():
+    """The init's tensors of 1 MiB and more come from maps reused once nothing holds them
+    (a fresh map faults every page in again): a map is handed out again only after its
+    tensor and every view of it are gone, and the values written into a live one stay."""
+    from fuyou_client.weights_file import ReusedMaps
+    maps = ReusedMaps()
+    a = maps.empty((512, 1024), torch.float32).fill_(1.0)
+    where = a.data_ptr()
+    view = a[3:]
+    del a
+    b = maps.empty((256, 1024), torch.float32).fill_(2.0)  # (a's map is held by its view)
+    assert b.data_ptr() != where and torch.all(view == 1.0)
+    del view
+    c = maps.empty((256, 1024), torch.float32)  # (the smallest free map that fits: a's, now free)
+    assert c.data_ptr() == where and torch.all(b == 2.0)
+    assert maps.empty((4, 4), torch.float32).numel() == 16  # (small tensors: torch's own allocator)
+    maps.close()
+    assert c.fill_(3.0).sum().item() == 3.0 * c.numel()  # (a map in use outlives the pool)

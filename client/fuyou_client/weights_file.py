@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import mmap
 import sys
 from pathlib import Path
@@ -112,14 +113,7 @@ def _empty(shape, dtype: torch.dtype) -> torch.Tensor:
     anonymous map for 1 MiB and more. (glibc serves blocks of a few MiB from its heap
     once a like-sized one was freed and keeps what is freed there: a block at a time,
     the heap would grow to the whole model.)"""
-    shape = tuple(shape)
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
-    if nbytes < 1 << 20:
-        return torch.empty(shape, dtype=dtype)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(memory, dtype=dtype).view(shape)
+    return ReusedMaps().empty(shape, dtype)
 
 
 class ReusedMaps:
@@ -136,9 +130,7 @@ class ReusedMaps:
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         shape = tuple(shape)
-        count = 1
-        for n in shape:
-            count *= n
+        count = math.prod(shape)
         nbytes = count * dtype.itemsize
         if nbytes < 1 << 20:
             return torch.empty(shape, dtype=dtype)
