@@ -6,6 +6,8 @@
     fuyouctl drain [--wait]         stop accepting new sessions; --cancel reopens
     fuyouctl checkpoint SESSION DIR copy a session's state to DIR on the daemon's host
     fuyouctl health                 the grpc.health.v1 status (exit 0 when serving)
+    fuyouctl plan MODEL [...]       will MODEL fit this host (or the one described), how fast:
+                                    the planner (fuyou_client.sizing); needs no daemon
 
 Tables for people by default, ``--json`` for scripts. drain and checkpoint need the
 admin token the daemon keeps next to its control socket (readable by root and the
@@ -180,6 +182,17 @@ def cmd_health(args, channel) -> int:
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def cmd_plan(args) -> int:
+    """The planner, for this host as fuyoud is configured here (its data directories,
+    measured; its pinned and buffer budgets) unless the host is described."""
+    from fuyou_client.sizing import cli
+
+    describes = args.ram is not None or args.ssd is not None
+    cfg = load(args.config)
+    defaults = {} if describes else {"pinned_budget": cfg.session_budget, "buffer_budget": cfg.optimizer.buffer_budget}
+    return cli.run(args, data_dirs=cfg.data_dirs, defaults=defaults)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fuyouctl", description="See and steer a running fuyoud.")
     p.add_argument("--socket", help="the daemon's control socket (default: from --config or the defaults)")
@@ -210,12 +223,18 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_checkpoint)
     sub.add_parser("health", help="the grpc.health.v1 status").set_defaults(func=cmd_health)
+    from fuyou_client.sizing.cli import add_arguments
+    s = sub.add_parser("plan", help="will a model fit this host, with which settings, how fast (no daemon needed)")
+    add_arguments(s)
+    s.set_defaults(func=cmd_plan)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        if args.command == "plan":
+            return args.func(args)
         with grpc.insecure_channel(f"unix:{_socket(args)}") as channel:
             return args.func(args, channel)
     except (ConfigError, CtlError) as exc:

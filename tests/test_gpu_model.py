@@ -73,7 +73,7 @@ def test_block_major_moves_the_bytes_its_schedule_says(rates, weights):
     assert b["d2h: checkpoints"] == ((L + 1) * K + K + L * K) * ckpt
     assert b["h2d: checkpoints"] == ((L - 1) * K + 2 * L * K + 2 * K) * ckpt
     n = L * block + rest
-    assert got["ssd_bytes_per_param"] == pytest.approx(24 + (4 * L * block / n if weights == "ssd" else 0))
+    assert got["ssd_bytes_per_param"] == pytest.approx(24 + (4 * L * block / n if weights == "ssd" else 0), rel=1e-3)
     assert got["host_arena_bytes"] == (L + 2) * K * ckpt  # what blockmajor.Store reserves
     bf16 = gm.breakdown(gm.replace(cfg, grad_bytes=2), rates)["bytes"]
     assert bf16["d2h: gradients"] == L * 2 * block + 4 * rest
@@ -85,7 +85,7 @@ def test_today_adds_every_micro_batch_but_the_first(rates):
     groups = cfg.layers + 1
     assert b["host_additions"] == 7 * groups
     assert b["bytes"]["d2h: gradients"] == 8 * 4 * b["params"]
-    assert b["ssd_bytes_per_param"] == 24
+    assert b["ssd_bytes_per_param"] == pytest.approx(24, rel=1e-3)  # (12 B/param each way, and headers)
 
 
 def test_json_has_the_keys_the_issue_asks_for(tmp_path):

@@ -14,9 +14,10 @@ from fuyou_client.errors import (DaemonUnavailable, DataLoss, FailedPrecondition
 from fuyou_client.optim import SGD, AdamW, GroupInfo, StepInfo
 from fuyou_client.options import AttachOptions
 from fuyou_client.session import In, ObjectInfo, Out, Session, connect
+from fuyou_client.sizing import plan
 
 __all__ = [
-    "attach", "AttachOptions", "micro_batch_rng", "Engine", "load_exported", "connect", "Session", "AdamW", "SGD", "GroupInfo", "StepInfo",
+    "attach", "plan", "AttachOptions", "micro_batch_rng", "Engine", "load_exported", "connect", "Session", "AdamW", "SGD", "GroupInfo", "StepInfo",
     "SharedBuffer", "ObjectInfo", "In", "Out", "start_daemon", "DaemonProcess",
     "FuyouClientError", "DaemonUnavailable", "DataLoss", "FailedPrecondition", "InternalError", "InvalidArgument",
     "NamespaceBusy", "ObjectNotFound", "NonFinite", "PermissionDenied", "ResourceExhausted", "SessionClosed",

@@ -33,7 +33,15 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) ->
 
     Under torch.distributed (a world of more than one rank) every rank calls it: each
     connects to its own host's daemon and keeps its shard of the optimizer state there
-    (docs/guide/distributed.md); a failure on any rank is an error on every rank."""
+    (docs/guide/distributed.md); a failure on any rank is an error on every rank.
+
+    ``plan=``: a ``fuyou_client.plan(...)`` result or ``"auto"`` (plan for this model on
+    this host now): its settings become the options not given (sizing/apply.py);
+    ``engine.sizing_plan`` keeps it (its ``settings``: the micro-batch shape it assumed)."""
+    plan = options.pop("plan", None)  # a fuyou_client.plan(...) or "auto": its settings (sizing/apply.py)
+    if plan is not None:
+        from fuyou_client.sizing.apply import apply
+        options, optimizer, plan = apply(plan, model, optimizer, options)
     base = options.pop("options", None)  # attach(model, opt, options=AttachOptions(...), **overrides) too
     opts = dataclasses.replace(base, **options) if base is not None else AttachOptions(**options)
     world = World.of(opts.process_group)
@@ -108,6 +116,7 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) ->
             engine.checkpoint_extra = state["extra"]
         if materializer is not None:
             materializer.commit()
+        engine.sizing_plan = plan
         return engine
     except BaseException:
         engine.close(materialize=False)

@@ -75,6 +75,8 @@ def _size(nbytes: int) -> str:
 
 
 class Engine:
+    sizing_plan = None  # the fuyou_client.plan(...) attach(plan=...) applied (sizing/), else None
+
     def __init__(self, model: nn.Module, session: Session, torch_groups: TorchGroups, groups: list[ParamGroup],
                  options: AttachOptions, device: Device, owns_session: bool, resume: bool = False,
                  materializer=None, world=None):

@@ -214,7 +214,11 @@ class _Knobs:
 
 class DoesNotFit(ResourceExhausted):
     """The smallest plan is larger than what the session may take; the message says by
-    how much and what to change."""
+    how much and what to change, ``smallest`` is that plan."""
+
+    def __init__(self, message: str, smallest: "MemoryPlan | None" = None):
+        super().__init__(message)
+        self.smallest = smallest
 
 
 def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted()) -> MemoryPlan:
@@ -279,7 +283,7 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted()) ->
     if best.total <= limits.room:
         return best
     kept = sum(g.weight_bytes for g in groups if g.offload is True and g.strategy in ("resident", "host"))
-    raise DoesNotFit(_refusal(best, wanted, limits, kept))
+    raise DoesNotFit(_refusal(best, wanted, limits, kept), best)
 
 
 def _ladder(wanted: Wanted):

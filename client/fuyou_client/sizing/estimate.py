@@ -1,0 +1,267 @@
+"""One training configuration on one host, estimated: bytes per memory tier, SSD capacity
+and traffic, and (with a GPU) the step's time and what binds it.
+
+* **Pinned host memory** is the memory plan ``attach`` computes (memory_plan.plan) for
+  these layer groups under the daemon's pinned budget: the same function, not a copy.
+* **Other host memory**: the daemon's optimizer buffers (``[optimizer] buffer_budget``)
+  and each process's own: measured on the reference host's CPU runs
+  (bench/results/bigmodel-*-cpu.json, within 10%: tests/test_sizing.py).
+* **SSD traffic per iteration**, by cause, as the daemon counts it: the blocks' weights
+  read in forward (and backward, where the master handoff keeps the step's read short
+  and backward reads the weights itself), the optimizer state read and written, the
+  weights the steps write for blocks kept in a 16-bit dtype, and block-major's inputs
+  spilled beyond the host arena.
+* **Time**: the discrete-event model (iteration.py) with the GPU's and host's rates.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from fuyou_client import memory_plan
+from fuyou_client.sizing.hardware import GB, GiB, Host
+from fuyou_client.sizing.iteration import Rates, Schedule, device_estimate, simulate, state_bytes
+from fuyou_client.sizing.shape import ModelShape
+from fuyou_proto.contract import stepped_in_chunks
+
+# Each process's own memory beside the shared buffers, at the peak of a step, measured on
+# the reference host's CPU runs (bench/results/bigmodel-gpt2-2b-cpu.json and
+# bigmodel-llama7b-int8-cpu.json, peak_rss_together_parts): the daemon's interpreter and
+# libraries (anonymous and file pages) beside its optimizer buffers; the training process's
+# interpreter, torch and transformers, plus the fp32 gradient of its largest parameter made
+# by autograd before it is copied to shared memory (the embeddings: vocab x width).
+DAEMON_BASE = 200_000_000
+CLIENT_BASE = 660_000_000
+CUDA_CONTEXT = 1 << 30  # assumed: a CUDA process's runtime and libraries in host memory
+VERSIONS_IN_FLIGHT = 3  # new state versions written before the old ones go: the largest group's, this many
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a plan chooses: the attach options and the training loop's shape."""
+    seq: int
+    micro_batch: int = 1  # sequences per micro-batch
+    micro_batches: int = 1  # per optimizer step (train_step's list, or accumulation_steps)
+    schedule: str = "block-major"  # engine.train_step; "loop": the ordinary loop
+    state_dtype: str = "fp32"
+    offload: bool | str = True  # the blocks' weights: True on the SSD array, "host" in pinned memory
+    prefetch: int | None = None  # None: the memory plan's
+    host_budget: int | None = None  # the host arena; None: the memory plan's default
+    activations: str = "recompute"
+
+    @property
+    def tokens(self) -> int:
+        return self.seq * self.micro_batch * self.micro_batches
+
+    def attach_options(self) -> dict:
+        """The ``attach`` keyword arguments these settings stand for."""
+        out = {"offload": self.offload, "activations": self.activations}
+        if self.prefetch is not None:
+            out["prefetch"] = self.prefetch
+        if self.host_budget is not None:
+            out["host_budget"] = self.host_budget
+        if self.schedule == "loop" and self.micro_batches > 1:
+            out["accumulation_steps"] = self.micro_batches
+        return out
+
+
+@dataclass
+class Estimate:
+    shape: ModelShape
+    settings: Settings
+    host: Host
+    memory: dict  # tier -> bytes: gpu, pinned, other_host, host_total, ssd_capacity
+    needs: dict  # resource -> bytes this needs, against ``has``
+    has: dict
+    ssd: dict  # cause -> bytes per iteration
+    plan: memory_plan.MemoryPlan | None
+    time: dict | None = None  # the iteration model's output (with a GPU)
+    binds: str = ""
+    utilisation: dict = field(default_factory=dict)
+    assumptions: list = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return all(self.needs[k] <= self.has[k] for k in self.needs)
+
+    @property
+    def short(self) -> dict:
+        """Each resource this does not fit: (needed, has)."""
+        return {k: (self.needs[k], self.has[k]) for k in self.needs if self.needs[k] > self.has[k]}
+
+    @property
+    def ssd_bytes(self) -> float:
+        return sum(self.ssd.values())
+
+    @property
+    def ssd_bytes_per_param(self) -> float:
+        return self.ssd_bytes / self.shape.params
+
+    @property
+    def seconds(self) -> float | None:
+        return self.time["iteration_seconds"] if self.time else None
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.settings.tokens / self.seconds if self.time else None
+
+    @property
+    def written_per_step(self) -> float:
+        return sum(v for k, v in self.ssd.items() if "written" in k)
+
+    def to_dict(self) -> dict:
+        s = self.settings
+        return {"model": dataclasses.asdict(self.shape) | {"params": self.shape.params},
+                "settings": dataclasses.asdict(s) | {"tokens_per_step": s.tokens},
+                "attach_options": s.attach_options(), "fits": self.fits,
+                "memory_bytes": self.memory, "needs_bytes": self.needs, "has_bytes": self.has,
+                "ssd_bytes_per_iteration": self.ssd, "ssd_bytes_per_param": self.ssd_bytes_per_param,
+                "ssd_written_per_1000_steps_per_device": 1000 * self.written_per_step / self.host.disks.count,
+                "iteration_seconds": self.seconds, "tokens_per_second": self.tokens_per_second,
+                "model_tflops": self.time["model_tflops"] if self.time else None,
+                "gpu_busy": self.time["gpu_busy"] if self.time else None,
+                "binds": self.binds, "utilisation": self.utilisation,
+                "seconds_by_cause": self.time["seconds"] if self.time else None,
+                "memory_plan": str(self.plan) if self.plan else None, "assumptions": self.assumptions}
+
+
+def _compute_bytes(host: Host) -> int:
+    return 2 if host.gpu is not None else 4  # bf16 on a GPU; the CPU runs compute in fp32
+
+
+def groups(shape: ModelShape, s: Settings, host: Host) -> list[memory_plan.GroupShape]:
+    """The layer groups attach would plan (engine._plan_memory), from the shape alone."""
+    c = _compute_bytes(host)
+    offload = s.offload if host.gpu is not None or s.offload is True else False  # ("host" on the CPU: resident)
+    keeps = s.schedule == "loop" and s.micro_batches > 1  # gradients kept until the step
+    block_strategy = "resident" if keeps else "pooled"
+    chunked = stepped_in_chunks(state_bytes(s.state_dtype, shape.block_params), shape.block_params,
+                                host.buffer_budget, host.buffers)
+    out = [memory_plan.GroupShape(f"block{i}", shape.block_params, c, chunked=chunked, offload=offload,
+                                  strategy=block_strategy if offload else "resident")
+           for i in range(shape.layers)]
+    rest_chunked = stepped_in_chunks(state_bytes(s.state_dtype, shape.rest_params), shape.rest_params,
+                                     host.buffer_budget, host.buffers)
+    return out + [memory_plan.GroupShape("rest", shape.rest_params, c, chunked=rest_chunked)]
+
+
+def kept_inputs(shape: ModelShape, s: Settings, c: int) -> int:
+    """Block-major's kept entries for one step, as block_store.Plan counts them: each
+    block's input, the last block's output and the tail's input gradient, per micro-batch."""
+    if s.schedule != "block-major":
+        return 0
+    return (shape.layers + 2) * s.micro_batches * s.micro_batch * s.seq * shape.width * c
+
+
+def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena: int) -> dict:
+    """Bytes the SSD array moves per iteration, by cause (as the daemon counts them)."""
+    c, n, L = _compute_bytes(host), shape.block_params, shape.layers
+    on_ssd = s.offload is True
+    chunked = groups(shape, s, host)[0].chunked
+    hands = on_ssd and handoff and c == 4 and chunked  # (memory_plan's handoff: chunked fp32 blocks)
+    k = s.micro_batches if s.schedule == "loop" else 1
+    block_state, rest_state = state_bytes(s.state_dtype, n), state_bytes(s.state_dtype, shape.rest_params)
+    spill = max(0, kept_inputs(shape, s, c) - arena)
+    # backward's fetches: a plain read with the handoff, or where the block's state does not fit
+    # an optimizer buffer (the daemon then holds what masters it can: counted as read here, an
+    # upper bound); else served from the step's read-ahead of the state (the last micro-batch
+    # of the loop; every block of block-major)
+    backward = (L - 1) * n * c * ((k - 1) + (hands or chunked)) if on_ssd else 0
+    return {"forward weights read": L * n * c * k if on_ssd else 0,
+            "backward weights read": backward,
+            "optimizer state read": L * (block_state - 4 * n * hands) + rest_state,
+            "optimizer state written": L * block_state + rest_state,
+            "weights written by the steps": L * n * c if on_ssd and c != 4 else 0,
+            "spilled inputs written": spill, "spilled inputs read": spill}
+
+
+def rates(host: Host) -> Rates:
+    g = host.gpu
+    return Rates(kernel_tflops=g.kernel_tflops.value, pass_gap_s=g.pass_gap_s.value, ssd_read=host.disks.read_gbps,
+                 ssd_write=host.disks.write_gbps, pcie_h2d=g.pcie_h2d.value, pcie_d2h=g.pcie_d2h.value,
+                 host_add=host.host_add.value, adam=host.adam_rate, hbm=g.hbm, device_factor=g.device_factor)
+
+
+def estimate(shape: ModelShape, s: Settings, host: Host, simulate_time: bool = True) -> Estimate:
+    c = _compute_bytes(host)
+    limits = memory_plan.Limits(session_budget=host.pinned, optimizer_buffer_budget=host.buffer_budget,
+                                optimizer_buffers=host.buffers, segment=host.segment)
+    wanted = memory_plan.Wanted(s.prefetch, 0, s.host_budget, arena=True, swaps=s.activations == "swap",
+                                shares_host_memory=host.gpu is None)
+    try:
+        plan = memory_plan.plan(groups(shape, s, host), limits, wanted)
+    except memory_plan.DoesNotFit as exc:
+        plan = exc.smallest
+    arena_used = min(plan.host_budget, kept_inputs(shape, s, c))
+    pinned = plan.training - (plan.host_budget - arena_used)  # (an arena's untouched pages are not resident)
+    daemon = DAEMON_BASE + host.buffer_budget
+    client = CLIENT_BASE + 4 * shape.vocab * shape.width + (CUDA_CONTEXT if host.gpu else 0)
+    ssd = ssd_traffic(shape, s, host, plan.handoff, plan.host_budget)
+    block_state = state_bytes(s.state_dtype, shape.block_params)
+    stored = shape.layers * state_bytes(s.state_dtype, shape.block_params) + \
+        state_bytes(s.state_dtype, shape.rest_params) + ssd["weights written by the steps"]
+    capacity = {"state and weights": stored, "one checkpoint": stored,
+                "new versions in flight": VERSIONS_IN_FLIGHT * block_state,
+                "spilled inputs": ssd["spilled inputs written"]}
+    memory = {"gpu": device_estimate(shape, _schedule(shape, s, host)) * host.gpu.device_factor if host.gpu else 0,
+              "pinned": pinned, "pinned_plan": plan.total, "daemon_own": daemon, "client_own": client,
+              "host_total": pinned + daemon + client, "ssd_capacity": sum(capacity.values()),
+              "ssd_capacity_parts": capacity}
+    needs = {"pinned budget": plan.total, "host memory": memory["host_total"],
+             "SSD capacity": memory["ssd_capacity"]}
+    has = {"pinned budget": host.pinned, "host memory": int(0.9 * host.memory),
+           "SSD capacity": int(0.95 * host.disks.count * host.disks.capacity)}
+    if host.gpu is not None:
+        needs["GPU memory"] = memory["gpu"]
+        has["GPU memory"] = int(0.9 * host.gpu.memory)
+    est = Estimate(shape, s, host, memory, needs, has, ssd, plan)
+    est.assumptions = _assumptions(host)
+    if host.gpu is not None and simulate_time:
+        _time(est, host)
+    return est
+
+
+def _schedule(shape: ModelShape, s: Settings, host: Host) -> Schedule:
+    weights = "ssd" if s.offload is True else "host" if s.offload == "host" else "resident"
+    return Schedule(schedule=s.schedule, seq=s.seq, micro=s.micro_batch, accum=s.micro_batches, weights=weights,
+                    state_dtype=s.state_dtype, compute_bytes=_compute_bytes(host),
+                    prefetch=s.prefetch if s.prefetch is not None else 2, served=not groups(shape, s, host)[0].chunked)
+
+
+def _time(est: Estimate, host: Host) -> None:
+    r = rates(host)
+    t = simulate(est.shape, _schedule(est.shape, est.settings, host), r)
+    spill = est.ssd["spilled inputs written"]  # (the event model's arena is unbounded: add what spills)
+    if spill:
+        extra = spill / r.ssd_write / GB + spill / r.ssd_read / GB
+        t["seconds"]["SSD: spilled inputs"] = extra
+        t["iteration_seconds"] += extra
+        t["model_tflops"] = 6 * est.shape.params * est.settings.tokens / t["iteration_seconds"] / 1e12
+        t["gpu_busy"] = t["seconds"]["gpu compute"] / t["iteration_seconds"]
+    seconds = t["iteration_seconds"]
+    ssd_seconds = sum(v for k, v in est.ssd.items() if "read" in k) / r.ssd_read / GB + \
+        sum(v for k, v in est.ssd.items() if "written" in k) / r.ssd_write / GB
+    use = {"GPU": t["gpu_busy"], "SSD": ssd_seconds / seconds,
+           "PCIe": max(t["busy"].get("h2d", 0), t["busy"].get("d2h", 0)),
+           "CPU optimizer": t["busy"].get("adam", 0),
+           "host memory bandwidth": t["host_memory_traffic_bytes"] / seconds / GB / host.host_add.value}
+    est.time, est.utilisation = t, use
+    est.binds = max(use, key=use.get)
+
+
+def _assumptions(host: Host) -> list[str]:
+    out = []
+    if host.gpu is not None:
+        g = host.gpu
+        out += [f"GPU kernel rate {g.kernel_tflops.value:.0f} TFLOPS: {g.kernel_tflops.source}",
+                f"GPU idle per pass {g.pass_gap_s.value * 1e3:.2f} ms: {g.pass_gap_s.source}",
+                f"PCIe {g.pcie_h2d.value:g} GB/s: {g.pcie_h2d.source}",
+                f"GPU memory estimate scaled by {g.device_factor:.3f}: "
+                + ("measured peak over estimate on the H100 run" if g.device_factor != 1 else
+                   "assumed 1.0 (no run of this GPU here)"),
+                f"host memory of a CUDA process: {CUDA_CONTEXT / GiB:.0f} GiB assumed"]
+    d = host.disks
+    out += [f"SSD {d.read.value:g} GB/s read each: {d.read.source}", f"SSD {d.write.value:g} GB/s write each: "
+            f"{d.write.source}", f"AdamW {host.adam_rate:.3g} params/s: {host.adam.source}",
+            f"host fp32 add {host.host_add.value:g} GB/s: {host.host_add.source}"]
+    return out

@@ -1,0 +1,431 @@
+"""A discrete-event model of one training iteration on a GPU: where its seconds go, and
+the bytes on each link (PCIe each way, the SSD array).
+
+A schedule, the order in which the client issues work, is replayed on in-order resources
+(the GPU's compute stream, its H2D and D2H copy engines, the client's helper thread, the
+daemon's SSD array and CPU): an operation starts once its resource is free and its inputs
+are ready; buffer pools (staging buffers, the download queue, weight slots, checkpoint
+buffers, the daemon's optimizer buffers) hold work back as the client does. Each gap of
+the compute stream is charged to what it waited for; what follows its last work is the
+exposed step. Two schedules (docs/guide/gpu.md, "The model of an iteration"):
+
+* ``"block-major"``: ``engine.train_step``: forward block by block over all K
+  micro-batches, each block's input kept in the host arena; backward block by block in
+  reverse, each block recomputed per micro-batch, its gradient summed on the GPU and sent
+  once, its step submitted at once (the daemon has read its state ahead);
+* ``"loop"``: the ordinary loop, per micro-batch a forward and a backward group by group,
+  each group's gradients downloaded and added on the host, every step after the last.
+
+The GPU: a pass (forward 1, backward 2) of a block takes FLOPs / R + g: R the GPU's FLOP
+rate while a kernel runs, g its idle time per pass (``GpuProfile``). The SSD array does one
+transfer at a time at its read or write rate; AdamW runs at the host's rate.
+
+``simulate(shape, schedule, rates)`` returns it all as a dict. ``calibrate(run)`` reads the
+rates of a bench/gpu.py result (its in-GPU ceiling run).
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from fuyou_client.sizing.hardware import GpuProfile, HostError, Rate
+from fuyou_client.sizing.shape import ModelShape, from_config
+from fuyou_proto.contract import state_object_bytes
+
+GB, GiB = 1e9, 1 << 30
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One iteration's settings."""
+    schedule: str = "block-major"  # or "loop"
+    seq: int = 1024
+    micro: int = 2            # sequences per micro-batch
+    accum: int = 256          # micro-batches per step (K)
+    weights: str = "ssd"      # the blocks': resident (on the GPU) | host (uploaded per use) | ssd (read, then uploaded)
+    state_dtype: str = "fp32"
+    compute_bytes: int = 2    # the compute dtype's (bf16 on a GPU)
+    overlap: bool = False     # loop: a gradient download and a host addition may run at once
+    grad_bytes: int = 4       # block-major: a block's gradient summed on the GPU (4: fp32, 2: bf16)
+    grad_buffers: int = 2     # block-major: (1: the next block waits for the last one's download)
+    host_state: tuple = ()    # block-major: groups ("first", "rest") whose state stays in host memory
+    staging: int = 3          # loop: hostgrads.py's staging buffers and download depth
+    depth: int = 2
+    prefetch: int = 2         # weight slots are prefetch + 2 (loop, offloaded)
+    served: bool = True       # block-major, weights on the SSD array: backward's weights come with the step's
+    #                           read-ahead of the state (blocks that fit an optimizer buffer), else a read of their own
+
+    @property
+    def tokens(self) -> int:
+        return self.micro * self.seq * self.accum
+
+
+@dataclass
+class Rates:
+    kernel_tflops: float      # hardware FLOP rate while a kernel runs
+    pass_gap_s: float         # GPU idle per pass
+    ssd_read: float           # GB/s, the array
+    ssd_write: float
+    pcie_h2d: float = 54.0
+    pcie_d2h: float = 54.0
+    host_add: float = 124.0   # GB/s of memory traffic of an fp32 add (3 passes)
+    adam: float = 1.14e9      # parameters/s
+    hbm: float = 2600.0       # GB/s of a copy
+    device_factor: float = 1.0  # a run's measured device peak over this model's estimate of it
+    optimizer_buffers: int = 3
+    ceiling_tflops: float = 0.0  # (calibrated on a run: that run's in-GPU ceiling, model TFLOPS)
+    ceiling_hw_tflops: float = 0.0
+    host_bytes: int = 0
+    sources: dict = field(default_factory=dict)
+
+    def gpu_s(self, flops: float, passes: float) -> float:
+        return flops / (self.kernel_tflops * 1e12) + passes * self.pass_gap_s
+
+
+def state_bytes(state_dtype: str, numel: int) -> int:
+    return state_object_bytes("adamw", state_dtype, numel)
+
+
+def recorded(run: dict) -> tuple[ModelShape, Schedule, int]:
+    """A bench/gpu.py run's model, its configuration (the loop, resident weights) and its cap."""
+    a = run["args"]
+    return (gpt2_family(a["width"], run["model_layers"], a["seq"]),
+            Schedule(schedule="loop", seq=a["seq"], micro=a["micro"], accum=a["accum"], weights="resident"),
+            run["gpu_cap_bytes"])
+
+
+def gpt2_family(width: int, layers: int, seq: int, vocab: int = 8192) -> ModelShape:
+    """bench/gpu.py's model family: GPT-2 blocks, 128-wide heads, untied head."""
+    return from_config({"model_type": "gpt2", "n_embd": width, "n_layer": layers, "n_head": width // 128,
+                        "vocab_size": vocab, "n_positions": seq, "tie_word_embeddings": False}, "bench/gpu.py's family")
+
+
+def calibrate(run: dict) -> Rates:
+    """Rates from a bench/gpu.py JSON: its ceiling's time per micro-batch, busy share and
+    depth give the kernel rate and the idle time per pass; its SSD rates, host memory and
+    (where probed) PCIe and host addition rates; the others are the Rates defaults."""
+    ceiling, info, args = run["results"]["ceiling"], run["ceiling_info"], run["args"]
+    shape = gpt2_family(args["width"], 1, args["seq"])
+    f = shape.flops(args["seq"], info.get("micro", args["micro"]))  # (newer runs: the ceiling's own)
+    recompute = info["checkpointing"]
+    hw = info["layers"] * (f["block_fwd"] * (1 + recompute) + f["block_bwd"]) + f["tail_fwd"] + f["tail_bwd"]
+    passes = info["layers"] * (3 + recompute) + 3
+    t, busy = ceiling["micro_batch_seconds"], ceiling["busy"]
+    rates = Rates(kernel_tflops=hw / (busy * t) / 1e12, pass_gap_s=(1 - busy) * t / passes,
+                  ceiling_tflops=ceiling["tflops"], ceiling_hw_tflops=hw / t / 1e12, ssd_read=run["ssd_read_GBps"],
+                  ssd_write=run["ssd_write_GBps"], host_bytes=run["host"]["mem_total_bytes"])
+    model, sched, cap = recorded(run)
+    rates.device_factor = run["results"]["fuyou"]["peak_bytes"] / device_estimate(model, sched)
+    for key, name in (("pcie_h2d_GBps", "pcie_h2d"), ("pcie_d2h_GBps", "pcie_d2h"), ("host_add_GBps", "host_add")):
+        if run.get(key):  # (probed in the same run by newer bench/gpu.py runs)
+            setattr(rates, name, run[key])
+    rates.sources = {
+        "from the run's JSON": "results.ceiling micro_batch_seconds, busy, tflops; ceiling_info layers, "
+                               "checkpointing; ssd_read_GBps, ssd_write_GBps; gpu_cap_bytes; results.fuyou "
+                               "peak_bytes (device_factor); host mem_total_bytes",
+        "assumed": "PCIe 54 GB/s each way and 124 GB/s of host memory traffic for an fp32 add (measured in that "
+                   "session, docs/performance.md, not in the JSON); AdamW 1.14e9 params/s (the daemon's kernel on "
+                   "the 2-core reference host); 2.6 TB/s for a copy in HBM"}
+    return rates
+
+
+def from_gpu_run(path: str | os.PathLike) -> GpuProfile:
+    """A profile measured here: the ceiling run of a bench/gpu.py result (its GPU's kernel
+    rate and idle time per pass, its PCIe where probed, its peak memory factor)."""
+    try:
+        run = json.loads(Path(path).read_text())
+        return calibrate_gpu(run, str(path))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ZeroDivisionError) as exc:
+        raise HostError(f"--gpu-from {path}: not a readable bench/gpu.py result ({type(exc).__name__}: {exc})") from None
+
+
+def calibrate_gpu(run: dict, source: str) -> GpuProfile:
+    """A GpuProfile measured by a bench/gpu.py run."""
+    r = calibrate(run)
+    name = str(run.get("gpu", "measured GPU")).split(",")[0]
+    mib = [int(p.split()[0]) for p in str(run.get("gpu", "")).split(",") if p.strip().endswith("MiB")]
+    memory = mib[0] << 20 if mib else run["gpu_cap_bytes"]
+    m = f"measured: {source} (ceiling run)"
+    pcie = "measured: " + source if run.get("pcie_h2d_GBps") else \
+        "assumed: 54 GB/s each way, as measured on the H100 host (this run did not probe PCIe)"
+    return GpuProfile(name, memory, r.ceiling_hw_tflops, Rate(r.kernel_tflops, m), Rate(r.pass_gap_s, m),
+                      Rate(r.pcie_h2d, pcie), Rate(r.pcie_d2h, pcie), device_factor=r.device_factor,
+                      source=f"{name}, measured here ({source}); peak taken as the ceiling's hardware FLOP rate")
+
+
+def at_ceiling_rate(rates: Rates) -> Rates:
+    """Every pass at the ceiling's average FLOP rate, whatever its size."""
+    return replace(rates, kernel_tflops=rates.ceiling_hw_tflops, pass_gap_s=0.0)
+
+
+def device_estimate(shape: ModelShape, s: Schedule) -> float:
+    """Peak bytes on the GPU, before ``device_factor``."""
+    block, rest, c = shape.block_params, shape.rest_params, s.compute_bytes
+    tokens = s.micro * s.seq
+    ckpt = tokens * shape.width * c
+    work = max(17 * c * tokens * shape.width, 10 * tokens * shape.vocab)  # a block with grad, or the tail's logits
+    if s.schedule == "loop":
+        weights = c * (block * shape.layers + rest) if s.weights == "resident" else \
+            c * rest + (s.prefetch + 2) * c * block
+        grads = c * rest + c * block + (s.depth + 1) * 4 * block  # .grad, flattened copies queued
+        return weights + grads + work + shape.layers * ckpt
+    # the rest's weights and fp32 gradients, 2 weight slots, the block gradients, 8 checkpoint buffers
+    return (c + 4) * rest + 2 * c * block + s.grad_buffers * s.grad_bytes * block + work + 8 * ckpt
+
+
+class Timeline:
+    """In-order resources: an operation starts when its resource has finished the one before and
+    its inputs are ready ((time, cause) pairs). A gap of the GPU is charged to its inputs in the
+    order they arrive, each for the time from the one before it to its own arrival."""
+
+    def __init__(self):
+        self.free: dict[str, float] = {}
+        self.busy, self.stalls, self.bytes = Counter(), Counter(), Counter()
+
+    def op(self, resource: str, seconds: float, *ready: tuple[float, str]) -> float:
+        start = self.free.get(resource, 0.0)
+        for when, cause in sorted(ready, key=lambda r: r[0]):
+            if when > start:
+                self.stalls[cause] += (when - start) * (resource == "gpu")
+                start = when
+        self.free[resource] = start + seconds
+        self.busy[resource] += seconds
+        return self.free[resource]
+
+    def move(self, link: str, what: str, nbytes: float) -> None:
+        self.bytes[f"{link}: {what}"] += nbytes
+
+
+class Daemon:
+    """fuyoud's steps: a group's state (``io[g]``: bytes read, written) is read into one of
+    ``buffers`` optimizer buffers once asked for and a buffer is free (reads in step order),
+    stepped once its gradients are there, and written back. Groups in ``in_memory`` keep
+    their state in host memory: AdamW only."""
+
+    def __init__(self, t: Timeline, r: Rates, order: list, sizes: dict, io: dict, in_memory=()):
+        self.t, self.r, self.sizes, self.io, self.buffers = t, r, sizes, io, r.optimizer_buffers
+        self.queue, self.in_memory = [g for g in order if g not in in_memory], set(in_memory)
+        self.asked, self.read, self.written, self.ends = {}, {}, [], []
+
+    def ask(self, group, when: float) -> None:
+        self.asked.setdefault(group, when)
+        while len(self.read) < min(len(self.queue), len(self.written) + self.buffers) \
+                and self.queue[len(self.read)] in self.asked:
+            i, g = len(self.read), self.queue[len(self.read)]
+            free = self.written[i - self.buffers] if i >= self.buffers else 0.0
+            self.t.move("ssd", "read state", self.io[g][0])
+            self.read[g] = self.t.op("ssd", self.io[g][0] / self.r.ssd_read / GB, (self.asked[g], ""), (free, ""))
+
+    def step(self, group, grads: float) -> float:
+        n = self.sizes[group]
+        if group in self.in_memory:
+            self.ends.append(self.t.op("adam", n / self.r.adam, (grads, "")))
+            return self.ends[-1]
+        self.ask(group, grads)
+        adam = self.t.op("adam", n / self.r.adam, (grads, ""), (self.read[group], ""))
+        nbytes, state = self.io[group][1], self.io[group][0]
+        self.t.move("ssd", "write state" + " and weights" * (nbytes > state), nbytes)
+        self.written.append(self.t.op("ssd", nbytes / self.r.ssd_write / GB, (adam, "")))
+        self.ends.append(self.written[-1])
+        self.ask(group, grads)  # (its buffer is free: the next read may go)
+        return self.ends[-1]
+
+
+def state_io(shape: ModelShape, s: Schedule) -> dict:
+    """Per group (block index, "rest"): the daemon's (bytes read, bytes written) for its
+    step: its state, and for blocks whose weights are on the SSD array in a 16-bit dtype the
+    new weights the step writes beside it."""
+    block, rest = state_bytes(s.state_dtype, shape.block_params), state_bytes(s.state_dtype, shape.rest_params)
+    extra = shape.block_params * s.compute_bytes if s.weights == "ssd" and s.compute_bytes != 4 else 0
+    return {l: (block, block + extra) for l in range(shape.layers)} | {"rest": (rest, rest)}
+
+
+def _loop(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
+    """The ordinary loop: per micro-batch a forward, then backward group by group; each
+    group's gradients are flattened to fp32 on the compute stream, downloaded, and added into
+    its host accumulator by the helper thread (the first micro-batch: straight into it). The
+    training thread waits for the oldest addition when the staging buffers are taken, and for
+    the oldest download when more than ``depth`` wait (hostgrads.py). ``overlap=False``: a
+    download and an addition never run at once (how the H100 run is reproduced; inferred, not
+    observed). Then each group's step, and the new weights of resident groups up."""
+    block, rest, c = shape.block_params, shape.rest_params, s.compute_bytes
+    f = shape.flops(s.seq, s.micro)
+    fwd, bwd = r.gpu_s(f["block_fwd"], 1), r.gpu_s(f["block_fwd"] + f["block_bwd"], 3)
+    sizes = {l: block for l in range(shape.layers)} | {"rest": rest}
+    order = [*reversed(range(shape.layers)), "rest"]  # the groups in backward order
+    download, add = ("d2h", "helper") if s.overlap else ("host path", "host path")
+    resident = s.weights == "resident"
+    cpu, why = 0.0, "start"  # the training thread: when it issues the next work, and what held it
+    staged, queued, last, additions = deque(), deque(), {}, 0
+    slots = deque([0.0] * (s.prefetch + 2))
+
+    def gpu(seconds: float, upload: bool = False) -> float:
+        ready = [(cpu, why)]
+        if upload:  # offloaded: the block's weights up into a free slot first (read from the SSD before)
+            source = (cpu, why)
+            if s.weights == "ssd":
+                t.move("ssd", "read weights", c * block)
+                source = (t.op("ssd", c * block / r.ssd_read / GB, (cpu, why)), "weights fetch")
+            t.move("h2d", "weights", c * block)
+            ready.append((t.op("h2d", c * block / r.pcie_h2d / GB, (slots.popleft(), "weight slots"), source),
+                          "weights upload"))
+        end = t.op("gpu", seconds, *ready)
+        if upload:
+            slots.append(end)
+        return end
+
+    for mb in range(s.accum):
+        first = mb == 0  # downloads straight into the accumulators: no addition
+        for _ in range(shape.layers if not resident else 0):
+            gpu(fwd, upload=True)
+        gpu(r.gpu_s(f["tail_fwd"], 1) + (shape.layers * fwd if resident else 0))
+        gpu(r.gpu_s(f["tail_bwd"], 2))
+        for g in order:
+            if g != "rest":
+                gpu(bwd, upload=not resident)
+            n = sizes[g]
+            flat = gpu(6 * n / r.hbm / GB)  # bf16 .grad -> one fp32 tensor
+            if not first and len(staged) == s.staging:
+                oldest = staged.popleft()
+                if oldest > cpu:
+                    cpu, why = oldest, "training thread: staging buffers (host additions)"
+            t.move("d2h", "gradients", 4 * n)
+            last[g] = done = t.op(download, 4 * n / r.pcie_d2h / GB, (flat, "compute"), (cpu, why))
+            queued.append(done)
+            if not first:
+                last[g] = t.op(add, 12 * n / r.host_add / GB, (done, "download"))
+                staged.append(last[g])
+                additions += 1
+                t.move("host memory", "additions", 12 * n)
+            while len(queued) > s.depth:
+                oldest = queued.popleft()
+                if oldest > cpu:
+                    cpu, why = oldest, "training thread: download queue" + \
+                        " (downloads wait behind additions)" * (not s.overlap)
+    daemon = Daemon(t, r, order, sizes, state_io(shape, s))
+    for g in order:  # each step goes once the group's last addition ran; the daemon reads ahead
+        daemon.ask(g, last[g])
+    end = steps = max(daemon.step(g, last[g]) for g in order)
+    for g in order:  # the new weights of resident groups into the parameters
+        if resident or g == "rest":
+            t.move("h2d", "weights", c * sizes[g])
+            end = t.op("h2d", c * sizes[g] / r.pcie_h2d / GB, (steps, ""))
+    return {"micro_end": cpu, "end": max(end, t.free["gpu"]), "additions": additions}
+
+
+def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
+    """engine.train_step (blockmajor.py): forward block by block over all K micro-batches, each
+    block's input (a checkpoint) downloaded into the host arena as it is made and uploaded for
+    its use, the next one ahead; the tail's forward and input gradient per micro-batch. Backward
+    block by block in reverse: checkpoint and output gradient uploaded (the next micro-batch's
+    ahead), the block recomputed, its input gradient downloaded; the block's gradient, summed on
+    the GPU, downloaded once and its step sent at once (the daemon has read its state ahead).
+    Then each micro-batch's tail is replayed for the head's and embeddings' gradients, and the
+    iteration ends when every step has committed."""
+    block, rest, c = shape.block_params, shape.rest_params, s.compute_bytes
+    f = shape.flops(s.seq, s.micro)
+    L, K = shape.layers, s.accum
+    fwd, bwd = r.gpu_s(f["block_fwd"], 1), r.gpu_s(f["block_fwd"] + f["block_bwd"], 3)
+    tail = r.gpu_s(f["tail_fwd"] + f["tail_bwd"] / 2, 2)  # forward + one of the head's two gradient matmuls
+    ckpt = s.micro * s.seq * shape.width * c
+    sizes = {l: block for l in range(L)} | {"rest": rest}
+    order = [*reversed(range(L)), "rest"]
+    in_memory = {0 if g == "first" else g for g in s.host_state}
+    on_ssd = s.weights == "ssd"
+    daemon = Daemon(t, r, order, sizes, state_io(shape, s), in_memory)
+    slots, grad_bufs = deque([0.0] * 2), deque([0.0] * s.grad_buffers)
+    host_grads = deque([0.0] * (s.prefetch + 3))  # gradients.py's host buffers, each held until its step
+    ups, downs = deque([0.0] * 4), deque([0.0] * 4)  # checkpoint buffers on the GPU: uploads, downloads
+    arena = {}  # checkpoint -> when its host copy is there
+
+    def weights(source: float) -> None:  # a block's weights up; its compute waits for them
+        t.move("h2d", "weights", c * block)
+        up = t.op("h2d", c * block / r.pcie_h2d / GB, (slots.popleft(), "weight slots"), (source, "weights fetch"))
+        t.op("gpu", 0.0, (up, "weights upload"))
+
+    def compute(seconds: float, inputs: list, outputs: list) -> None:
+        ready = []
+        for key in inputs:
+            t.move("h2d", "checkpoints", ckpt)
+            ready.append((t.op("h2d", ckpt / r.pcie_h2d / GB, (arena[key], "checkpoint download"),
+                               (ups.popleft(), "checkpoint buffers")), "checkpoint upload"))
+        ready += [(downs.popleft(), "checkpoint download backlog") for _ in outputs]
+        end = t.op("gpu", seconds, *ready)
+        ups.extend([end] * len(inputs))
+        for key in outputs:
+            t.move("d2h", "checkpoints", ckpt)
+            arena[key] = t.op("d2h", ckpt / r.pcie_d2h / GB, (end, "compute"))
+            downs.append(arena[key])
+
+    fetched = {}
+    for l in range(L if on_ssd else 0):  # forward's fetches: the weights the last steps wrote
+        t.move("ssd", "read weights", c * block)
+        fetched[l] = t.op("ssd", c * block / r.ssd_read / GB, (0.0, ""))
+    for g in order:  # the daemon reads each group's state ahead, as its buffers free up
+        daemon.ask(g, 0.0)
+    for l in range(L):
+        weights(fetched.get(l, 0.0))
+        for k in range(K):  # block 0's input is the embeddings' output, made here
+            compute(fwd, [("x", l, k)] if l else [], [("x", l, k)] * (l == 0) + [("x", l + 1, k)])
+            if l == L - 1:  # the tail: forward and the gradient of its input
+                compute(tail, [], [("g", l, k)])
+        slots.append(t.free["gpu"])
+    for l in reversed(range(L)):
+        source = 0.0
+        if on_ssd and s.served:
+            source = daemon.read.get(l, 0.0)  # (from the state read ahead: no second read)
+        elif on_ssd and l < L - 1:  # (the last block is still in its slot)
+            t.move("ssd", "read weights", c * block)
+            source = t.op("ssd", c * block / r.ssd_read / GB, (0.0, ""))
+        weights(source)
+        t.op("gpu", 0.0, (grad_bufs.popleft(), "gradient download"))
+        for k in range(K):
+            compute(bwd, [("x", l, k), ("g", l, k)], [("g", l - 1, k)])
+        slots.append(t.free["gpu"])
+        t.move("d2h", "gradients", s.grad_bytes * block)
+        t.op("gpu", 0.0, (host_grads.popleft(), "training thread: gradient host buffers (steps behind)"))
+        grad_bufs.append(t.op("d2h", s.grad_bytes * block / r.pcie_d2h / GB, (t.free["gpu"], "compute")))
+        host_grads.append(daemon.step(l, grad_bufs[-1]))
+    for k in range(K):  # the tail again, for the head's and (from block 0's input gradient) embeddings' gradients
+        compute(tail, [("x", L, k), ("g", -1, k)], [])
+    t.move("d2h", "gradients", 4 * rest)
+    end = daemon.step("rest", t.op("d2h", 4 * rest / r.pcie_d2h / GB, (t.free["gpu"], "compute")))
+    t.move("h2d", "weights", c * rest)  # the new embeddings and head into the parameters
+    end = t.op("h2d", c * rest / r.pcie_h2d / GB, (end, ""))
+    io = state_io(shape, s)[0]
+    step_s = io[0] / r.ssd_read / GB + io[1] / r.ssd_write / GB
+    return {"micro_end": None, "end": max([end, t.free["gpu"], *daemon.ends]), "additions": 0,
+            "block_step_over_backward": step_s / (K * bwd)}
+
+
+def simulate(shape: ModelShape, s: Schedule, r: Rates) -> dict:
+    """Where each second of one iteration goes, and the bytes on each link."""
+    t = Timeline()
+    res = (_loop if s.schedule == "loop" else _block_major)(shape, s, r, t)
+    n = shape.params
+    seconds, gpu_end = res["end"], t.free["gpu"]
+    pcie = {k: v for k, v in t.bytes.items() if k.startswith(("h2d", "d2h"))}
+    ssd = sum(v for k, v in t.bytes.items() if k.startswith("ssd"))
+    out = {"params": n, "tokens": s.tokens, "iteration_seconds": seconds,
+           "model_tflops": 6 * n * s.tokens / seconds / 1e12, "gpu_busy": t.busy["gpu"] / seconds,
+           "seconds": {"gpu compute": t.busy["gpu"],
+                       **{f"gpu stalled: {k}": v for k, v in sorted(t.stalls.items()) if v > 0},
+                       "step exposed": seconds - gpu_end},
+           "busy": {k: v / seconds for k, v in t.busy.items()},
+           "bytes": dict(sorted(t.bytes.items())),
+           "pcie_bytes": sum(pcie.values()),
+           "pcie_weights_and_gradients_bytes": sum(v for k, v in pcie.items() if not k.endswith("checkpoints")),
+           "ssd_bytes": ssd, "ssd_bytes_per_param": ssd / n,
+           # every byte over PCIe or to the SSD crosses host memory once; an addition 3 times; AdamW reads
+           # gradient and state (16 B/param) and writes state and 16-bit weights (14)
+           "host_memory_traffic_bytes": sum(pcie.values()) + ssd + t.bytes["host memory: additions"] + 30 * n,
+           "host_additions": res["additions"], "exposed_step_seconds": seconds - gpu_end}
+    if res["micro_end"] is not None:  # as bench/gpu.py measures: to the last micro-batch's return, then the step
+        out["micro_batch_seconds"] = res["micro_end"] / s.accum
+        out["step_seconds"] = seconds - res["micro_end"]
+    else:
+        out["block_step_over_backward"] = res["block_step_over_backward"]  # > 1: the steps fall behind
+    return out

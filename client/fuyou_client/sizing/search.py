@@ -1,0 +1,156 @@
+"""The search: the settings that fit a host and, among them, the fastest; what would
+help most; and when nothing fits, the least of each resource the smallest settings need.
+
+The state dtype is chosen by exactness before speed: the most exact one (fp32, then
+bf16, then int8) for which some settings fit, unless one is asked for; a less exact one
+is offered as advice with its speed-up, never taken silently. Then, for that dtype: where
+the blocks' weights live (the SSD array, or pinned host memory where it holds them),
+sequences per micro-batch (what the GPU's memory allows), and the host arena
+(``host_budget``: the memory plan's default, or enough to keep every kept input off the
+SSD array). Micro-batches per step follow from the tokens per step asked for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from fuyou_client.memory_plan import ARENA_DEFAULT
+from fuyou_client.sizing.estimate import Estimate, Settings, estimate, kept_inputs
+from fuyou_client.sizing.hardware import Host
+from fuyou_client.sizing.shape import ModelShape
+
+DTYPES = ("fp32", "bf16", "int8")  # most exact first
+MICRO = (1, 2, 4, 8, 16, 32)
+TOKENS_PER_STEP = 1 << 20
+
+
+@dataclass
+class Plan:
+    """The planner's answer: ``best`` (None when nothing fits), the smallest settings'
+    estimate (``smallest``: what nothing-fits is measured against), ``advice``."""
+    shape: ModelShape
+    host: Host
+    asked: dict
+    best: Estimate | None
+    smallest: Estimate
+    advice: list = field(default_factory=list)  # (what, tokens/s ratio or "fits")
+    considered: int = 0
+
+    @property
+    def fits(self) -> bool:
+        return self.best is not None
+
+    @property
+    def settings(self) -> Settings | None:
+        return self.best.settings if self.best else None
+
+    def attach_options(self) -> dict:
+        if self.best is None:
+            raise ValueError("this plan has no settings that fit: " + self.minimums_text())
+        return self.best.settings.attach_options()
+
+    def minimums(self) -> dict:
+        """Per resource: (what the smallest settings need, what the host has)."""
+        return {k: (self.smallest.needs[k], self.smallest.has[k]) for k in self.smallest.needs}
+
+    def minimums_text(self) -> str:
+        from fuyou_client.sizing.report import size
+        return "; ".join(f"{k} needs {size(n)} (has {size(h)})" for k, (n, h) in self.minimums().items() if n > h)
+
+    def to_dict(self) -> dict:
+        return {"fits": self.fits, "asked": self.asked, "host": self.host.describe(),
+                "plan": self.best.to_dict() if self.best else None,
+                "minimums": {k: {"needs": n, "has": h} for k, (n, h) in self.minimums().items()},
+                "advice": [{"change": w, "effect": e} for w, e in self.advice], "considered": self.considered}
+
+    def __str__(self) -> str:
+        from fuyou_client.sizing.report import text
+        return text(self)
+
+
+def _fastest(estimates: list[Estimate]) -> Estimate:
+    """The fastest, or among those within 1% of it the one taking least host memory (with
+    no GPU: the fewest SSD bytes per token)."""
+    def cost(e: Estimate) -> float:
+        return 1 / e.tokens_per_second if e.time is not None else e.ssd_bytes / e.settings.tokens
+    least = min(cost(e) for e in estimates)
+    return min((e for e in estimates if cost(e) <= 1.01 * least), key=lambda e: (e.memory["host_total"], cost(e)))
+
+
+def _candidates(shape: ModelShape, host: Host, seq: int, tokens: int, dtype: str, micro: int | None,
+                offload: tuple, schedule: str):
+    for where in offload:
+        for m in (micro,) if micro else MICRO:
+            k = max(1, math.ceil(tokens / (m * seq)))
+            base = Settings(seq=seq, micro_batch=m, micro_batches=k, schedule=schedule, state_dtype=dtype,
+                            offload=where)
+            yield base
+            kept = kept_inputs(shape, base, 2 if host.gpu else 4)
+            if kept > ARENA_DEFAULT:  # more arena, less spilled: all of them, or as many as memory holds
+                e = estimate(shape, base, host, simulate_time=False)
+                arena = e.plan.host_budget
+                room = min(host.pinned - (e.needs["pinned budget"] - arena),
+                           e.has["host memory"] - (e.needs["host memory"] - arena))
+                for hb in sorted({kept, min(kept, int(0.95 * room)) >> 20 << 20}):
+                    if hb > ARENA_DEFAULT:
+                        yield dataclasses.replace(base, host_budget=hb)
+
+
+def search(shape: ModelShape, host: Host, seq: int, tokens_per_step: int = TOKENS_PER_STEP,
+           state_dtype: str | None = None, micro_batch: int | None = None, offload: bool | str | None = None,
+           schedule: str | None = None, advise: bool = True) -> Plan:
+    if seq <= 0 or tokens_per_step <= 0:
+        raise ValueError(f"sequence length and tokens per step must be more than zero, not {seq} and {tokens_per_step}")
+    if shape.max_seq is not None and seq > shape.max_seq:
+        raise ValueError(f"{shape.source}: the model takes sequences of at most {shape.max_seq} tokens "
+                         f"(learned positions), not {seq}")
+    if state_dtype is not None and state_dtype not in DTYPES:
+        raise ValueError(f"state dtype must be one of {', '.join(DTYPES)}, not {state_dtype!r}")
+    schedule = schedule or "block-major"
+    places = (offload,) if offload is not None else ((True, "host") if host.gpu else (True,))
+    asked = {"seq": seq, "tokens_per_step": tokens_per_step, "state_dtype": state_dtype or "auto",
+             "micro_batch": micro_batch or "auto", "schedule": schedule}
+    considered, best = 0, None
+    for dtype in (state_dtype,) if state_dtype else DTYPES:
+        fitting = []
+        for s in _candidates(shape, host, seq, tokens_per_step, dtype, micro_batch, places, schedule):
+            considered += 1
+            e = estimate(shape, s, host, simulate_time=False)
+            if e.fits:
+                fitting.append(s)
+        if fitting:
+            best = _fastest([estimate(shape, s, host) for s in fitting])
+            break
+    smallest = estimate(shape, Settings(seq=seq, micro_batch=micro_batch or 1, schedule=schedule,
+                                        state_dtype=state_dtype or DTYPES[-1], offload=True,
+                                        micro_batches=max(1, math.ceil(tokens_per_step / ((micro_batch or 1) * seq))),
+                                        host_budget=64 << 20), host, simulate_time=False)
+    plan = Plan(shape, host, asked, best, smallest, considered=considered)
+    if advise:
+        plan.advice = _advice(plan, seq, tokens_per_step, state_dtype, micro_batch, offload, schedule)
+    return plan
+
+
+def _advice(plan: Plan, seq, tokens, state_dtype, micro, offload, schedule) -> list:
+    """What one change would do: the tokens/s ratio of the best plan after it (or, where
+    nothing fits, whether it then fits)."""
+    host, d = plan.host, plan.host.disks
+    changes = [("another SSD", host.replace(disks=dataclasses.replace(d, count=d.count + 1)), tokens, state_dtype),
+               ("twice the host memory", host.replace(memory=2 * host.memory, pinned_budget=(
+                   2 * host.pinned_budget if host.pinned_budget else None)), tokens, state_dtype),
+               ("twice the tokens per step", host, 2 * tokens, state_dtype)]
+    current = plan.best.settings.state_dtype if plan.best else None
+    if current != "int8":
+        changes.append(("int8 optimizer state", host, tokens, "int8"))
+    out = []
+    for what, h, t, dt in changes:
+        other = search(plan.shape, h, seq, t, dt, micro, offload, schedule, advise=False)
+        if plan.best is None:
+            out.append((what, "fits" if other.fits else "still does not fit"))
+        elif other.best is not None and plan.best.time is not None:
+            out.append((what, other.best.tokens_per_second / plan.best.tokens_per_second))
+    if plan.best is not None and plan.best.time is not None:
+        out.sort(key=lambda x: -x[1])
+    return out
+

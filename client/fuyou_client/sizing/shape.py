@@ -1,0 +1,205 @@
+"""A model's shape as the planner needs it: parameters per block and outside the blocks,
+and the FLOPs of a block's and the tail's forward and backward.
+
+From a Hugging Face ``config.json`` (``from_config``, ``from_path``: the file or a model
+directory holding it), or counted on a model already built, typically on the meta device
+(``from_model``: the blocks attach would find, grouping.py). The families below are read
+field by field; a field a family needs and the config lacks is an error naming it.
+
+Parameter counts follow each family's modules (untied heads add ``vocab x width``); FLOPs
+count every matmul of a block (2 per multiply-add) and attention over the whole ``S x S``
+(as ``torch.utils.flop_counter`` counts it), backward twice forward.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ShapeError(ValueError):
+    """A config the planner cannot read: says which file and field."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a family's blocks are built: ``gated`` MLPs have three matrices (Llama's
+    gate, up, down); ``biases``: which linear layers carry one ("all", "qkv", "none");
+    ``norm_bias``: LayerNorm (weight and bias) or RMSNorm (weight); ``positions``: rows of
+    learned position embeddings beyond the vocabulary's (0: rotary); ``tied``: the
+    default of ``tie_word_embeddings``."""
+    gated: bool
+    biases: str
+    norm_bias: bool
+    positions: str | None
+    tied: bool
+    fields: dict  # our name -> the config's (first found wins)
+
+
+_LLAMA_FIELDS = {"width": ("hidden_size",), "layers": ("num_hidden_layers",), "heads": ("num_attention_heads",),
+                 "kv_heads": ("num_key_value_heads",), "mlp": ("intermediate_size",), "vocab": ("vocab_size",),
+                 "head_dim": ("head_dim",)}
+FAMILIES = {
+    "gpt2": Family(False, "all", True, "n_positions", True,
+                   {"width": ("n_embd",), "layers": ("n_layer",), "heads": ("n_head",), "mlp": ("n_inner",),
+                    "vocab": ("vocab_size",)}),
+    "llama": Family(True, "none", False, None, False, _LLAMA_FIELDS),
+    "mistral": Family(True, "none", False, None, False, _LLAMA_FIELDS),
+    "qwen2": Family(True, "qkv", False, None, False, _LLAMA_FIELDS),
+    "gemma": Family(True, "none", False, None, True, _LLAMA_FIELDS),
+    "phi3": Family(True, "none", False, None, False, _LLAMA_FIELDS),
+    "gpt_neox": Family(False, "all", True, None, False,
+                       {"width": ("hidden_size",), "layers": ("num_hidden_layers",),
+                        "heads": ("num_attention_heads",), "mlp": ("intermediate_size",), "vocab": ("vocab_size",)}),
+    "opt": Family(False, "all", True, "max_position_embeddings", True,
+                  {"width": ("hidden_size",), "layers": ("num_hidden_layers",), "heads": ("num_attention_heads",),
+                   "mlp": ("ffn_dim",), "vocab": ("vocab_size",)}),
+    "bloom": Family(False, "all", True, None, True,
+                    {"width": ("hidden_size", "n_embed"), "layers": ("n_layer", "num_hidden_layers"),
+                     "heads": ("n_head", "num_attention_heads"), "vocab": ("vocab_size",)}),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner knows of a model: ``layers`` blocks of ``block_params`` each,
+    ``rest_params`` outside them (embeddings, final norm, an untied head), and the
+    dimensions its FLOPs follow from."""
+    family: str
+    layers: int
+    width: int
+    block_params: int
+    rest_params: int
+    vocab: int
+    attn_width: int  # heads x head_dim: the width of attention's S x S products
+    block_matmul_params: int  # of block_params, those in matrices (the FLOPs' share)
+    max_seq: int | None = None  # learned positions: the longest sequence it takes
+    source: str = ""
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.block_params + self.rest_params
+
+    def flops(self, seq: int, micro: int) -> dict:
+        """Hardware FLOPs of one micro-batch of ``micro`` sequences of ``seq`` tokens: a
+        block's forward and backward (``block_fwd``, ``block_bwd``), the tail's (final
+        norm, head, loss: ``tail_fwd``, ``tail_bwd``)."""
+        tokens = micro * seq
+        block = 2 * tokens * self.block_matmul_params + 4 * micro * seq * seq * self.attn_width
+        tail = 2 * tokens * self.width * self.vocab
+        return {"block_fwd": block, "block_bwd": 2 * block, "tail_fwd": tail, "tail_bwd": 2 * tail}
+
+    def describe(self) -> str:
+        return (f"{self.params / 1e9:.2f}B parameters ({self.family}: {self.layers} blocks of "
+                f"{self.block_params / 1e6:.1f}M, {self.rest_params / 1e6:.1f}M outside them; width {self.width}, "
+                f"vocabulary {self.vocab})")
+
+
+def _field(cfg: dict, family: str, name: str, source: str, default=None):
+    keys = FAMILIES[family].fields.get(name, ())
+    for key in keys:
+        if cfg.get(key) is not None:
+            value = cfg[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ShapeError(f"{source}: {key} must be a positive integer, not {value!r}")
+            return value
+    if default is not None:
+        return default
+    raise ShapeError(f"{source}: a {family} config needs {' or '.join(keys) or name} (the model's {name}), "
+                     "which it does not have")
+
+
+def from_config(cfg: dict, source: str = "config") -> ModelShape:
+    """The shape of the model a Hugging Face config (as a dict) describes."""
+    if not isinstance(cfg, dict):
+        raise ShapeError(f"{source}: expected a JSON object, not {type(cfg).__name__}")
+    family = cfg.get("model_type")
+    if family is None:
+        raise ShapeError(f"{source}: no model_type field: the planner needs it to know the family "
+                         f"(it knows {', '.join(sorted(FAMILIES))}); or plan a model built on the meta device")
+    if family not in FAMILIES:
+        raise ShapeError(f"{source}: model_type {family!r} is not a family the planner knows ({', '.join(sorted(FAMILIES))}); "
+                         "build the model on the meta device and pass it to fuyou_client.plan() instead")
+    fam = FAMILIES[family]
+    w = _field(cfg, family, "width", source)
+    layers = _field(cfg, family, "layers", source)
+    heads = _field(cfg, family, "heads", source)
+    kv = _field(cfg, family, "kv_heads", source, default=heads)
+    head_dim = _field(cfg, family, "head_dim", source, default=w // heads)
+    mlp = _field(cfg, family, "mlp", source, default=4 * w)
+    vocab = _field(cfg, family, "vocab", source)
+    q, kvw = heads * head_dim, kv * head_dim
+    attn = w * q + 2 * w * kvw + q * w
+    ffn = (3 if fam.gated else 2) * w * mlp
+    bias = {"all": q + 2 * kvw + w + (2 * mlp if fam.gated else mlp + w), "qkv": q + 2 * kvw, "none": 0}[fam.biases]
+    norms = 2 * w * (2 if fam.norm_bias else 1)
+    tied = bool(cfg.get("tie_word_embeddings", fam.tied))
+    positions = cfg.get(fam.positions) if fam.positions else None
+    if fam.positions and positions is None:
+        raise ShapeError(f"{source}: a {family} config needs {fam.positions} (its learned positions)")
+    extra = {"opt": 2}.get(family, 0)  # (OPT's learned positions keep 2 rows of offset)
+    rest = vocab * w * (1 if tied else 2) + (positions + extra if positions else 0) * w + w * (2 if fam.norm_bias else 1)
+    if family == "bloom":
+        rest += 2 * w  # (the embeddings' own LayerNorm)
+    return ModelShape(family, layers, w, attn + ffn + bias + norms, rest, vocab, q, attn + ffn, positions, source)
+
+
+def from_path(path: str | os.PathLike) -> ModelShape:
+    """From a ``config.json``, or a model directory that holds one."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        cfg = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ShapeError(f"{p}: no such file (give a config.json or a model directory holding one)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ShapeError(f"{p}: not a readable JSON config: {exc}") from None
+    return from_config(cfg, str(p))
+
+
+def from_model(model) -> ModelShape:
+    """Counted on a model (any device, the meta device included): the blocks attach finds
+    (grouping.py) and everything else; dimensions from its Hugging Face config where it
+    has one, else from the blocks' largest linear layers."""
+    from torch import nn
+
+    from fuyou_client.grouping import find_blocks
+
+    found = find_blocks(model)
+    if found is None:
+        raise ShapeError(f"{type(model).__name__}: no repeated blocks found (an nn.ModuleList of one module type); "
+                         "the planner plans models made of blocks")
+    blocks = list(found[1])
+    total = sum(p.numel() for p in model.parameters())
+    block = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+    in_blocks = sum(p.numel() for b in blocks for p in b.parameters())
+    matrices = max(sum(p.numel() for p in b.parameters() if p.dim() >= 2) for b in blocks)
+    cfg = getattr(model, "config", None)
+    cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    try:
+        dims = from_config(cfg, type(model).__name__)
+        width, vocab, attn, max_seq = dims.width, dims.vocab, dims.attn_width, dims.max_seq
+    except ShapeError:
+        linears = [m for b in blocks[:1] for m in b.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+        width = min((min(m.weight.shape) for m in linears), default=0)
+        emb = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        vocab = max((m.num_embeddings for m in emb), default=0)
+        attn, max_seq = width, None
+        if not width or not vocab:
+            raise ShapeError(f"{type(model).__name__}: its width and vocabulary cannot be read (no Hugging Face config, "
+                             "no linear layers or embedding)") from None
+    return ModelShape(cfg.get("model_type") or type(model).__name__, len(blocks), width, block, total - in_blocks,
+                      vocab, attn, matrices, max_seq, type(model).__name__)
+
+
+def of(model_or_path) -> ModelShape:
+    """A ModelShape as given, from a path, a config dict, or a model."""
+    if isinstance(model_or_path, ModelShape):
+        return model_or_path
+    if isinstance(model_or_path, (str, os.PathLike)):
+        return from_path(model_or_path)
+    if isinstance(model_or_path, dict):
+        return from_config(model_or_path)
+    return from_model(model_or_path)
