@@ -13,6 +13,7 @@ report.py (the table), cli.py (``fuyouctl plan``).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def _bytes(value, what: str) -> int | None:
 
 
 def host(gpu: str | GpuProfile | None = None, *, cpu: bool = False, gpu_from: str | os.PathLike | None = None,
-         gpu_memory=None, ram=None, pinned_budget=None, buffer_budget=None, ssd=None, ssd_size=None,
+         gpu_memory=None, gpu_efficiency: float | None = None, ram=None, pinned_budget=None, buffer_budget=None, ssd=None, ssd_size=None,
          cores: int | None = None, data_dirs: list | None = None) -> Host:
     """A Host from what is given; the rest probed here (memory, cores, the GPU, the disks
     under ``data_dirs``, default the current directory: measured)."""
@@ -56,8 +57,12 @@ def host(gpu: str | GpuProfile | None = None, *, cpu: bool = False, gpu_from: st
         profile = probe.gpu()
         sources["gpu"] = "probed" if profile else "none found: the CPU computes"
     if profile is not None and gpu_memory is not None:
-        import dataclasses
         profile = dataclasses.replace(profile, memory=_bytes(gpu_memory, "GPU memory"))
+    if profile is not None and gpu_efficiency is not None:
+        if not 0 < gpu_efficiency <= 1:
+            raise HostError(f"GPU efficiency is a share of the peak, in (0, 1], not {gpu_efficiency!r}")
+        profile = dataclasses.replace(profile, kernel_tflops=Rate(
+            gpu_efficiency * profile.peak_tflops, f"given: {gpu_efficiency:.0%} of the {profile.peak_tflops:g} TFLOPS peak"))
     mem = _bytes(ram, "host memory") or probe.memory()
     sources["memory"] = "given" if ram is not None else "probed (/proc/meminfo)"
     if ssd is not None:

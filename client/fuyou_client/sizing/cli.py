@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", help=f"a GPU profile: {', '.join(sizing.PROFILES)}")
     g.add_argument("--gpu-from", help="a bench/gpu.py result measured on your GPU (overrides the profiles)")
     g.add_argument("--gpu-memory", help="GPU memory, if not the profile's (e.g. 40GiB)")
+    g.add_argument("--gpu-efficiency", type=float, help="the GPU's kernel FLOP rate as a share of its peak "
+                                                       "(default: the profile's, measured or assumed)")
     g.add_argument("--cpu", action="store_true", help="no GPU: the CPU computes (time is then not modelled)")
     g.add_argument("--ram", help="host memory (e.g. 128GiB)")
     g.add_argument("--pinned-budget", help="fuyoud's [memory] pinned_budget (default: half of --ram)")
@@ -44,7 +46,8 @@ def run(args, data_dirs: list | None = None, defaults: dict | None = None) -> in
     """``defaults``: the daemon's pinned and buffer budgets where its config is known."""
     d = defaults or {}
     try:
-        host = sizing.host(args.gpu, cpu=args.cpu, gpu_from=args.gpu_from, gpu_memory=args.gpu_memory, ram=args.ram,
+        host = sizing.host(args.gpu, cpu=args.cpu, gpu_from=args.gpu_from, gpu_memory=args.gpu_memory,
+                           gpu_efficiency=args.gpu_efficiency, ram=args.ram,
                            pinned_budget=args.pinned_budget or d.get("pinned_budget"),
                            buffer_budget=args.buffer_budget or d.get("buffer_budget"), ssd=args.ssd,
                            ssd_size=args.ssd_size, cores=args.cores, data_dirs=data_dirs)

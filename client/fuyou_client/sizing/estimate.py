@@ -120,6 +120,7 @@ class Estimate:
                 "iteration_seconds": self.seconds, "tokens_per_second": self.tokens_per_second,
                 "model_tflops": self.time["model_tflops"] if self.time else None,
                 "gpu_busy": self.time["gpu_busy"] if self.time else None,
+                "balance_tokens_per_step": self.time["balance_tokens"] if self.time else None,
                 "binds": self.binds, "utilisation": self.utilisation,
                 "seconds_by_cause": self.time["seconds"] if self.time else None,
                 "memory_plan": str(self.plan) if self.plan else None, "assumptions": self.assumptions}
@@ -245,6 +246,9 @@ def _time(est: Estimate, host: Host) -> None:
            "PCIe": max(t["busy"].get("h2d", 0), t["busy"].get("d2h", 0)),
            "CPU optimizer": t["busy"].get("adam", 0),
            "host memory bandwidth": t["host_memory_traffic_bytes"] / seconds / GB / host.host_add.value}
+    # the tokens per step at which the GPU's compute lasts as long as the SSD array's part
+    # of a step (below it the SSD binds whatever the GPU)
+    t["balance_tokens"] = ssd_seconds * est.settings.tokens / t["seconds"]["gpu compute"]
     est.time, est.utilisation = t, use
     est.binds = max(use, key=use.get)
 

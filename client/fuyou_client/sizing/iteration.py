@@ -36,6 +36,7 @@ from fuyou_client.sizing.shape import ModelShape, from_config
 from fuyou_proto.contract import state_object_bytes
 
 GB, GiB = 1e9, 1 << 30
+MERGE = 64  # block-major: micro-batches replayed one by one, at most (more are merged in runs)
 
 
 @dataclass(frozen=True)
@@ -327,10 +328,14 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
     iteration ends when every step has committed."""
     block, rest, c = shape.block_params, shape.rest_params, s.compute_bytes
     f = shape.flops(s.seq, s.micro)
-    L, K = shape.layers, s.accum
-    fwd, bwd = r.gpu_s(f["block_fwd"], 1), r.gpu_s(f["block_fwd"] + f["block_bwd"], 3)
-    tail = r.gpu_s(f["tail_fwd"] + f["tail_bwd"] / 2, 2)  # forward + one of the head's two gradient matmuls
-    ckpt = s.micro * s.seq * shape.width * c
+    # More than MERGE micro-batches are replayed as MERGE runs of m consecutive ones: each
+    # run's compute, passes and checkpoint bytes are m micro-batches' (the totals exact; the
+    # overlap of copies with compute only coarser, so never more optimistic)
+    L, m = shape.layers, max(1, -(-s.accum // MERGE))
+    K = -(-s.accum // m)
+    fwd, bwd = m * r.gpu_s(f["block_fwd"], 1), m * r.gpu_s(f["block_fwd"] + f["block_bwd"], 3)
+    tail = m * r.gpu_s(f["tail_fwd"] + f["tail_bwd"] / 2, 2)  # forward + one of the head's two gradient matmuls
+    ckpt = m * s.micro * s.seq * shape.width * c
     sizes = {l: block for l in range(L)} | {"rest": rest}
     order = [*reversed(range(L)), "rest"]
     in_memory = {0 if g == "first" else g for g in s.host_state}

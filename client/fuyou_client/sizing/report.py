@@ -58,7 +58,9 @@ def text(plan: "Plan") -> str:
         use = ", ".join(f"{k} {v:.2f}" for k, v in sorted(e.utilisation.items(), key=lambda x: -x[1]))
         lines += [f"time    {e.seconds:.1f} s per step, {e.tokens_per_second:,.0f} tokens/s, "
                   f"{e.time['model_tflops']:.1f} model TFLOPS, GPU busy {e.time['gpu_busy']:.2f}",
-                  f"binds   {e.binds} (share of the step each resource is busy: {use})"]
+                  f"binds   {e.binds} (share of the step each resource is busy: {use}); the GPU's compute "
+                  f"outlasts the SSD array's {size(e.ssd_bytes)} from about {e.time['balance_tokens']:,.0f} "
+                  f"tokens per step"]
     else:
         lines.append("time    not modelled: no GPU (the CPU computes); the SSD bytes above are per step")
     if plan.advice:

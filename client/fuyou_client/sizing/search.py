@@ -22,7 +22,7 @@ from fuyou_client.sizing.shape import ModelShape
 
 DTYPES = ("fp32", "bf16", "int8")  # most exact first
 MICRO = (1, 2, 4, 8, 16, 32)
-TOKENS_PER_STEP = 1 << 20
+TOKENS_PER_STEP = 1 << 19  # half a million: a common fine-tuning batch (256 x 2048)
 
 
 @dataclass
@@ -81,7 +81,7 @@ def _fastest(estimates: list[Estimate]) -> Estimate:
 def _candidates(shape: ModelShape, host: Host, seq: int, tokens: int, dtype: str, micro: int | None,
                 offload: tuple, schedule: str):
     for where in offload:
-        for m in (micro,) if micro else MICRO:
+        for m in (micro,) if micro else [m for m in MICRO if m == 1 or m * seq <= tokens]:
             k = max(1, math.ceil(tokens / (m * seq)))
             base = Settings(seq=seq, micro_batch=m, micro_batches=k, schedule=schedule, state_dtype=dtype,
                             offload=where)
@@ -133,24 +133,28 @@ def search(shape: ModelShape, host: Host, seq: int, tokens_per_step: int = TOKEN
 
 
 def _advice(plan: Plan, seq, tokens, state_dtype, micro, offload, schedule) -> list:
-    """What one change would do: the tokens/s ratio of the best plan after it (or, where
-    nothing fits, whether it then fits)."""
+    """What one change would do: the tokens/s ratio of the best plan after it (the same
+    settings re-estimated; more memory: searched again, it may allow more); where nothing
+    fits, whether the smallest settings then fit."""
     host, d = plan.host, plan.host.disks
-    changes = [("another SSD", host.replace(disks=dataclasses.replace(d, count=d.count + 1)), tokens, state_dtype),
-               ("twice the host memory", host.replace(memory=2 * host.memory, pinned_budget=(
-                   2 * host.pinned_budget if host.pinned_budget else None)), tokens, state_dtype),
-               ("twice the tokens per step", host, 2 * tokens, state_dtype)]
-    current = plan.best.settings.state_dtype if plan.best else None
-    if current != "int8":
-        changes.append(("int8 optimizer state", host, tokens, "int8"))
-    out = []
-    for what, h, t, dt in changes:
-        other = search(plan.shape, h, seq, t, dt, micro, offload, schedule, advise=False)
-        if plan.best is None:
+    more_ssd = host.replace(disks=dataclasses.replace(d, count=d.count + 1))
+    more_ram = host.replace(memory=2 * host.memory, pinned_budget=2 * host.pinned_budget if host.pinned_budget else None)
+    if plan.best is None:
+        out = []
+        for what, h, dt in (("another SSD", more_ssd, state_dtype), ("twice the host memory", more_ram, state_dtype)):
+            other = search(plan.shape, h, seq, tokens, dt, micro, offload, schedule, advise=False)
             out.append((what, "fits" if other.fits else "still does not fit"))
-        elif other.best is not None and plan.best.time is not None:
-            out.append((what, other.best.tokens_per_second / plan.best.tokens_per_second))
-    if plan.best is not None and plan.best.time is not None:
-        out.sort(key=lambda x: -x[1])
-    return out
-
+        return out
+    best = plan.best
+    if best.time is None:
+        return []
+    s = best.settings
+    trials = [("another SSD", estimate(plan.shape, s, more_ssd)),
+              ("twice the host memory", search(plan.shape, more_ram, seq, tokens, s.state_dtype, micro, offload,
+                                               schedule, advise=False).best),
+              ("twice the tokens per step", estimate(plan.shape, dataclasses.replace(
+                  s, micro_batches=2 * s.micro_batches), host))]
+    if s.state_dtype != "int8":
+        trials.append(("int8 optimizer state", estimate(plan.shape, dataclasses.replace(s, state_dtype="int8"), host)))
+    out = [(what, e.tokens_per_second / best.tokens_per_second) for what, e in trials if e is not None and e.fits]
+    return sorted(out, key=lambda x: -x[1])

@@ -1,0 +1,320 @@
+"""The planner (fuyou_client.sizing, ``fuyouctl plan``, ``attach(plan=...)``): shapes read
+from configs as transformers builds them, FLOPs as torch counts them, the H100 profile as
+its run measured it, memory and SSD bytes against the committed CPU runs and a real small
+run here, the command's table, JSON and refusals, and attach taking what it printed."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fuyou_client
+from conftest import STREAMING, merge, tiny_llama
+from fuyou_client import sizing
+from fuyou_client.sizing import estimate as E
+from fuyou_client.sizing import hardware, iteration, shape as S
+from fuyou_proto.units import parse_size
+
+transformers = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+LLAMA2_7B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "intermediate_size": 11008, "vocab_size": 32000}
+SMALL = dict(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, vocab_size=1000)
+FAMILIES = {
+    "gpt2": lambda: transformers.GPT2Config(n_embd=256, n_layer=3, n_head=4, vocab_size=1000, n_positions=128),
+    "llama": lambda: transformers.LlamaConfig(**SMALL, num_key_value_heads=2, intermediate_size=512),
+    "mistral": lambda: transformers.MistralConfig(**SMALL, num_key_value_heads=2, intermediate_size=512),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL, num_key_value_heads=2, intermediate_size=512),
+    "gemma": lambda: transformers.GemmaConfig(**SMALL, num_key_value_heads=2, intermediate_size=512, head_dim=64),
+    "phi3": lambda: transformers.Phi3Config(**SMALL, num_key_value_heads=2, intermediate_size=512, pad_token_id=0),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**SMALL, intermediate_size=512),
+    "opt": lambda: transformers.OPTConfig(**SMALL, ffn_dim=512, max_position_embeddings=128, word_embed_proj_dim=256),
+    "bloom": lambda: transformers.BloomConfig(hidden_size=256, n_layer=3, n_head=4, vocab_size=1000),
+}
+REFERENCE = sizing.Host(None, 25276063744, sizing.Disks(1, 252 * 10**9, sizing.Rate(1.0, "measured"),
+                                                       sizing.Rate(0.9, "measured")), 2)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_config_counts_what_transformers_builds(family):
+    cfg = FAMILIES[family]()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    built = sum(p.numel() for p in model.parameters())
+    from_cfg, counted = S.from_config(cfg.to_dict()), S.from_model(model)
+    assert from_cfg.params == counted.params == built
+    assert from_cfg.block_params == counted.block_params and from_cfg.layers == counted.layers == 3
+
+
+def test_llama_2_7b_from_its_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    shape = sizing.from_path(tmp_path)  # (a model directory)
+    assert shape.params == 6_738_415_616 and shape.layers == 32 and shape == sizing.from_path(tmp_path / "config.json")
+
+
+def test_configs_it_cannot_read_say_which_field(tmp_path):
+    with pytest.raises(sizing.ShapeError, match=r"model_type 'mamba' is not a family.*gpt2.*llama"):
+        S.from_config({"model_type": "mamba"})
+    with pytest.raises(sizing.ShapeError, match="no model_type"):
+        S.from_config({"hidden_size": 8})
+    with pytest.raises(sizing.ShapeError, match="needs num_hidden_layers"):
+        S.from_config({k: v for k, v in LLAMA2_7B.items() if k != "num_hidden_layers"})
+    with pytest.raises(sizing.ShapeError, match="hidden_size must be a positive integer"):
+        S.from_config(LLAMA2_7B | {"hidden_size": 0})
+    with pytest.raises(sizing.ShapeError, match="needs n_positions"):
+        S.from_config({"model_type": "gpt2", "n_embd": 8, "n_layer": 1, "n_head": 1, "vocab_size": 8})
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(sizing.ShapeError, match="not a readable JSON config"):
+        sizing.from_path(tmp_path / "bad.json")
+    with pytest.raises(sizing.ShapeError, match="no such file"):
+        sizing.from_path(tmp_path / "empty-dir-or-missing")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_flops_are_what_torch_counts(family):
+    from torch.utils.flop_counter import FlopCounterMode
+    cfg = FAMILIES[family]()
+    cfg._attn_implementation = "eager"
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    micro, seq = 2, 64
+    shape = S.from_model(model)
+    want = shape.flops(seq, micro)
+    x = torch.empty(micro, seq, shape.width, device="meta", requires_grad=True)
+    block = model.transformer.h[0] if family == "gpt2" else model.model.layers[0]
+    kwargs = {}
+    if family == "llama":
+        pos = torch.arange(seq, device="meta")[None]
+        kwargs["position_embeddings"] = model.model.rotary_emb(x, pos)
+    with FlopCounterMode(display=False) as count:
+        out = block(x, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+    fwd = count.get_total_flops()
+    with FlopCounterMode(display=False) as count:
+        out.float().sum().backward()
+    # every matmul of a block, attention over the whole S x S; backward twice forward
+    assert fwd == pytest.approx(want["block_fwd"], rel=0.01) and count.get_total_flops() == pytest.approx(
+        want["block_bwd"], rel=0.01)
+
+
+def test_the_h100_profile_is_its_run():
+    rates = iteration.calibrate(json.loads((RESULTS / "gpu-h100.json").read_text()))
+    h100 = hardware.PROFILES["h100"]
+    assert h100.kernel_tflops.value == pytest.approx(rates.kernel_tflops, rel=1e-3) and h100.kernel_tflops.measured
+    assert h100.pass_gap_s.value == pytest.approx(rates.pass_gap_s, rel=1e-3)
+    assert h100.device_factor == pytest.approx(rates.device_factor, rel=1e-3)
+    measured = iteration.from_gpu_run(RESULTS / "gpu-h100.json")  # (--gpu-from: the same numbers)
+    assert measured.kernel_tflops.value == pytest.approx(h100.kernel_tflops.value, rel=1e-3)
+    assert "H100" in measured.name and measured.memory > 80e9
+    for name, p in hardware.PROFILES.items():  # each says where its numbers come from
+        assert p.source and p.kernel_tflops.source.startswith(("measured", "assumed")), name
+
+
+CPU_RUNS = ["bigmodel-gpt2-2b-cpu.json", "bigmodel-llama7b-int8-cpu.json", "bigmodel-llama7b-int8-bb512-cpu.json",
+            "bigmodel-llama7b-16layers-fp32-cpu.json", "bigmodel-llama7b-24layers-bf16-cpu.json"]
+
+
+def _run_shape(run: dict) -> sizing.ModelShape:
+    if run.get("family", "gpt2") == "llama":
+        return S.from_config({"model_type": "llama", "hidden_size": run["width"], "num_hidden_layers": run["layers"],
+                              "num_attention_heads": 32, "intermediate_size": run["mlp"], "vocab_size": run["vocab"]})
+    return S.from_config({"model_type": "gpt2", "n_embd": run["width"], "n_layer": run["layers"], "n_head": 16,
+                          "vocab_size": run["vocab"], "n_positions": run["seq"], "tie_word_embeddings": False})
+
+
+@pytest.mark.parametrize("name", CPU_RUNS)
+def test_memory_and_ssd_bytes_of_the_measured_cpu_runs_within_10_percent(name):
+    """bench/bigmodel.py's runs with the daemon's defaults (the 2.1B GPT-2, the 7B Llama
+    shape and its smaller cousins): SSD bytes per parameter per iteration as the daemon
+    counted them, and the peak resident memory of both processes together."""
+    run = json.loads((RESULTS / name).read_text())
+    shape = _run_shape(run)
+    assert shape.params == run["params"]
+    host = REFERENCE
+    if isinstance(run.get("daemon_config"), dict):
+        host = host.replace(buffer_budget=parse_size(run["daemon_config"]["optimizer"]["buffer_budget"]))
+    settings = E.Settings(seq=run["seq"], micro_batch=run["batch"], micro_batches=run.get("micro_batches", 1),
+                          schedule="loop", state_dtype=run.get("state_dtype") or "fp32", activations="recompute")
+    est = E.estimate(shape, settings, host)
+    assert est.fits and est.time is None  # (no GPU: the CPU computes, time not modelled)
+    assert est.ssd_bytes_per_param == pytest.approx(run["ssd_bytes_per_param_per_iter"], rel=0.10)
+    assert est.memory["host_total"] == pytest.approx(run["peak_rss_together_bytes"], rel=0.10)
+    if "bytes_by_cause" in run:  # each cause on its own
+        got, want = est.ssd, run["bytes_by_cause"]
+        for mine, theirs in (("forward weights read", "forward_weight_reads"),
+                             ("backward weights read", "backward_weight_reads"),
+                             ("optimizer state read", "optimizer_state_read"),
+                             ("optimizer state written", "optimizer_state_written")):
+            assert got[mine] / shape.params == pytest.approx(want[theirs], rel=0.10), mine
+    if "memory_plan" in run:  # the pinned side is attach's own plan
+        assert est.plan.total == run["memory_plan"]["plan_bytes"]
+
+
+def test_a_small_run_here_moves_the_bytes_the_planner_says(short_tmp):
+    """A real daemon and a Llama-shaped model whose blocks the daemon steps in chunks (as
+    large models' are): the planner's memory plan is the engine's, and an iteration's SSD
+    reads and writes (the daemon's counters, steady state) within 10% of its estimate."""
+    config = merge(STREAMING, {"optimizer": {"buffer_budget": "60MiB", "buffers": 3}})  # (20 MiB each)
+    d = fuyou_client.start_daemon(short_tmp / "state", config=config)
+    try:
+        torch.manual_seed(0)
+        model = tiny_llama(layers=4, width=448, vocab=512)  # (24 MB of state a block)
+        shape = sizing.from_model(model)  # (before attach empties the offloaded parameters)
+        engine = fuyou_client.attach(model, socket=d.socket, activations="recompute")
+        st = engine.session.status()
+        host = sizing.Host(None, 24 << 30, sizing.Disks(3, 1 << 30, sizing.Rate(1, "x"), sizing.Rate(1, "x")), 2,
+                           pinned_budget=st.session_budget_bytes or st.pinned_budget_bytes,
+                           buffer_budget=st.optimizer_buffer_budget_bytes, buffers=st.optimizer_buffers,
+                           segment=st.segment_bytes)
+        est = E.estimate(shape, E.Settings(seq=16, micro_batch=2, schedule="loop"), host)
+        assert E.groups(shape, est.settings, host)[0].chunked  # (the daemon steps each block in chunks)
+        assert engine.memory_plan().total == est.plan.total
+        x = torch.randint(0, 512, (2, 16))
+        moved = []
+        for _ in range(4):
+            before = engine.session.status()
+            model(x, labels=x).loss.backward()
+            engine.step()
+            engine.zero_grad()
+            after = engine.session.status()
+            moved.append((after.bytes_read - before.bytes_read, after.bytes_written - before.bytes_written))
+        engine.close()
+    finally:
+        assert d.stop() == 0
+    read = sum(v for k, v in est.ssd.items() if "read" in k)
+    # the median of iterations 2-4 (the first one's counters include attach's last writes; an
+    # iteration now and then reads a small group's state once more)
+    got_read, got_written = (sorted(x)[1] for x in zip(*moved[1:]))
+    assert got_read == pytest.approx(read, rel=0.10)
+    assert got_written == pytest.approx(est.written_per_step, rel=0.10)
+
+
+def _ctl(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "client"), str(ROOT / "proto")]))
+    return subprocess.run([sys.executable, "-m", "fuyoud.ctl", "plan", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_fuyouctl_plan_answers_for_a_described_host(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA2_7B))
+    host = ["--gpu", "rtx4090", "--ram", "128GiB", "--ssd", "2x7GB/s", "--cores", "16", "--seq", "4096"]
+    run = _ctl(str(cfg), *host)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    for head in ("model", "host", "plan", "memory", "SSD", "time", "binds", "helps", "assumed"):
+        assert any(line.startswith(head) for line in out.splitlines()), (head, out)
+    assert "6.74B parameters" in out and "rtx4090" in out and "tokens/s" in out
+    assert "assumed: the H100's measured" in out  # (the 4090's rate is not measured here: it says so)
+    js = _ctl(str(cfg), *host, "--json")
+    assert js.returncode == 0, js.stderr
+    plan = json.loads(js.stdout)
+    assert plan["fits"] and plan["plan"]["settings"]["seq"] == 4096
+    p = plan["plan"]
+    for key in ("memory_bytes", "ssd_bytes_per_iteration", "ssd_bytes_per_param", "iteration_seconds",
+                "tokens_per_second", "model_tflops", "gpu_busy", "binds", "assumptions", "attach_options"):
+        assert p[key] is not None, key
+    assert p["memory_bytes"]["gpu"] <= 0.9 * 24 * 2**30
+    assert {a["change"] for a in plan["advice"]} >= {"another SSD", "twice the host memory"}
+
+
+def test_fuyouctl_plan_refuses_clearly(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA2_7B))
+    bad = _ctl(str(cfg), "--gpu", "rtx5090", "--ram", "64GiB", "--ssd", "1x3GB/s")
+    assert bad.returncode == 1 and "no GPU profile 'rtx5090'" in bad.stderr and "h100, h200, a100, rtx4090, l40s" in bad.stderr
+    for args, words in ((["--ram", "0"], "host memory must be more than zero"),
+                        (["--ssd", "0x7GB/s"], "must be more than zero"),
+                        (["--ssd", "fast"], "expected COUNTxREAD"),
+                        (["--seq", "-1"], "--seq must be more than zero")):
+        run = _ctl(str(cfg), "--gpu", "h100", *(["--ram", "64GiB"] if "--ram" not in args else []),
+                   *(["--ssd", "1x3GB/s"] if "--ssd" not in args else []), *args)
+        assert run.returncode == 1 and words in run.stderr, (args, run.stderr)
+    missing = tmp_path / "broken.json"
+    missing.write_text(json.dumps({k: v for k, v in LLAMA2_7B.items() if k != "hidden_size"}))
+    run = _ctl(str(missing), "--gpu", "h100", "--ram", "64GiB", "--ssd", "1x3GB/s")
+    assert run.returncode == 1 and "hidden_size" in run.stderr
+    tiny = _ctl(str(cfg), "--gpu", "rtx4090", "--ram", "16GiB", "--ssd", "1x2GB/s", "--ssd-size", "200GB")
+    assert tiny.returncode == 3, tiny.stdout + tiny.stderr  # nothing fits: the least of each resource
+    assert "DOES NOT FIT" in tiny.stdout and "SSD capacity" in tiny.stdout and "<- short" in tiny.stdout
+
+
+def test_the_most_exact_state_that_fits_is_chosen():
+    shape = S.from_config(LLAMA2_7B)
+    gpu = hardware.PROFILES["h100"]
+
+    def host(ssd_bytes):
+        return sizing.Host(gpu, 256 << 30, sizing.Disks(1, ssd_bytes, sizing.Rate(3, "g"), sizing.Rate(3, "g")), 32)
+    roomy = sizing.search(shape, host(4 * 10**12), 2048, tokens_per_step=1 << 14, advise=False)
+    assert roomy.settings.state_dtype == "fp32"
+    # state (and 16-bit weights) and a checkpoint of them: fp32 6.7B x 14 B x 2 = 189 GB, bf16 x 10 x 2 = 135 GB,
+    # int8 (weights in host memory) x 6 x 2 = 81 GB
+    for ssd, dtype in ((160 * 10**9, "bf16"), (100 * 10**9, "int8")):
+        tight = sizing.search(shape, host(ssd), 2048, tokens_per_step=1 << 14)  # (little spilled)
+        assert tight.settings.state_dtype == dtype
+        assert tight.best.memory["ssd_capacity"] <= 0.95 * ssd
+        assert any(what == "int8 optimizer state" for what, _ in tight.advice) == (dtype != "int8")
+    fixed = sizing.search(shape, host(100 * 10**9), 2048, tokens_per_step=1 << 14, state_dtype="fp32")
+    assert not fixed.fits and fixed.minimums()["SSD capacity"][0] > 0.95 * 100e9
+
+
+def test_attach_takes_the_settings_the_plan_printed(small_daemon, caplog):
+    model = tiny_llama(layers=3, width=64, vocab=256)
+    host = sizing.Host(None, 16 << 30, sizing.Disks(1, 10**11, sizing.Rate(2, "g"), sizing.Rate(2, "g")), 2,
+                       pinned_budget=256 << 20, segment=8 << 20)
+    plan = sizing.plan(model, seq=16, tokens_per_step=64, state_dtype="bf16", on=host)
+    assert plan.fits
+    chosen = plan.attach_options()
+    assert str(plan).count("attach(model, AdamW(state_dtype='bf16')") == 1
+    with caplog.at_level(logging.INFO, logger="fuyou_client"):
+        engine = fuyou_client.attach(model, socket=small_daemon.socket, plan=plan)
+    try:
+        assert engine.sizing_plan is plan
+        assert engine._torch_groups.base.state_dtype == "bf16"  # (the optimizer attach made: the plan's)
+        assert engine.memory.host_budget == chosen.get("host_budget", engine.memory.host_budget)
+        assert (engine.offloader is not None) == bool(chosen["offload"])
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attach: plan")]
+        assert len(lines) == 1 and all(f"{k}=" in lines[0] for k in chosen)
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="the plan chose bf16 optimizer state.*keeps fp32"):
+        fuyou_client.attach(tiny_llama(layers=3, width=64, vocab=256), fuyou_client.AdamW(),
+                            socket=small_daemon.socket, plan=plan)
+    with pytest.raises(ValueError, match="plan must be"):
+        fuyou_client.attach(tiny_llama(layers=3, width=64, vocab=256), socket=small_daemon.socket, plan="fastest")
+
+
+def test_attach_plans_for_itself(small_daemon, caplog):
+    """plan="auto": the model as attached, the daemon's budgets, its disks measured."""
+    model = tiny_llama(layers=3, width=64, vocab=256)
+    with caplog.at_level(logging.INFO, logger="fuyou_client"):
+        engine = fuyou_client.attach(model, socket=small_daemon.socket, plan="auto")
+    try:
+        plan = engine.sizing_plan
+        assert plan.fits and plan.shape.layers == 3 and plan.host.pinned == 256 << 20
+        assert plan.host.disks.read.measured and plan.host.gpu is None
+        assert any(r.getMessage().startswith("attach: plan") for r in caplog.records)
+        x = torch.randint(0, 256, (2, 16))
+        model(x, labels=x).loss.backward()
+        engine.step()
+    finally:
+        engine.close()
+
+
+def test_the_sizing_page_holds_what_the_planner_prints():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import sizing as examples  # bench/sizing.py
+    page = (ROOT / "docs" / "guide" / "sizing.md").read_text()
+    start, end = page.index(examples.BEGIN), page.index(examples.END) + len(examples.END)
+    assert page[start:end] == examples.render(), "docs/guide/sizing.md is stale: run python bench/sizing.py --write"
+    for model in examples.MODELS:
+        for host in examples.HOSTS:
+            assert f"| {model}" in page and f"| {host} |" in page
