@@ -201,12 +201,15 @@ def estimate(shape: ModelShape, s: Settings, host: Host, simulate_time: bool = T
     block_state = state_bytes(s.state_dtype, shape.block_params)
     stored = shape.layers * state_bytes(s.state_dtype, shape.block_params) + \
         state_bytes(s.state_dtype, shape.rest_params) + ssd["weights written by the steps"]
-    capacity = {"state and weights": stored, "one checkpoint": stored,
-                "new versions in flight": VERSIONS_IN_FLIGHT * block_state,
+    capacity = {"state and weights": stored, "new versions in flight": VERSIONS_IN_FLIGHT * block_state,
                 "spilled inputs": ssd["spilled inputs written"]}
     memory = {"gpu": device_estimate(shape, _schedule(shape, s, host)) * host.gpu.device_factor if host.gpu else 0,
               "pinned": pinned, "pinned_plan": plan.total, "daemon_own": daemon, "client_own": client,
               "host_total": pinned + daemon + client, "ssd_capacity": sum(capacity.values()),
+              # a checkpoint on the array (engine.save_checkpoint, fuyouctl checkpoint): a copy of the
+              # state and weights beside them; not needed to train (a snapshot shares extents, a copy
+              # may go to another disk), so shown beside the fit, not in it
+              "ssd_capacity_with_checkpoint": sum(capacity.values()) + stored,
               "ssd_capacity_parts": capacity}
     needs = {"pinned budget": plan.total, "host memory": memory["host_total"],
              "SSD capacity": memory["ssd_capacity"]}
@@ -265,7 +268,7 @@ def _assumptions(host: Host) -> list[str]:
                    "assumed 1.0 (no run of this GPU here)"),
                 f"host memory of a CUDA process: {CUDA_CONTEXT / GiB:.0f} GiB assumed"]
     d = host.disks
-    out += [f"SSD {d.read.value:g} GB/s read each: {d.read.source}", f"SSD {d.write.value:g} GB/s write each: "
+    out += [f"SSD {d.read.value:.3g} GB/s read each: {d.read.source}", f"SSD {d.write.value:.3g} GB/s write each: "
             f"{d.write.source}", f"AdamW {host.adam_rate:.3g} params/s: {host.adam.source}",
             f"host fp32 add {host.host_add.value:g} GB/s: {host.host_add.source}"]
     return out

@@ -165,8 +165,8 @@ class Host:
         gpu = f"{self.gpu.name} ({self.gpu.memory / GiB:.0f} GiB)" if self.gpu else "none (the CPU computes)"
         d = self.disks
         return (f"GPU {gpu}; host memory {self.memory / GiB:.0f} GiB (pinned budget {self.pinned / GiB:.0f} GiB); "
-                f"{d.count} SSD(s) of {d.capacity / 1e12:.2f} TB at {d.read.value:.3g}/{d.write.value:.3g} GB/s "
-                f"read/write each; {self.cores} CPU cores")
+                f"{d.count} SSD(s) of {d.capacity / 1e12:.2f} TB{' free' if self.sources.get('ssd') == 'probed' else ''}"
+                f" at {d.read.value:.3g}/{d.write.value:.3g} GB/s read/write each; {self.cores} CPU cores")
 
 
 _SSD = re.compile(r"^\s*(?:(\d+)\s*[x*]\s*)?([\d.]+)\s*(?:GB/s)?(?:\s*/\s*([\d.]+)\s*(?:GB/s)?)?\s*$", re.I)

@@ -74,8 +74,9 @@ def disk_bandwidth(directory: Path, nbytes: int = PROBE_BYTES) -> tuple[float, f
 
 
 def disks(directories: list[Path]) -> tuple[int, int, Rate, Rate]:
-    """(count, capacity of the smallest, read, write) of the file systems under these
-    directories, each measured; the rates are the slowest device's."""
+    """(count, free bytes of the smallest, read, write) of the file systems under these
+    directories, each measured; the rates are the slowest device's. Free now: what a run
+    may still take (what fuyoud already holds there is not counted)."""
     seen = {}
     for d in directories:
         root = _existing(Path(d))
@@ -83,7 +84,7 @@ def disks(directories: list[Path]) -> tuple[int, int, Rate, Rate]:
     capacity, reads, writes = [], [], []
     for root in seen.values():
         st = os.statvfs(root)
-        capacity.append(st.f_blocks * st.f_frsize)
+        capacity.append(st.f_bavail * st.f_frsize)
         r, w = disk_bandwidth(root)
         reads.append(r)
         writes.append(w)

@@ -21,7 +21,7 @@ def _where(offload) -> str:
 def settings_line(plan: "Plan") -> str:
     s = plan.best.settings
     how = "engine.train_step (block-major)" if s.schedule == "block-major" else "the ordinary loop"
-    return (f"{how}: {s.micro_batch} x {s.seq} tokens per micro-batch, {s.micro_batches} micro-batches = "
+    return (f"{how}: {s.micro_batch} x {s.seq} tokens per micro-batch, {s.micro_batches} micro-batch{'es' if s.micro_batches > 1 else ''} = "
             f"{s.tokens:,} tokens per step; {s.state_dtype} optimizer state; blocks' weights on {_where(s.offload)}; "
             f"host arena {size(plan.best.plan.host_budget)}")
 
@@ -48,7 +48,10 @@ def text(plan: "Plan") -> str:
               "memory  " + " | ".join(f"{k} {size(e.needs[k])} of {size(e.has[k])}" for k in e.needs),
               f"        pinned: {size(m['pinned'])} in training ({size(m['pinned_plan'])} at attach's peak); "
               f"daemon's own {size(m['daemon_own'])}, training process's own {size(m['client_own'])}",
-              "        SSD: " + ", ".join(f"{k} {size(v)}" for k, v in m["ssd_capacity_parts"].items() if v)]
+              "        SSD: " + ", ".join(f"{k} {size(v)}" for k, v in m["ssd_capacity_parts"].items() if v)
+              + f"; with one checkpoint copied beside them {size(m['ssd_capacity_with_checkpoint'])}"
+              + ("" if m["ssd_capacity_with_checkpoint"] <= e.has["SSD capacity"] else
+                 " (more than the array has: checkpoint to another disk, or as a snapshot)")]
     read = sum(v for k, v in e.ssd.items() if "read" in k)
     written = e.written_per_step
     lines.append(f"SSD     {e.ssd_bytes_per_param:.2f} B/param per step = {size(e.ssd_bytes)} (read {size(read)}, "
