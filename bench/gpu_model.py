@@ -40,27 +40,15 @@ RUN = HERE / "results" / "gpu-h100.json"
 
 
 @dataclass(frozen=True)
-class Config:
-    """One iteration of bench/gpu.py's family to model."""
+class Config(Schedule):
+    """One iteration of bench/gpu.py's family to model: the product's Schedule (its
+    ``schedule`` "today" is the ordinary loop; weights default to host memory) at a width,
+    a depth and a GPU memory cap."""
     schedule: str = "block-major"  # or "today" (the ordinary loop)
+    weights: str = "host"     # resident (on the GPU) | host (uploaded per use) | ssd (read, then uploaded)
     width: int = 2048
     layers: int = 21
-    seq: int = 1024
-    micro: int = 2            # sequences per micro-batch
-    accum: int = 256          # micro-batches per step (K)
     cap: int = 4 * GiB        # GPU memory
-    weights: str = "host"     # resident (on the GPU) | host (uploaded per use) | ssd (read, then uploaded)
-    overlap: bool = False     # today: a gradient download and a host addition may run at once
-    grad_bytes: int = 4       # block-major: a block's gradient summed on the GPU (4: fp32, 2: bf16)
-    grad_buffers: int = 2     # block-major: (1: the next block waits for the last one's download)
-    host_state: tuple = ()    # block-major: groups ("first", "rest") whose state stays in host memory
-    staging: int = 3          # today: hostgrads.py's staging buffers and download depth
-    depth: int = 2
-    prefetch: int = 2         # attach(prefetch=): weight slots are prefetch + 2 (today, offloaded)
-
-    @property
-    def tokens(self) -> int:
-        return self.micro * self.seq * self.accum
 
     @property
     def shape(self):
@@ -68,10 +56,8 @@ class Config:
 
     @property
     def product(self) -> Schedule:
-        return Schedule(schedule="loop" if self.schedule == "today" else self.schedule, seq=self.seq, micro=self.micro,
-                        accum=self.accum, weights=self.weights, overlap=self.overlap, grad_bytes=self.grad_bytes,
-                        grad_buffers=self.grad_buffers, host_state=self.host_state, staging=self.staging,
-                        depth=self.depth, prefetch=self.prefetch)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(Schedule)}
+        return Schedule(**fields | {"schedule": "loop" if self.schedule == "today" else self.schedule})
 
 
 def params(width: int, seq: int) -> tuple[int, int]:
