@@ -193,7 +193,9 @@ def cmd_plan(args) -> int:
     return cli.run(args, data_dirs=cfg.data_dirs, defaults=defaults)
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(plan: bool = True) -> argparse.ArgumentParser:
+    """``plan``: with the plan command's arguments (they import fuyou_client, and torch:
+    seconds that the other commands need not wait)."""
     p = argparse.ArgumentParser(prog="fuyouctl", description="See and steer a running fuyoud.")
     p.add_argument("--socket", help="the daemon's control socket (default: from --config or the defaults)")
     p.add_argument("--config", help="read the socket path from this fuyoud config")
@@ -223,15 +225,17 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_checkpoint)
     sub.add_parser("health", help="the grpc.health.v1 status").set_defaults(func=cmd_health)
-    from fuyou_client.sizing.cli import add_arguments
     s = sub.add_parser("plan", help="will a model fit this host, with which settings, how fast (no daemon needed)")
-    add_arguments(s)
+    if plan:
+        from fuyou_client.sizing.cli import add_arguments
+        add_arguments(s)
     s.set_defaults(func=cmd_plan)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser(plan="plan" in argv).parse_args(argv)
     try:
         if args.command == "plan":
             return args.func(args)
