@@ -234,7 +234,9 @@ def test_fuyouctl_plan_refuses_clearly(tmp_path):
     for args, words in ((["--ram", "0"], "host memory must be more than zero"),
                         (["--ssd", "0x7GB/s"], "must be more than zero"),
                         (["--ssd", "fast"], "expected COUNTxREAD"),
-                        (["--seq", "-1"], "--seq must be more than zero")):
+                        (["--seq", "-1"], "--seq must be more than zero"),
+                        (["--pcie", "0"], "PCIe rate must be"),
+                        (["--gpu-efficiency", "1.5"], "share of the peak")):
         run = _ctl(str(cfg), "--gpu", "h100", *(["--ram", "64GiB"] if "--ram" not in args else []),
                    *(["--ssd", "1x3GB/s"] if "--ssd" not in args else []), *args)
         assert run.returncode == 1 and words in run.stderr, (args, run.stderr)

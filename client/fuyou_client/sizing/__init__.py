@@ -40,7 +40,7 @@ def _bytes(value, what: str) -> int | None:
 
 
 def host(gpu: str | GpuProfile | None = None, *, cpu: bool = False, gpu_from: str | os.PathLike | None = None,
-         gpu_memory=None, gpu_efficiency: float | None = None, ram=None, pinned_budget=None, buffer_budget=None, ssd=None, ssd_size=None,
+         gpu_memory=None, gpu_efficiency: float | None = None, pcie: float | None = None, ram=None, pinned_budget=None, buffer_budget=None, ssd=None, ssd_size=None,
          cores: int | None = None, data_dirs: list | None = None) -> Host:
     """A Host from what is given; the rest probed here (memory, cores, the GPU, the disks
     under ``data_dirs``, default the current directory: measured)."""
@@ -58,6 +58,11 @@ def host(gpu: str | GpuProfile | None = None, *, cpu: bool = False, gpu_from: st
         sources["gpu"] = "probed" if profile else "none found: the CPU computes"
     if profile is not None and gpu_memory is not None:
         profile = dataclasses.replace(profile, memory=_bytes(gpu_memory, "GPU memory"))
+    if profile is not None and pcie is not None:
+        if isinstance(pcie, bool) or not isinstance(pcie, (int, float)) or not pcie > 0:
+            raise HostError(f"PCIe rate must be a number of GB/s more than zero, not {pcie!r}")
+        rate = Rate(float(pcie), "given")
+        profile = dataclasses.replace(profile, pcie_h2d=rate, pcie_d2h=rate)
     if profile is not None and gpu_efficiency is not None:
         if not 0 < gpu_efficiency <= 1:
             raise HostError(f"GPU efficiency is a share of the peak, in (0, 1], not {gpu_efficiency!r}")

@@ -22,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory", help="GPU memory, if not the profile's (e.g. 40GiB)")
     g.add_argument("--gpu-efficiency", type=float, help="the GPU's kernel FLOP rate as a share of its peak "
                                                        "(default: the profile's, measured or assumed)")
+    g.add_argument("--pcie", type=float, help="GB/s each way between host and GPU (default: the profile's)")
     g.add_argument("--cpu", action="store_true", help="no GPU: the CPU computes (time is then not modelled)")
     g.add_argument("--ram", help="host memory (e.g. 128GiB)")
     g.add_argument("--pinned-budget", help="fuyoud's [memory] pinned_budget (default: half of --ram)")
@@ -47,7 +48,7 @@ def run(args, data_dirs: list | None = None, defaults: dict | None = None) -> in
     d = defaults or {}
     try:
         host = sizing.host(args.gpu, cpu=args.cpu, gpu_from=args.gpu_from, gpu_memory=args.gpu_memory,
-                           gpu_efficiency=args.gpu_efficiency, ram=args.ram,
+                           gpu_efficiency=args.gpu_efficiency, pcie=args.pcie, ram=args.ram,
                            pinned_budget=args.pinned_budget or d.get("pinned_budget"),
                            buffer_budget=args.buffer_budget or d.get("buffer_budget"), ssd=args.ssd,
                            ssd_size=args.ssd_size, cores=args.cores, data_dirs=data_dirs)
