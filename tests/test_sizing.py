@@ -320,3 +320,26 @@ def test_the_sizing_page_holds_what_the_planner_prints():
     for model in examples.MODELS:
         for host in examples.HOSTS:
             assert f"| {model}" in page and f"| {host} |" in page
+
+
+def test_a_model_without_a_config_is_counted_from_its_modules():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down, self.norm = torch.nn.Linear(32, 128), torch.nn.Linear(128, 32), torch.nn.LayerNorm(32)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(100, 32)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+            self.head = torch.nn.Linear(32, 100, bias=False)
+
+    with torch.device("meta"):
+        net = Net()
+    shape = sizing.from_model(net)
+    block = 2 * 32 * 128 + 128 + 32 + 2 * 32
+    assert (shape.layers, shape.block_params, shape.width, shape.vocab) == (3, block, 32, 100)
+    assert shape.rest_params == 2 * 100 * 32 and shape.block_matmul_params == 2 * 32 * 128
+    with pytest.raises(sizing.ShapeError, match="no repeated blocks"):
+        sizing.from_model(torch.nn.Linear(4, 4))
