@@ -346,7 +346,7 @@ def scenario_dp_export(root: Path) -> dict:
     d = _daemon(root)
     try:
         torchrun = str(Path(sys.executable).with_name("torchrun"))
-        env = dict(os.environ, FUYOUD_SOCKET=str(d.socket))
+        env = dict(os.environ, FUYOUD_SOCKET=str(d.socket), TMPDIR=str(root))  # (torchrun's files go with root's)
         done = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", str(HERE), "dp-rank", str(root)],
                               env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]

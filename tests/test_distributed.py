@@ -28,8 +28,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def env_for(daemon) -> dict:
-    env = dict(os.environ, FUYOUD_SOCKET=str(daemon.socket), OMP_NUM_THREADS="1", FY_PG_TIMEOUT="60",
+def env_for(daemon, tmp: Path) -> dict:
+    """The ranks' environment; their temporary files (torchrun's torchelastic_* among
+    them) under ``tmp``, the test's own directory."""
+    env = dict(os.environ, FUYOUD_SOCKET=str(daemon.socket), OMP_NUM_THREADS="1", FY_PG_TIMEOUT="60", TMPDIR=str(tmp),
                PYTHONPATH=os.pathsep.join([str(ROOT / "client"), str(ROOT / "proto"), str(ROOT),
                                            os.environ.get("PYTHONPATH", "")]))
     env.pop("TORCHELASTIC_RUN_ID", None)
@@ -38,7 +40,7 @@ def env_for(daemon) -> dict:
 
 def torchrun(daemon, nproc: int, case: str, out: Path, *args: str, timeout: float = 240) -> None:
     cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", WORKER, case, str(out), *args]
-    done = subprocess.run(cmd, env=env_for(daemon), capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(cmd, env=env_for(daemon, out), capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
 
@@ -98,7 +100,7 @@ def test_two_ranks_bitwise_against_ddp_and_inconsistent_ranks_refused(daemon, ou
 def test_two_gpus_on_nccl_bitwise_against_ddp(daemon, out):
     """NCCL: the collectives on the GPUs' flat tensors, only the shards over PCIe."""
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node=2", WORKER, "exact", str(out), "names=plain,accum,bf16"]
-    done = subprocess.run(cmd, env=dict(env_for(daemon), FY_BACKEND="nccl"), capture_output=True, text=True,
+    done = subprocess.run(cmd, env=dict(env_for(daemon, out), FY_BACKEND="nccl"), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     for rank in results(out, "exact", 2):
@@ -135,7 +137,7 @@ def test_two_hosts_each_with_its_daemon(out):
             cmd = [TORCHRUN, "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
                    f"--master-port={port}", WORKER, "exact+checkpoint", str(out), "exact.names=plain",
                    f"checkpoint.ckpt={out / 'ck'}", "checkpoint.phase=save", "checkpoint.mode=copy"]
-            procs.append(subprocess.Popen(cmd, env=env_for(d), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            procs.append(subprocess.Popen(cmd, env=env_for(d, out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
         logs = [p.communicate(timeout=240)[0] for p in procs]
         assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-4000:] for log in logs)
@@ -198,7 +200,7 @@ def test_a_killed_rank_is_an_error_on_the_others_and_resume_continues(daemon, sa
     checkpoint continues bitwise."""
     out = saved
     port = free_port()
-    env = dict(env_for(daemon), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    env = dict(env_for(daemon, out), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
     procs = [subprocess.Popen([sys.executable, WORKER, "kill", str(out), f"ckpt={out / 'ckk'}"],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]

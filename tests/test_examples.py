@@ -66,7 +66,7 @@ def test_finetune_demo_under_torchrun(short_tmp):
     rank 0 starts; the export (every rank gathers, rank 0 writes) loads."""
     transformers = pytest.importorskip("transformers")
     out = short_tmp / "finetuned"
-    env = dict(__import__("os").environ, OMP_NUM_THREADS="1")
+    env = dict(__import__("os").environ, OMP_NUM_THREADS="1", TMPDIR=str(short_tmp))  # (torchrun's files too)
     env.pop("FUYOUD_SOCKET", None)
     run = subprocess.run(
         [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node=2",
