@@ -17,6 +17,7 @@ import torch
 import fuyou_client
 from conftest import HYPER, SMALL, merge, private_daemon, tiny_llama
 from fuyou_client import memory_plan as mp
+from fuyou_proto.units import format_size
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -64,7 +65,7 @@ def test_a_budget_below_the_smallest_plan_is_refused_with_the_numbers():
         mp.plan(shapes, mp.Limits(100 * MiB))
     msg = str(err.value)
     smallest = 2 * mp.segment_bytes(200_000_000, 64 * MiB) + mp.ARENA_FLOOR + mp.EXPORT_PIECE  # slot, buffer, arena
-    assert f"smallest plan takes {mp._size(smallest)}" in msg and "session may take 100.0 MiB" in msg
+    assert f"smallest plan takes {format_size(smallest)}" in msg and "session may take 100.0 MiB" in msg
     assert "[memory] pinned_budget" in msg and isinstance(err.value, fuyou_client.ResourceExhausted)
 
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 from fuyou_client.errors import ResourceExhausted
 from fuyou_proto.contract import segment_bytes
+from fuyou_proto.units import format_size
 
 WINDOW = 512 << 20  # bytes in flight that keep an SSD array busy: more buffers buy no speed
 MAX_PREFETCH = 2  # blocks fetched ahead, at most (small blocks)
@@ -51,14 +52,6 @@ MAX_STAGING = 3  # host accumulation's staging buffers, at most
 ARENA_DEFAULT = 256 << 20  # host_budget when attach leaves it to the plan
 ARENA_FLOOR = 64 << 20  # the least the plan shrinks it to
 EXPORT_PIECE = 64 << 20  # the shared buffer export reads master weights through (checkpoints.py)
-
-
-def _size(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    raise AssertionError
 
 
 def depth(nbytes: int, most: int) -> int:
@@ -179,10 +172,11 @@ class MemoryPlan:
 
     def describe(self) -> str:
         """A short table: what goes where, and what was given up to fit."""
-        rows = [f"  {i.what:<34} {i.count:>3} x {_size(i.each):>10} = {_size(i.nbytes):>10}  {i.why}"
+        rows = [f"  {i.what:<34} {i.count:>3} x {format_size(i.each):>10} = {format_size(i.nbytes):>10}  {i.why}"
                 for i in self.items if i.count]
-        head = (f"memory plan: {_size(self.total)} of shared memory (session budget {_size(self.limits.session_budget)}"
-                f"{f', {_size(self.limits.held)} held already' if self.limits.held else ''}); prefetch "
+        head = (f"memory plan: {format_size(self.total)} of shared memory (session budget "
+                f"{format_size(self.limits.session_budget)}"
+                f"{f', {format_size(self.limits.held)} held already' if self.limits.held else ''}); prefetch "
                 f"{self.prefetch}, {self.weight_slots} weight slot(s), {self.grad_buffers} gradient buffer(s)"
                 f"{', master weights handed to the steps' if self.handoff else ''}")
         tail = [f"  to fit, gave up: {', '.join(self.shrunk)}"] if self.shrunk else []
@@ -344,13 +338,13 @@ def _refusal(smallest: MemoryPlan, wanted: Wanted, limits: Limits, kept: int = 0
     fixed = [f"{w}={v}" for w, v in (("prefetch", wanted.prefetch), ("keep", wanted.keep or None),
                                       ("host_budget", wanted.host_budget)) if v is not None]
     return (f"this model does not fit the session's pinned-memory budget: the smallest plan takes "
-            f"{_size(smallest.total)} and the session may take {_size(limits.room)} (budget "
-            f"{_size(limits.session_budget)}{f', {_size(limits.held)} held already' if limits.held else ''}). "
+            f"{format_size(smallest.total)} and the session may take {format_size(limits.room)} (budget "
+            f"{format_size(limits.session_budget)}{f', {format_size(limits.held)} held already' if limits.held else ''}). "
             f"Raise fuyoud's [memory] pinned_budget (and session_budget, if set) to at least "
-            f"{_size(smallest.total + limits.held)}"
+            f"{format_size(smallest.total + limits.held)}"
             + (f", or leave {', '.join(fixed)} to the plan" if fixed else "")
             + "; bf16 weights halve the blocks' buffers."
-            + (f" Every block keeps its gradients until the step ({_size(kept)}: accumulation_steps > 1 or "
+            + (f" Every block keeps its gradients until the step ({format_size(kept)}: accumulation_steps > 1 or "
                "max_grad_norm): engine.train_step(micro_batches) adds a block's micro-batches up on the compute "
                "device and sends them once, and without clipping the blocks share a few gradient buffers."
                if kept > limits.room // 2 else "")

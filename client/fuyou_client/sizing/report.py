@@ -10,10 +10,6 @@ if TYPE_CHECKING:
     from fuyou_client.sizing.search import Plan
 
 
-def size(n: float) -> str:
-    return format_size(n)
-
-
 def _where(offload) -> str:
     return {True: "the SSD array", "host": "pinned host memory", False: "the GPU"}[offload]
 
@@ -23,7 +19,7 @@ def settings_line(plan: "Plan") -> str:
     how = "engine.train_step (block-major)" if s.schedule == "block-major" else "the ordinary loop"
     return (f"{how}: {s.micro_batch} x {s.seq} tokens per micro-batch, {s.micro_batches} micro-batch{'es' if s.micro_batches > 1 else ''} = "
             f"{s.tokens:,} tokens per step; {s.state_dtype} optimizer state; blocks' weights on {_where(s.offload)}; "
-            f"host arena {size(plan.best.plan.host_budget)}")
+            f"host arena {format_size(plan.best.plan.host_budget)}")
 
 
 def call_line(plan: "Plan") -> str:
@@ -39,30 +35,30 @@ def text(plan: "Plan") -> str:
         lines.append("DOES NOT FIT: even the smallest settings (int8 state, one sequence per micro-batch, weights "
                      "on the SSD array) need more than this host has:")
         for k, (need, has) in plan.minimums().items():
-            lines.append(f"  {k:<14} needs {size(need):>10}, has {size(has):>10}" + ("  <- short" if need > has else ""))
+            lines.append(f"  {k:<14} needs {format_size(need):>10}, has {format_size(has):>10}" + ("  <- short" if need > has else ""))
         lines += [f"  with {what}: {effect}" for what, effect in plan.advice]
         return "\n".join(lines)
     e = plan.best
     m = e.memory
     lines += [f"plan    {settings_line(plan)}", f"        {call_line(plan)}",
-              "memory  " + " | ".join(f"{k} {size(e.needs[k])} of {size(e.has[k])}" for k in e.needs),
-              f"        pinned: {size(m['pinned'])} in training ({size(m['pinned_plan'])} at attach's peak); "
-              f"daemon's own {size(m['daemon_own'])}, training process's own {size(m['client_own'])}",
-              "        SSD: " + ", ".join(f"{k} {size(v)}" for k, v in m["ssd_capacity_parts"].items() if v)
-              + f"; with one checkpoint copied beside them {size(m['ssd_capacity_with_checkpoint'])}"
+              "memory  " + " | ".join(f"{k} {format_size(e.needs[k])} of {format_size(e.has[k])}" for k in e.needs),
+              f"        pinned: {format_size(m['pinned'])} in training ({format_size(m['pinned_plan'])} at attach's peak); "
+              f"daemon's own {format_size(m['daemon_own'])}, training process's own {format_size(m['client_own'])}",
+              "        SSD: " + ", ".join(f"{k} {format_size(v)}" for k, v in m["ssd_capacity_parts"].items() if v)
+              + f"; with one checkpoint copied beside them {format_size(m['ssd_capacity_with_checkpoint'])}"
               + ("" if m["ssd_capacity_with_checkpoint"] <= e.has["SSD capacity"] else
                  " (more than the array has: checkpoint to another disk, or as a snapshot)")]
     read = sum(v for k, v in e.ssd.items() if "read" in k)
     written = e.written_per_step
-    lines.append(f"SSD     {e.ssd_bytes_per_param:.2f} B/param per step = {size(e.ssd_bytes)} (read {size(read)}, "
-                 f"written {size(written)}); wear {1000 * written / host.disks.count / 1e12:.1f} TB written per "
+    lines.append(f"SSD     {e.ssd_bytes_per_param:.2f} B/param per step = {format_size(e.ssd_bytes)} (read {format_size(read)}, "
+                 f"written {format_size(written)}); wear {1000 * written / host.disks.count / 1e12:.1f} TB written per "
                  f"device per 1,000 steps")
     if e.time is not None:
         use = ", ".join(f"{k} {v:.2f}" for k, v in sorted(e.utilisation.items(), key=lambda x: -x[1]))
         lines += [f"time    {e.seconds:.1f} s per step, {e.tokens_per_second:,.0f} tokens/s, "
                   f"{e.time['model_tflops']:.1f} model TFLOPS, GPU busy {e.time['gpu_busy']:.2f}",
                   f"binds   {e.binds} (share of the step each resource is busy: {use}); the GPU's compute "
-                  f"outlasts the SSD array's {size(e.ssd_bytes)} from about {e.time['balance_tokens']:,.0f} "
+                  f"outlasts the SSD array's {format_size(e.ssd_bytes)} from about {e.time['balance_tokens']:,.0f} "
                   f"tokens per step"]
     else:
         lines.append("time    not modelled: no GPU (the CPU computes); the SSD bytes above are per step")
