@@ -130,20 +130,21 @@ def _compute_bytes(host: Host) -> int:
     return 2 if host.gpu is not None else 4  # bf16 on a GPU; the CPU runs compute in fp32
 
 
+def chunked(numel: int, s: Settings, host: Host) -> bool:
+    """Whether the daemon steps a group of ``numel`` parameters in chunks (its state and
+    weights do not fit one optimizer buffer)."""
+    return stepped_in_chunks(state_bytes(s.state_dtype, numel), numel, host.buffer_budget, host.buffers)
+
+
 def groups(shape: ModelShape, s: Settings, host: Host) -> list[memory_plan.GroupShape]:
     """The layer groups attach would plan (engine._plan_memory), from the shape alone."""
     c = _compute_bytes(host)
     offload = s.offload if host.gpu is not None or s.offload is True else False  # ("host" on the CPU: resident)
     keeps = s.schedule == "loop" and s.micro_batches > 1  # gradients kept until the step
-    block_strategy = "resident" if keeps else "pooled"
-    chunked = stepped_in_chunks(state_bytes(s.state_dtype, shape.block_params), shape.block_params,
-                                host.buffer_budget, host.buffers)
-    out = [memory_plan.GroupShape(f"block{i}", shape.block_params, c, chunked=chunked, offload=offload,
-                                  strategy=block_strategy if offload else "resident")
-           for i in range(shape.layers)]
-    rest_chunked = stepped_in_chunks(state_bytes(s.state_dtype, shape.rest_params), shape.rest_params,
-                                     host.buffer_budget, host.buffers)
-    return out + [memory_plan.GroupShape("rest", shape.rest_params, c, chunked=rest_chunked)]
+    block = memory_plan.GroupShape("block0000", shape.block_params, c, chunked=chunked(shape.block_params, s, host),
+                                   offload=offload, strategy=("resident" if keeps else "pooled") if offload else "resident")
+    rest = memory_plan.GroupShape("rest", shape.rest_params, c, chunked=chunked(shape.rest_params, s, host))
+    return [dataclasses.replace(block, name=f"block{i:04d}") for i in range(shape.layers)] + [rest]
 
 
 def kept_inputs(shape: ModelShape, s: Settings, c: int) -> int:
@@ -158,8 +159,8 @@ def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena
     """Bytes the SSD array moves per iteration, by cause (as the daemon counts them)."""
     c, n, L = _compute_bytes(host), shape.block_params, shape.layers
     on_ssd = s.offload is True
-    chunked = groups(shape, s, host)[0].chunked
-    hands = on_ssd and handoff and c == 4 and chunked  # (memory_plan's handoff: chunked fp32 blocks)
+    in_chunks = chunked(n, s, host)
+    hands = on_ssd and handoff and c == 4 and in_chunks  # (memory_plan's handoff: chunked fp32 blocks)
     k = s.micro_batches if s.schedule == "loop" else 1
     block_state, rest_state = state_bytes(s.state_dtype, n), state_bytes(s.state_dtype, shape.rest_params)
     spill = max(0, kept_inputs(shape, s, c) - arena)
@@ -167,7 +168,7 @@ def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena
     # an optimizer buffer (the daemon then holds what masters it can: counted as read here, an
     # upper bound); else served from the step's read-ahead of the state (the last micro-batch
     # of the loop; every block of block-major)
-    backward = (L - 1) * n * c * ((k - 1) + (hands or chunked)) if on_ssd else 0
+    backward = (L - 1) * n * c * ((k - 1) + (hands or in_chunks)) if on_ssd else 0
     return {"forward weights read": L * n * c * k if on_ssd else 0,
             "backward weights read": backward,
             "optimizer state read": L * (block_state - 4 * n * hands) + rest_state,
@@ -229,7 +230,7 @@ def _schedule(shape: ModelShape, s: Settings, host: Host) -> Schedule:
     weights = "ssd" if s.offload is True else "host" if s.offload == "host" else "resident"
     return Schedule(schedule=s.schedule, seq=s.seq, micro=s.micro_batch, accum=s.micro_batches, weights=weights,
                     state_dtype=s.state_dtype, compute_bytes=_compute_bytes(host),
-                    prefetch=s.prefetch if s.prefetch is not None else 2, served=not groups(shape, s, host)[0].chunked)
+                    prefetch=s.prefetch if s.prefetch is not None else 2, served=not chunked(shape.block_params, s, host))
 
 
 def _time(est: Estimate, host: Host) -> None:

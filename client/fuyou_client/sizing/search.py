@@ -55,8 +55,8 @@ class Plan:
         return {k: (self.smallest.needs[k], self.smallest.has[k]) for k in self.smallest.needs}
 
     def minimums_text(self) -> str:
-        from fuyou_client.sizing.report import size
-        return "; ".join(f"{k} needs {size(n)} (has {size(h)})" for k, (n, h) in self.minimums().items() if n > h)
+        from fuyou_proto.units import format_size
+        return "; ".join(f"{k} needs {format_size(n)} (has {format_size(h)})" for k, (n, h) in self.minimums().items() if n > h)
 
     def to_dict(self) -> dict:
         return {"fits": self.fits, "asked": self.asked, "host": self.host.describe(),
@@ -80,28 +80,29 @@ def _fastest(estimates: list[Estimate]) -> Estimate:
 
 def _candidates(shape: ModelShape, host: Host, seq: int, tokens: int, dtype: str, micro: int | None,
                 offload: tuple, schedule: str):
+    """Each candidate's estimate without its time (memory, SSD bytes: whether it fits)."""
     for where in offload:
         for m in (micro,) if micro else [m for m in MICRO if m == 1 or m * seq <= tokens]:
-            k = max(1, math.ceil(tokens / (m * seq)))
-            base = Settings(seq=seq, micro_batch=m, micro_batches=k, schedule=schedule, state_dtype=dtype,
-                            offload=where)
-            yield base
+            base = Settings(seq=seq, micro_batch=m, micro_batches=max(1, math.ceil(tokens / (m * seq))),
+                            schedule=schedule, state_dtype=dtype, offload=where)
+            e = estimate(shape, base, host, simulate_time=False)
+            yield e
             kept = kept_inputs(shape, base, 2 if host.gpu else 4)
             if kept > ARENA_DEFAULT:  # more arena, less spilled: all of them, or as many as memory holds
-                e = estimate(shape, base, host, simulate_time=False)
                 arena = e.plan.host_budget
                 room = min(host.pinned - (e.needs["pinned budget"] - arena),
                            e.has["host memory"] - (e.needs["host memory"] - arena))
                 for hb in sorted({kept, min(kept, int(0.95 * room)) >> 20 << 20}):
                     if hb > ARENA_DEFAULT:
-                        yield dataclasses.replace(base, host_budget=hb)
+                        yield estimate(shape, dataclasses.replace(base, host_budget=hb), host, simulate_time=False)
 
 
 def search(shape: ModelShape, host: Host, seq: int, tokens_per_step: int = TOKENS_PER_STEP,
            state_dtype: str | None = None, micro_batch: int | None = None, offload: bool | str | None = None,
            schedule: str | None = None, advise: bool = True) -> Plan:
-    if seq <= 0 or tokens_per_step <= 0:
-        raise ValueError(f"sequence length and tokens per step must be more than zero, not {seq} and {tokens_per_step}")
+    for name, value in (("seq", seq), ("tokens_per_step", tokens_per_step), ("micro_batch", micro_batch)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{name} must be an integer more than zero, not {value!r}")
     if shape.max_seq is not None and seq > shape.max_seq:
         raise ValueError(f"{shape.source}: the model takes sequences of at most {shape.max_seq} tokens "
                          f"(learned positions), not {seq}")
@@ -114,11 +115,10 @@ def search(shape: ModelShape, host: Host, seq: int, tokens_per_step: int = TOKEN
     considered, best = 0, None
     for dtype in (state_dtype,) if state_dtype else DTYPES:
         fitting = []
-        for s in _candidates(shape, host, seq, tokens_per_step, dtype, micro_batch, places, schedule):
+        for e in _candidates(shape, host, seq, tokens_per_step, dtype, micro_batch, places, schedule):
             considered += 1
-            e = estimate(shape, s, host, simulate_time=False)
             if e.fits:
-                fitting.append(s)
+                fitting.append(e.settings)
         if fitting:
             best = _fastest([estimate(shape, s, host) for s in fitting])
             break
