@@ -264,6 +264,13 @@ def test_the_most_exact_state_that_fits_is_chosen():
         assert tight.settings.state_dtype == dtype
         assert tight.best.memory["ssd_capacity"] <= 0.95 * ssd
         assert any(what == "int8 optimizer state" for what, _ in tight.advice) == (dtype != "int8")
+    for bad in ({"seq": 0}, {"seq": 2048.5}, {"tokens_per_step": -1}, {"micro_batch": 0}):
+        with pytest.raises(ValueError, match="must be an integer more than zero"):
+            sizing.search(shape, host(60 * 10**9), **({"seq": 2048} | bad))
+    with pytest.raises(sizing.HostError, match="finite number"):
+        sizing.Host(gpu, 256 << 30, sizing.Disks(1, 10**12, sizing.Rate(float("inf"), "g"), sizing.Rate(3, "g")), 32)
+    with pytest.raises(sizing.HostError, match="PCIe rate"):
+        sizing.host("h100", pcie=float("nan"), ram="64GiB", ssd="1x3GB/s")
     fixed = sizing.search(shape, host(60 * 10**9), 2048, tokens_per_step=1 << 14, state_dtype="fp32")
     assert not fixed.fits and fixed.minimums()["SSD capacity"][0] > 0.95 * 60e9
 
@@ -283,6 +290,7 @@ def test_attach_takes_the_settings_the_plan_printed(small_daemon, caplog):
         assert engine._torch_groups.base.state_dtype == "bf16"  # (the optimizer attach made: the plan's)
         assert engine.memory.host_budget == chosen.get("host_budget", engine.memory.host_budget)
         assert (engine.offloader is not None) == bool(chosen["offload"])
+        assert chosen["activations"] == "recompute" and set(engine._treatment.values()) == {"recompute"}  # (not "keep")
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attach: plan")]
         assert len(lines) == 1 and all(f"{k}=" in lines[0] for k in chosen)
     finally:

@@ -14,6 +14,7 @@ report.py (the table), cli.py (``fuyouctl plan``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
@@ -59,12 +60,13 @@ def host(gpu: str | GpuProfile | None = None, *, cpu: bool = False, gpu_from: st
     if profile is not None and gpu_memory is not None:
         profile = dataclasses.replace(profile, memory=_bytes(gpu_memory, "GPU memory"))
     if profile is not None and pcie is not None:
-        if isinstance(pcie, bool) or not isinstance(pcie, (int, float)) or not pcie > 0:
+        if isinstance(pcie, bool) or not isinstance(pcie, (int, float)) or not (pcie > 0 and math.isfinite(pcie)):
             raise HostError(f"PCIe rate must be a number of GB/s more than zero, not {pcie!r}")
         rate = Rate(float(pcie), "given")
         profile = dataclasses.replace(profile, pcie_h2d=rate, pcie_d2h=rate)
     if profile is not None and gpu_efficiency is not None:
-        if not 0 < gpu_efficiency <= 1:
+        if isinstance(gpu_efficiency, bool) or not isinstance(gpu_efficiency, (int, float)) or \
+                not 0 < gpu_efficiency <= 1:
             raise HostError(f"GPU efficiency is a share of the peak, in (0, 1], not {gpu_efficiency!r}")
         profile = dataclasses.replace(profile, kernel_tflops=Rate(
             gpu_efficiency * profile.peak_tflops, f"given: {gpu_efficiency:.0%} of the {profile.peak_tflops:g} TFLOPS peak"))

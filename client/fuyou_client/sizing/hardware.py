@@ -10,6 +10,7 @@ Strings a person types are parsed here too: ``2x7GB/s`` (two SSDs of 7 GB/s each
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -142,8 +143,8 @@ class Host:
                             ("SSD capacity", self.disks.capacity), ("SSD read rate", self.disks.read.value),
                             ("SSD write rate", self.disks.write.value), ("buffer budget", self.buffer_budget),
                             ("optimizer buffers", self.buffers)):
-            if not value > 0:
-                raise HostError(f"{name} must be more than zero, not {value}")
+            if not (value > 0 and math.isfinite(value)):
+                raise HostError(f"{name} must be a finite number more than zero, not {value}")
         if self.pinned_budget is not None and not self.pinned_budget > 0:
             raise HostError(f"pinned budget must be more than zero, not {self.pinned_budget}")
         if self.gpu is not None and not self.gpu.memory > 0:

@@ -136,8 +136,9 @@ def from_config(cfg: dict, source: str = "config") -> ModelShape:
     norms = 2 * w * (2 if fam.norm_bias else 1)
     tied = bool(cfg.get("tie_word_embeddings", fam.tied))
     positions = cfg.get(fam.positions) if fam.positions else None
-    if fam.positions and positions is None:
-        raise ShapeError(f"{source}: a {family} config needs {fam.positions} (its learned positions)")
+    if fam.positions and (isinstance(positions, bool) or not isinstance(positions, int) or positions <= 0):
+        raise ShapeError(f"{source}: a {family} config needs {fam.positions} (its learned positions) as a positive "
+                         f"integer, not {positions!r}")
     extra = {"opt": 2}.get(family, 0)  # (OPT's learned positions keep 2 rows of offset)
     rest = vocab * w * (1 if tied else 2) + (positions + extra if positions else 0) * w + w * (2 if fam.norm_bias else 1)
     if family == "bloom":
