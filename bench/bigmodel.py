@@ -6,6 +6,7 @@
                              [--schedule loop|block-major] [--micro-batches K] [--host-budget BYTES]
                              [--check-loop] [--over 1.3] [--dir DIR]
                              [--pinned-budget SIZE] [--buffer-budget SIZE] [--capacity SIZE]
+                             [--device cpu|cuda|stand-in] [--dtype fp32|bf16]
 
 A GPT-2-style (Hugging Face ``GPT2LMHeadModel``) or Llama-style (``LlamaForCausalLM``) model,
 untied head, sized so that its fp32 weights, gradients and AdamW moments (16 bytes per
@@ -15,8 +16,10 @@ parameter) exceed the host's physical memory by at least ``--over`` (``--over 0`
 ``weights="init"``: each block is initialised by the model's own ``_init_weights`` and
 streamed into the daemon, so the training process never holds more than a few blocks; with
 ``--activations recompute`` (the default) it keeps only each block's input for backward, as
-one would train a model this size. It then trains ``--steps`` steps on the CPU (one private
-fuyoud, one data directory under ``--dir``) on ``--micro-batches`` micro-batches per step, in
+one would train a model this size. It then trains ``--steps`` steps on ``--device`` (the CPU by
+default; ``cuda``: the blocks' weights stream from the SSD array to the GPU, the compute in
+``--dtype``; ``stand-in``: the CUDA code path on the tests' stand-in device), with one private
+fuyoud and one data directory under ``--dir``, on ``--micro-batches`` micro-batches per step, in
 the ordinary loop (``accumulation_steps``) or with ``engine.train_step`` (``--schedule
 block-major``; ``--host-budget`` smaller than the step's kept inputs makes it spill them to the
 SSD array; ``--check-loop`` then runs the ordinary loop on the same micro-batches from the same
@@ -43,6 +46,8 @@ The daemon runs with its defaults for memory and storage unless ``--pinned-budge
   written once at the durable write bandwidth, measured before and after the run with
   fuyoud's own I/O engine, a write pass timed until its fdatasync has returned, as each step's
   new state is synced before its commit): optimizer_over_ssd_bound (target <= 1.15);
+* on CUDA: model TFLOPS per step (6 x parameters x tokens / seconds), the GPU's busy share
+  (NVML utilisation sampled every 50 ms) and its peak allocated memory;
 * ssd_bytes_per_param_per_iter (the daemon's own count), the same by cause
   (bytes_by_cause: the client's weight reads in forward and in backward, the optimizer's
   state reads and writes, spilled inputs), the memory plan attach chose, and the losses,
@@ -200,6 +205,9 @@ def parse(argv):
     p.add_argument("--capacity", help="the daemon's [storage] capacity_per_device (default: the daemon's)")
     p.add_argument("--bare-size", default="2GiB", help="file size of the bare bandwidth measurement")
     p.add_argument("--keep-files", action="store_true")
+    p.add_argument("--device", choices=["cpu", "cuda", "stand-in"], default="cpu",
+                   help="where the model computes (stand-in: the CUDA code path on the tests' stand-in device)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the model's compute dtype")
     args = p.parse_args(argv)
     args.mlp = args.mlp or default_mlp(args.family, args.width)
     if args.check_loop and args.schedule != "block-major":
@@ -236,7 +244,7 @@ def train(args, layers: int, work: Path, sampler: "RssSampler", schedule: str, t
                  "lr": args.lr, "prefetch": args.prefetch, "activations": args.activations,
                  "state_dtype": args.state_dtype, "schedule": schedule, "micro_batches": args.micro_batches,
                  "host_budget": parse_size(args.host_budget) if args.host_budget else None,
-                 "socket": daemon.socket, "disk": disk_name(work)}
+                 "socket": daemon.socket, "disk": disk_name(work), "device": args.device, "dtype": args.dtype}
         proc = subprocess.Popen([sys.executable, str(WORKER), json.dumps(child)], stdout=subprocess.PIPE, text=True)
         sampler.pids["client"] = proc.pid
         steps, events = [], {}
@@ -304,6 +312,7 @@ def main(argv=None) -> int:
               "params": params, "family": args.family, "layers": layers, "width": args.width, "mlp": args.mlp,
               "vocab": args.vocab, "seq": args.seq, "batch": args.batch, "micro_batches": args.micro_batches,
               "schedule": args.schedule, "activations": args.activations, "state_dtype": args.state_dtype,
+              "device": args.device, "dtype": args.dtype, "gpu": gpu_name() if args.device == "cuda" else None,
               "daemon_config": daemon_config(args) or "defaults", "state_bytes": state,
               "physical_memory_bytes": memory, "state_over_memory": STATE_BYTES_PER_PARAM * params / memory,
               "host": host_info(work)}
@@ -336,6 +345,15 @@ def main(argv=None) -> int:
     timed = steps[1:] or steps  # the first step also pays for first-touch page faults
     optimizer = statistics.median(s["optimizer"] for s in timed)
     gib_per_b = together / 2**30 / (params / 1e9)
+    tokens = args.batch * args.seq * args.micro_batches
+    if args.device == "cuda":
+        result.update({
+            "tokens_per_step": tokens,
+            "model_tflops": statistics.median(6 * params * tokens / s["seconds"] for s in timed) / 1e12,
+            "model_tflops_by_step": [6 * params * tokens / s["seconds"] / 1e12 for s in steps],
+            "gpu_busy_fraction": statistics.median(s["gpu_busy"] for s in timed if s.get("gpu_busy") is not None)
+            if any(s.get("gpu_busy") is not None for s in timed) else None,
+            "gpu_peak_bytes": max(s.get("gpu_peak_bytes") or 0 for s in steps)})
     result.update({
         "attach_seconds": events["attached"]["seconds"], "attach_write_bound_seconds": attach_bound,
         "attach_over_write_bound": events["attached"]["seconds"] / attach_bound,
@@ -382,8 +400,16 @@ def main(argv=None) -> int:
           f"({', '.join(f'{k} {v:.2f}' for k, v in result['bytes_by_cause'].items() if v)}); losses "
           f"{', '.join(f'{x:.3f}' for x in result['losses'])}"
           + (f"; block-major bitwise the loop: {result['targets_met']['block_major_bitwise_loop']}"
-             if args.check_loop else ""))
+             if args.check_loop else "")
+          + (f"; GPU: {result['model_tflops']:.1f} model TFLOPS, busy {result['gpu_busy_fraction']}, peak "
+             f"{format_size(result['gpu_peak_bytes'])}" if args.device == "cuda" else ""))
     return 0
+
+
+def gpu_name() -> str:
+    import torch
+    p = torch.cuda.get_device_properties(0)
+    return f"{p.name}, {p.total_memory >> 20} MiB, torch {torch.__version__}"
 
 
 def group_sizes(args, layers: int) -> list[int]:

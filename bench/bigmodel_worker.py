@@ -6,18 +6,22 @@ it to the daemon, trains, and reports one JSON line per event on stdout.
 Events: "attached" (seconds, the memory plan), "step" (loss, seconds, optimizer phase,
 SSD bytes read and written by the daemon, and by cause: the client's weight reads in
 forward and backward, master weights handed to the steps, state served from the cache,
-spilled block-major inputs), "done" (peak resident memory).
+spilled block-major inputs; on CUDA the GPU's busy share and peak memory), "done" (peak
+resident memory).
 """
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import transformers
 
 import fuyou_client
+from gpu_cases import Busy  # (NVML utilisation sampled every 50 ms)
 
 
 def build(args: dict):
@@ -37,7 +41,17 @@ def build(args: dict):
         cls = transformers.GPT2LMHeadModel
     with torch.device("meta"):
         model = cls(cfg)
-    return model
+    return model.to(torch.bfloat16) if args.get("dtype") == "bf16" else model
+
+
+def compute_device(name: str):
+    """attach's device: the CPU (None: where the model is), CUDA, or (``stand-in``) the
+    tests' stand-in for a device with its own memory, which runs the CUDA code path here."""
+    if name == "stand-in":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from discrete_device import LateCopyDevice
+        return LateCopyDevice(max_delay=0.0)
+    return None if name == "cpu" else name
 
 
 def disk_ticks(disk: str | None) -> float:
@@ -125,6 +139,7 @@ def main() -> None:
     engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=args["lr"], weight_decay=0.01,
                                                            state_dtype=args["state_dtype"]),
                                  socket=args["socket"], namespace="bigmodel", weights="init", offload=True,
+                                 device=compute_device(args.get("device", "cpu")),
                                  activations=args["activations"],
                                  accumulation_steps=k if args["schedule"] == "loop" else 1, **options)
     attach_s = time.perf_counter() - t0
@@ -136,11 +151,15 @@ def main() -> None:
                       "chunked_groups": sum(1 for g in engine.groups if g.chunked)}), flush=True)
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, args["vocab"], (args["batch"], args["seq"]), generator=gen) for _ in range(k)]
+    cuda = args.get("device") == "cuda"
+    if cuda:
+        batches = [b.cuda() for b in batches]
     times = StepTimes(engine.session, args.get("disk"))
     for _ in range(args["steps"]):
         times.times.clear()
         st0, c0 = engine.session.status(), counters(engine)
         cached0 = masters0 = 0
+        busy = Busy(cuda).__enter__()
         t0 = time.perf_counter()
         if args["schedule"] == "block-major":
             losses = engine.train_step(batches, lambda mb: model(mb, labels=mb).loss / k).tolist()
@@ -155,7 +174,10 @@ def main() -> None:
             t2 = time.perf_counter()
             engine.step()
             engine.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
         t3 = time.perf_counter()
+        busy.__exit__(None, None, None)
         infos = engine.last_step_infos
         st1, c1 = engine.session.status(), counters(engine)
         phase, busy = times.phase()
@@ -166,6 +188,9 @@ def main() -> None:
                  "masters_handed": sum(i.masters_bytes for i in infos) - masters0,
                  "state_cached": sum(i.cached_bytes for i in infos) - cached0}
         event.update({key: c1[key] - c0[key] for key in c1})
+        if cuda:
+            event.update(gpu_busy=statistics.mean(busy.samples) if busy.samples else None,
+                         gpu_peak_bytes=torch.cuda.max_memory_allocated())
         stats = engine.train_step_stats if args["schedule"] == "block-major" else None  # (this step's)
         event.update({"spilled_inputs_written": stats.spilled if stats is not None else 0,
                       "spilled_inputs_read": stats.read_back if stats is not None else 0,

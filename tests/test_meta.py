@@ -375,3 +375,35 @@ def test_attach_reuses_the_memory_of_tensors_gone_and_never_of_one_alive():
     assert maps.empty((4, 4), torch.float32).numel() == 16  # (small tensors: torch's own allocator)
     maps.close()
     assert c.fill_(3.0).sum().item() == 3.0 * c.numel()  # (a map in use outlives the pool)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_meta_init_trains_block_major_as_the_model_built_on_the_cpu(daemon, tmp_path):
+    """How a model larger than the host is trained on a GPU: built on the meta device,
+    attached to CUDA with weights="init" and its blocks' weights on SSD, trained with
+    train_step. It gives the masters of the same model built on the CPU and moved to the
+    GPU, and trains as that one does (within fp32 rounding: the same kernels, attention by
+    SDPA's math backend)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(7)
+    ref = llama().cuda()
+    engine_ref = attach(ref, daemon, device="cuda")
+    torch.manual_seed(7)
+    ours = on_meta(llama)
+    engine = attach(ours, daemon, weights="init", device="cuda")
+    assert engine.device.torch_device.type == "cuda"
+    assert all(p.device.type in ("cuda", "meta") or p.numel() == 0 for p in ours.parameters())
+    gen = torch.Generator().manual_seed(1)
+    with sdpa_kernel(SDPBackend.MATH):
+        for _ in range(2):
+            micro = [torch.randint(0, 512, (2, 32), generator=gen).cuda() for _ in range(3)]
+            got = engine.train_step(micro, lambda x: ours(x, labels=x).loss / 3)
+            want = engine_ref.train_step(micro, lambda x: ref(x, labels=x).loss / 3)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    mine, theirs = exported(engine, tmp_path / "ours"), exported(engine_ref, tmp_path / "ref")
+    engine.close()
+    engine_ref.close()
+    assert mine.keys() == theirs.keys()
+    for name in mine:
+        torch.testing.assert_close(mine[name], theirs[name], rtol=1e-5, atol=1e-6, msg=name)

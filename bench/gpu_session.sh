@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# One GPU session, prepared on a CPU host and run in one command on a GPU host whose image
+# has python3 with a CUDA build of torch (and transformers, pytest, hypothesis, safetensors,
+# prometheus-client, tqdm), where nothing can be fetched:
+#
+#   bash bench/gpu_session.sh OUT STAGE...
+#
+# STAGE: tests (every test that skips without CUDA), bench (bench/gpu.py, block-major, the
+# recorded configuration), big (the largest Llama-2-7B-shaped model the disk holds, trained
+# with block-major and its blocks' weights streamed from SSD), retest FILTER (pytest -k FILTER
+# on the CUDA tests). Logs and JSON results go to OUT.
+#
+# Set-up, all from the working tree: wheels in .whl/ (grpcio, grpcio-health-checking,
+# protobuf, crc32c, cffi, pycparser for the host's Python) are installed into /tmp/site;
+# Debian's liburing packages in .deb/ are unpacked into /tmp/uring and fuyoud's two C
+# extensions are built in place (without a compiler or Python's headers fuyoud falls back to
+# its thread-pool I/O engine and torch's codec); the packages are put on PYTHONPATH from the
+# checkout (no install). Each stage has its own time limit; the session prints a summary last.
+# BENCH_ARGS and BIG_ARGS add to (and override) the stages' arguments: with --cpu and
+# --device stand-in and small sizes the whole session runs on a CPU host first.
+set -u
+OUT="${1:?usage: gpu_session.sh OUT STAGE...}"; shift
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+T0=$(date +%s)
+log() { echo "[session +$(( $(date +%s) - T0 ))s] $*"; }
+SUMMARY=()
+
+setup() {
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+            || log "wheels did not install"
+    fi
+    export PYTHONPATH="/tmp/site:$PWD:$PWD/client:$PWD/proto${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    if compgen -G ".deb/*.deb" >/dev/null; then
+        for f in .deb/*.deb; do dpkg -x "$f" /tmp/uring; done
+        local lib=/tmp/uring/usr/lib/x86_64-linux-gnu
+        export CFLAGS="-I/tmp/uring/usr/include" LDFLAGS="-L$lib" LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    fi
+    for ext in uring lowp; do
+        timeout 120 python3 native/build_$ext.py >/dev/null 2>"$OUT/build-$ext.log" && log "built fuyoud._$ext" \
+            || log "fuyoud._$ext not built (fallback): $(tail -1 "$OUT/build-$ext.log")"
+    done
+    python3 - <<'EOF' 2>&1 | tee "$OUT/host.txt"
+import os, platform, shutil, torch, transformers, grpc, google.protobuf
+from fuyoud.io import uring
+print("python", platform.python_version(), "torch", torch.__version__, "transformers", transformers.__version__,
+      "grpcio", grpc.__version__, "protobuf", google.protobuf.__version__)
+print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
+print("io_uring", uring.available())
+print("cpus", os.cpu_count(), "memory GiB", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+      "/tmp free GiB", shutil.disk_usage("/tmp").free / 2**30)
+EOF
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/host.txt"
+    GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h100|h200|a100|l40s|4090' | tr A-Z a-z)
+    GPU=${GPU:-gpu}
+    log "set-up done ($GPU)"
+}
+
+cuda_tests() {  # $1: the -k filter, $2: the log's name
+    log "CUDA tests (-k '$1')"
+    timeout 170 python3 -m pytest -q -rA -p no:cacheprovider --timeout 100 -k "$1" \
+        tests/test_device.py tests/test_blockmajor.py tests/test_meta.py tests/test_distributed.py >"$OUT/$2" 2>&1
+    local rc=$?
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^E  |passed|failed" "$OUT/$2" | tail -60
+    SUMMARY+=("$2: $(grep -E '[0-9]+ (passed|failed)' "$OUT/$2" | tail -1) (rc $rc)")
+}
+
+bench() {
+    log "bench/gpu.py, block-major, 4 GiB cap"
+    rm -rf /tmp/bench
+    timeout 330 python3 bench/gpu.py --json "$OUT/gpu-$GPU.json" --cap 4GiB --micro 16 --accum 32 --weights host \
+        --iters 1 --no-zero --deadline "${BENCH_DEADLINE:-200}" --dir /tmp/bench ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu-bench.log" | tail -60
+    rm -rf /tmp/bench
+    SUMMARY+=("bench: $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r.get(k) for k in ('fuyou_tflops','inmem_ceiling_tflops','inmem_same_model_tflops','fuyou_over_ceiling','fuyou_over_inmem_same_model','gpu_busy_fraction','errors')})" "$OUT/gpu-$GPU.json" 2>&1 | tail -3)")
+}
+
+big() {
+    log "a Llama-2-7B-shaped model on the GPU, block-major, weights from SSD"
+    rm -rf /tmp/big; mkdir -p /tmp/big
+    local layers rc=2
+    for layers in 32 28 24 20 16; do  # the largest the disk holds (bigmodel.py refuses with exit 2 otherwise)
+        timeout "${BIG_TIMEOUT:-300}" python3 bench/bigmodel.py --json "$OUT/bigmodel-llama7b-$GPU.json" --family llama \
+            --width 4096 --layers $layers --mlp 11008 --heads 32 --vocab 32000 --over 0 --seq 1024 --batch 8 \
+            --micro-batches 8 --schedule block-major --state-dtype int8 --device cuda --dtype bf16 \
+            --steps "${BIG_STEPS:-2}" --host-budget 20GiB --lr 1e-4 --dir /tmp/big --bare-size 2GiB ${BIG_ARGS:-} \
+            2>&1 | tee "$OUT/bigmodel.log" | grep -vE "^  [a-z' ]+ +[0-9]+ x" | tail -25
+        rc=${PIPESTATUS[0]}
+        [ "$rc" -ne 2 ] && break
+        log "$layers layers do not fit the disk"
+    done
+    rm -rf /tmp/big
+    SUMMARY+=("big: rc $rc, $(tail -1 "$OUT/bigmodel.log" | cut -c1-600)")
+}
+
+setup
+while [ $# -gt 0 ]; do
+    case "$1" in
+        tests) cuda_tests "cuda or nccl" cuda-tests.log ;;
+        retest) shift; cuda_tests "$1" cuda-retest.log ;;
+        bench) bench ;;
+        big) big ;;
+        *) log "unknown stage $1" ;;
+    esac
+    shift
+done
+log "done"
+printf '%s\n' "${SUMMARY[@]}"
