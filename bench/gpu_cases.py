@@ -193,6 +193,14 @@ class Case:
         torch.cuda.set_per_process_memory_fraction(self.spec["cap"] * share / total)
         torch.cuda.reset_peak_memory_stats()
 
+    def release(self) -> None:
+        """What a case that ran out of memory held is freed (its tensors may sit in reference
+        cycles with the exception's frames), and the cap lifted."""
+        gc.collect()
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+            self.torch.cuda.set_per_process_memory_fraction(1.0)
+
     def model(self, layers: int, dtype):
         import transformers
         torch = self.torch
@@ -377,6 +385,7 @@ class Fuyou(Case):
             except Exception as exc:  # noqa: BLE001 - an engine that ran out of memory mid-backward
                 self.fallbacks[-1]["close_error"] = repr(exc)[:300]
             self.net = self.engine = None
+            self.release()  # (the model is built again on the GPU, as at first, before the cap)
             self.micro, self.accum = self.micro // 2, self.accum * 2
             self.attach()
 

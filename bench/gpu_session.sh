@@ -16,8 +16,10 @@
 # extensions are built in place (without a compiler or Python's headers fuyoud falls back to
 # its thread-pool I/O engine and torch's codec); the packages are put on PYTHONPATH from the
 # checkout (no install). Each stage has its own time limit; the session prints a summary last.
-# BENCH_ARGS and BIG_ARGS add to (and override) the stages' arguments: with --cpu and
-# --device stand-in and small sizes the whole session runs on a CPU host first.
+# TESTS_TIMEOUT, BENCH_TIMEOUT and BIG_TIMEOUT limit the stages (BIG_TIMEOUT's default: what is
+# left of SESSION_LIMIT seconds, 900 unless set). BENCH_ARGS and BIG_ARGS add to (and override)
+# the stages' arguments: with --cpu, --device stand-in and small sizes the whole session runs on
+# a CPU host first.
 set -u
 OUT="${1:?usage: gpu_session.sh OUT STAGE...}"; shift
 cd "$(dirname "$0")/.."
@@ -59,7 +61,7 @@ EOF
 
 cuda_tests() {  # $1: the -k filter, $2: the log's name
     log "CUDA tests (-k '$1')"
-    timeout 170 python3 -m pytest -q -rA -p no:cacheprovider --timeout 100 -k "$1" \
+    timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -rA -p no:cacheprovider --timeout 100 -k "$1" \
         tests/test_device.py tests/test_blockmajor.py tests/test_meta.py tests/test_distributed.py >"$OUT/$2" 2>&1
     local rc=$?
     grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^E  |passed|failed" "$OUT/$2" | tail -60
@@ -69,7 +71,7 @@ cuda_tests() {  # $1: the -k filter, $2: the log's name
 bench() {
     log "bench/gpu.py, block-major, 4 GiB cap"
     rm -rf /tmp/bench
-    timeout 330 python3 bench/gpu.py --json "$OUT/gpu-$GPU.json" --cap 4GiB --micro 16 --accum 32 --weights host \
+    timeout "${BENCH_TIMEOUT:-330}" python3 bench/gpu.py --json "$OUT/gpu-$GPU.json" --cap 4GiB --micro 8 --accum 64 --weights host \
         --iters 1 --no-zero --deadline "${BENCH_DEADLINE:-200}" --dir /tmp/bench ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu-bench.log" | tail -60
     rm -rf /tmp/bench
     SUMMARY+=("bench: $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r.get(k) for k in ('fuyou_tflops','inmem_ceiling_tflops','inmem_same_model_tflops','fuyou_over_ceiling','fuyou_over_inmem_same_model','gpu_busy_fraction','errors')})" "$OUT/gpu-$GPU.json" 2>&1 | tail -3)")
@@ -80,7 +82,7 @@ big() {
     rm -rf /tmp/big; mkdir -p /tmp/big
     local layers rc=2
     for layers in 32 28 24 20 16; do  # the largest the disk holds (bigmodel.py refuses with exit 2 otherwise)
-        timeout "${BIG_TIMEOUT:-300}" python3 bench/bigmodel.py --json "$OUT/bigmodel-llama7b-$GPU.json" --family llama \
+        timeout "${BIG_TIMEOUT:-$(( ${SESSION_LIMIT:-900} - $(date +%s) + T0 - 15 ))}" python3 bench/bigmodel.py --json "$OUT/bigmodel-llama7b-$GPU.json" --family llama \
             --width 4096 --layers $layers --mlp 11008 --heads 32 --vocab 32000 --over 0 --seq 1024 --batch 8 \
             --micro-batches 8 --schedule block-major --state-dtype int8 --device cuda --dtype bf16 \
             --steps "${BIG_STEPS:-2}" --host-budget 20GiB --lr 1e-4 --dir /tmp/big --bare-size 2GiB ${BIG_ARGS:-} \

@@ -270,6 +270,10 @@ def upload(session: Session, device: Device, spec: ParamGroup, optimizers: list,
             # From here on the parameter *is* shared memory (the daemon writes updates into
             # it), a slice of the group's device allocation, or empty until the offloader
             # fetches it.
+            if g is not None and p.device != g.device:
+                # (a model built on the meta device comes as CPU stand-ins: a gradient on the
+                # compute device needs a tensor there of the parameter's shape; one element, expanded)
+                p.data = empty.new_empty(()).expand(shape)
             p.grad = g.view(shape) if g is not None else None  # (p has its shape)
             p.data = w.view(shape) if w is not None else empty
         for p in frozen:
