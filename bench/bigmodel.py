@@ -256,6 +256,7 @@ def train(args, layers: int, work: Path, sampler: "RssSampler", schedule: str, t
                 print(f"  [{tag}] step {len(steps)}: loss {event['loss']:.4f}, {event['seconds']:.1f} s "
                       f"(optimizer {event['optimizer']:.1f} s), SSD {format_size(event['read'])} read, "
                       f"{format_size(event['written'])} written", flush=True)
+                print(f"  [{tag}] {json.dumps(event)}", flush=True)  # (all of it: a run cut short keeps its steps)
             elif event["event"] == "attached":
                 print(f"  [{tag}] attached from the meta device in {event['seconds']:.1f} s\n{event['plan']}",
                       flush=True)
