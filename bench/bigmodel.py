@@ -79,6 +79,7 @@ sys.path.insert(0, str(HERE))
 from common import BareLoop, gbps, host_info  # noqa: E402
 
 from fuyou_proto.contract import state_object_bytes  # noqa: E402
+from fuyoud.storage.device import keep_free_default  # noqa: E402
 from fuyoud.units import format_size, parse_size  # noqa: E402
 
 STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradients, exp_avg, exp_avg_sq: what --over compares with memory
@@ -296,11 +297,15 @@ def main(argv=None) -> int:
     bare_size = parse_size(args.bare_size)
     free = shutil.disk_usage(parent).free
     largest = max(state_object_bytes("adamw", args.state_dtype, n) for n in group_sizes(args, layers))
-    need = state + 3 * largest + bare_size + (256 << 20)
+    # (a compute dtype other than fp32: each offloaded block's weights are an object of their own;
+    # fuyoud also keeps keep_free bytes of the file system free: its default here)
+    weights = sum(group_sizes(args, layers)[:-1]) * 2 if args.dtype == "bf16" else 0
+    need = state + weights + 3 * largest + bare_size + (256 << 20) + keep_free_default(parent)
     if free < need:
         print(f"bigmodel: {parent} has {format_size(free)} free; this run needs {format_size(need)} "
               f"({params / 1e9:.2f}B parameters: {format_size(state)} of AdamW state ({args.state_dtype}) on SSD, "
-              "new versions of the groups being stepped, and headroom). Free space or pass --dir on a larger disk.",
+              f"{format_size(weights)} of the blocks' {args.dtype} weights, new versions of the groups being "
+              "stepped, what fuyoud keeps free, and headroom). Free space or pass --dir on a larger disk.",
               file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="bigmodel-", dir=parent))

@@ -80,9 +80,10 @@ bench() {
 big() {
     log "a Llama-2-7B-shaped model on the GPU, block-major, weights from SSD"
     rm -rf /tmp/big; mkdir -p /tmp/big
-    local layers rc=2
+    local layers rc=2 left=$(( ${SESSION_LIMIT:-900} - $(date +%s) + T0 - 15 ))
+    [ "$left" -lt 10 ] && left=10
     for layers in 32 28 24 20 16; do  # the largest the disk holds (bigmodel.py refuses with exit 2 otherwise)
-        timeout "${BIG_TIMEOUT:-$(( ${SESSION_LIMIT:-900} - $(date +%s) + T0 - 15 ))}" python3 bench/bigmodel.py --json "$OUT/bigmodel-llama7b-$GPU.json" --family llama \
+        timeout "${BIG_TIMEOUT:-$left}" python3 bench/bigmodel.py --json "$OUT/bigmodel-llama-$GPU.json" --family llama \
             --width 4096 --layers $layers --mlp 11008 --heads 32 --vocab 32000 --over 0 --seq 1024 --batch 8 \
             --micro-batches 8 --schedule block-major --state-dtype int8 --device cuda --dtype bf16 \
             --steps "${BIG_STEPS:-2}" --host-budget 20GiB --lr 1e-4 --dir /tmp/big --bare-size 2GiB ${BIG_ARGS:-} \

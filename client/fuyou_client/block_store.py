@@ -79,15 +79,17 @@ def need_order(blocks: int, micro_batches: int, last: bool = True) -> list[tuple
         ([("x", n, i) for i in range(k)] if last else [])
 
 
-def forward_peak(blocks: int, micro_batches: int, to_ssd, last: bool = True) -> int:
+def forward_peak(blocks: int, micro_batches: int, to_ssd, last: bool = True, prologue_first: bool = False) -> int:
     """The most entries host memory holds at once in forward (its peak: backward only
-    frees) when ``to_ssd`` go: one that goes leaves once forward has taken it (block 0's
-    inputs and the last outputs, which forward does not take, pass through ``STAGING``)."""
+    frees) when ``to_ssd`` go: one that goes leaves once forward has taken it (the last
+    outputs, which forward does not take, pass through ``STAGING``; so do block 0's inputs,
+    but with ``prologue_first``, a device with its own memory, where every micro-batch's
+    input to block 0 leaves the device before block 0 runs and forward takes it back)."""
     n, k = blocks, micro_batches
-    held = peak = 0
+    held = peak = k if prologue_first else 0
     for l in range(n):
         for i in range(k):
-            if l == 0:
+            if l == 0 and not prologue_first:
                 held += ("x", 0, i) not in to_ssd
             elif ("x", l, i) in to_ssd:
                 held -= 1  # (forward's take was its last use before backward)
@@ -105,16 +107,18 @@ def forward_peak(blocks: int, micro_batches: int, to_ssd, last: bool = True) -> 
 class Plan:
     """Which entries of a step go to the SSD array, and the order they come back in."""
 
-    def __init__(self, nbytes: int, blocks: int, micro_batches: int, budget: int, last: bool = True):
+    def __init__(self, nbytes: int, blocks: int, micro_batches: int, budget: int, last: bool = True,
+                 prologue_first: bool = False):
         self.slot = aligned(max(nbytes, 1))
         self.blocks, self.micro_batches, self.last = blocks, micro_batches, last
+        self.prologue_first = prologue_first
         n, k = blocks, micro_batches
         self.entries = (n + 1 + last) * k
         self.capacity = budget // self.slot
         self.to_ssd: frozenset = frozenset()
         if self.entries > self.capacity:
             order = spill_order(n, k, last)
-            least = forward_peak(n, k, set(order), last) + STAGING
+            least = forward_peak(n, k, set(order), last, prologue_first) + STAGING
             if least > self.capacity:
                 raise ValueError(
                     f"train_step keeps each micro-batch's input to every block until backward, {self.slot} bytes "
@@ -126,7 +130,7 @@ class Plan:
             lo, hi = 0, len(order)  # the fewest that fit (the peak falls as more go)
             while lo < hi:
                 mid = (lo + hi) // 2
-                if forward_peak(n, k, set(order[:mid]), last) + STAGING <= self.capacity:
+                if forward_peak(n, k, set(order[:mid]), last, prologue_first) + STAGING <= self.capacity:
                     hi = mid
                 else:
                     lo = mid + 1
@@ -194,7 +198,7 @@ class Store:
                 raise RuntimeError("train_step's checkpoints changed size mid-step")
             return
         plan = self.plan if self.plan is not None and self.plan.same(nbytes, blocks, micro_batches, last) \
-            else Plan(nbytes, blocks, micro_batches, self.budget, last)
+            else Plan(nbytes, blocks, micro_batches, self.budget, last, prologue_first=not self.host)
         if plan is not self.plan and plan.to_ssd:
             self._check_room(len(plan.to_ssd) * plan.slot)
         if self.host:
@@ -240,7 +244,7 @@ class Store:
         goes = self.plan is not None and key in self.plan.to_ssd and nbytes > 0
         if nbytes > self.slot and (goes or not self.host):
             raise RuntimeError(f"a checkpoint of {nbytes} bytes does not fit train_step's slots of {self.slot}")
-        e.forward_take = goes and 0 < key[1] < self.plan.blocks
+        e.forward_take = goes and (0 < key[1] or not self.host) and key[1] < self.plan.blocks
         if self.host:
             e.tensors = [None if t is None else t.detach() for t in tensors]
             if goes:

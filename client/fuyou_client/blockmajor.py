@@ -270,14 +270,24 @@ class BlockMajor:
             raise RuntimeError(f"micro-batch {i} called block {l} after block {micro.last}: train_step needs every "
                                "block called once, in order")
         micro.rng = _rng(self.cuda)
+        early = l == 0 and not self.device.shares_host_memory
+        if early:  # (still its prologue's turn)
+            call, carried = self._record(0, i, args, kwargs)
+            for t in carried:
+                # Block 0's inputs leave the device now, not after block 0: the K prologues'
+                # outputs would otherwise all wait there for its turn (a step's tokens x width).
+                # The model's own reference is emptied; the copy in flight holds the memory.
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         self.turns.advance()  # (its prologue or previous block is done)
         self.turns.wait((l, i))
         _set_rng(micro.rng, self.cuda)
         module, og, forward = self.blocks[l]
-        call, carried = self._record(l, i, args, kwargs)
+        if not early:
+            call, carried = self._record(l, i, args, kwargs)
+            carried = [t.detach() for t in carried]
         if i == 0 and og is not None:
             self.engine.offloader._before_forward(og)  # (weights in, the next blocks' fetches started)
-        if l > 0:
+        if l > 0 or early:
             carried = self.store.take(("x", l, i), keep=True)
         for nxt in ([("x", l, i + 1)] if i + 1 < k else [("x", l + 1, 0)] if l + 1 < n else []):
             self.store.prefetch(nxt)
@@ -337,7 +347,7 @@ class BlockMajor:
             leaves[j] = None  # (the stored tensors stand in for them)
         call = _Call(spec, leaves, carried, sources)
         self.calls[(l, i)] = call
-        return call, [t.detach() for t in tensors]
+        return call, tensors  # (block 0's inputs as the model made them)
 
     @staticmethod
     def _rebuild(call: _Call, stored: list, grad: bool = False):
