@@ -267,3 +267,43 @@ def test_the_schedule_bench_runs_and_halves_the_ssd_traffic(tmp_path):
     assert r["losses_bitwise_equal"]
     loop, block = r["cases"]["loop"], r["cases"]["block-major"]
     assert block["weights_read_bytes_per_param_per_iter"] < loop["weights_read_bytes_per_param_per_iter"]
+
+
+def test_waiting_micro_batches_hold_no_hidden_states_on_the_device(daemon, monkeypatch):
+    """On a device with its own memory, a micro-batch waiting for its turn holds none of
+    its hidden states there: its input to block 0 and what its forward made before block 0
+    (GPT-2's token and position embeddings) leave the device as block 0 is reached, so the
+    device holds the same few whatever the number of micro-batches (on an H200 a step of 64
+    micro-batches ran out of a 4 GiB cap on them). Counted at every block's turn: live
+    tensors of a hidden state's width outside shared memory and the stand-in's own uploads."""
+    import gc
+
+    from fuyou_client import blockmajor
+
+    k, width = 8, 64
+    device = LateCopyDevice(seed=3)
+    torch.manual_seed(0)
+    model = tiny_gpt2(width=width)
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), socket=daemon.socket, device=device)
+    counts = []
+    turn = blockmajor.BlockMajor._forward_turn
+
+    def counted(self, l, args, kwargs):
+        out = turn(self, l, args, kwargs)
+        shared = [(s.address, s.address + s.size) for s in list(engine.session._segments.values())]
+        uploads = {a.data_ptr() for a in device.allocated}
+        storages = set()
+        for o in gc.get_objects():
+            if isinstance(o, torch.Tensor) and o.is_floating_point() and o.dim() == 3 and o.shape[-1] == width:
+                ptr = o.untyped_storage().data_ptr()
+                if o.numel() and ptr not in uploads and not any(lo <= ptr < hi for lo, hi in shared):
+                    storages.add(ptr)
+        counts.append(len(storages))
+        return out
+
+    monkeypatch.setattr(blockmajor.BlockMajor, "_forward_turn", counted)
+    micro_batches = batches(k=k, steps=1)[0]
+    losses = engine.train_step(micro_batches, lambda x: model(x, labels=x).loss / k)
+    assert torch.isfinite(losses).all()
+    assert len(counts) == k * model.config.n_layer and max(counts) <= 3, counts
+    engine.close()

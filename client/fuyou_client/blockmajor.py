@@ -37,6 +37,7 @@ checkpoints are kept by block_store.py.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -240,6 +241,9 @@ class BlockMajor:
 
         self._last_leaves: dict[int, list] = {}
         self._local = threading.local()
+        self._work_code, self._micro_batches = work.__code__, micro_batches
+        self._resident = {t.untyped_storage().data_ptr() for t in (*self.engine.model.parameters(),
+                                                                   *self.engine.model.buffers()) if t.numel()}
         threads = [threading.Thread(target=work, args=(i,), name=f"fuyou-micro{i}", daemon=True) for i in range(k)]
         for t in threads:
             t.start()
@@ -273,11 +277,7 @@ class BlockMajor:
         early = l == 0 and not self.device.shares_host_memory
         if early:  # (still its prologue's turn)
             call, carried = self._record(0, i, args, kwargs)
-            for t in carried:
-                # Block 0's inputs leave the device now, not after block 0: the K prologues'
-                # outputs would otherwise all wait there for its turn (a step's tokens x width).
-                # The model's own reference is emptied; the copy in flight holds the memory.
-                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+            self._park(carried, tree_flatten((args, kwargs))[0], i)
         self.turns.advance()  # (its prologue or previous block is done)
         self.turns.wait((l, i))
         _set_rng(micro.rng, self.cuda)
@@ -317,6 +317,30 @@ class BlockMajor:
         for j, t in zip(floating, given):
             leaves[j] = t
         return tree_unflatten(leaves, spec)
+
+    def _park(self, carried: list, arguments: list, i: int) -> None:
+        """Before micro-batch ``i`` waits for block 0 on a device with its own memory: its
+        inputs to block 0 (on their way to the arena) and the rest of what its forward made
+        before block 0 and still holds in its frames (an embedding, the positions' own, ...)
+        leave the device; each waiting micro-batch would otherwise hold them until its forward
+        returns, a step's tokens x width several times over. Emptied in place (the model's
+        references stay; a copy in flight holds its memory until done): floating tensors
+        on the device, not parameters, buffers or views of them, not block 0's other
+        arguments (masks, rotary tables) and not the micro-batch itself. A model that reads
+        one of them after its blocks fails on its empty shape."""
+        keep = {id(t) for t in arguments if isinstance(t, torch.Tensor)} - {id(t) for t in carried}
+        keep |= {id(t) for t in tree_flatten(self._micro_batches[i])[0] if isinstance(t, torch.Tensor)}
+        for t in carried:
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        frame = sys._getframe(2)  # (the stand-in's caller: the model's forward)
+        while frame is not None and frame.f_code is not self._work_code:
+            for value in list(frame.f_locals.values()):
+                for t in tree_flatten(value)[0] if isinstance(value, (tuple, list, dict)) else [value]:
+                    if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and id(t) not in keep \
+                            and t.is_floating_point() and t.device == self.device.torch_device and t.numel() \
+                            and t.untyped_storage().data_ptr() not in self._resident:
+                        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+            frame = frame.f_back
 
     def _record(self, l: int, i: int, args, kwargs) -> tuple[_Call, list]:
         leaves, spec = tree_flatten((args, kwargs))
