@@ -307,7 +307,9 @@ def main(argv=None) -> int:
     except OSError as exc:  # (findmnt missing)
         host = {"error": str(exc), "cpus": os.cpu_count()}
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("worker", "spec")}
-    out = {"host": host, "gpu": gpu, "args": settings, "schedule": args.schedule,
+    out = {"command": " ".join(["bench/gpu.py", *(argv if argv is not None else sys.argv[1:])]),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": host, "gpu": gpu, "args": settings,
+           "schedule": args.schedule,
            "gpu_cap_bytes": args.cap, "model_params": params, "model_layers": layers,
            "model_flops_per_token": 6 * params, "tokens_per_step": args.micro * args.accum * args.seq,
            "state_bytes": params * STATE_BYTES_PER_PARAM, "state_over_cap": params * STATE_BYTES_PER_PARAM / args.cap,

@@ -74,6 +74,10 @@ bench() {
     timeout "${BENCH_TIMEOUT:-330}" python3 bench/gpu.py --json "$OUT/gpu-$GPU.json" --cap 4GiB --micro 8 --accum 64 --weights host \
         --iters 1 --no-zero --deadline "${BENCH_DEADLINE:-200}" --dir /tmp/bench ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu-bench.log" | tail -60
     rm -rf /tmp/bench
+    # A case that died leaves its private fuyoud shutting down (SIGTERM from its parent's death)
+    # with its deleted data files open: on the H200 the next stage found 28 GB less disk.
+    for _ in $(seq 60); do pgrep -f "fuyoud --config" >/dev/null || break; sleep 1; done
+    pgrep -f "fuyoud --config" >/dev/null && log "fuyoud processes still running after the bench"
     SUMMARY+=("bench: $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r.get(k) for k in ('fuyou_tflops','inmem_ceiling_tflops','inmem_same_model_tflops','fuyou_over_ceiling','fuyou_over_inmem_same_model','gpu_busy_fraction','errors')})" "$OUT/gpu-$GPU.json" 2>&1 | tail -3)")
 }
 
