@@ -242,6 +242,7 @@ class BlockMajor:
         self._last_leaves: dict[int, list] = {}
         self._local = threading.local()
         self._work_code, self._micro_batches = work.__code__, micro_batches
+        self._modules = {id(m) for m in self.engine.model.modules()}
         self._resident = {t.untyped_storage().data_ptr() for t in (*self.engine.model.parameters(),
                                                                    *self.engine.model.buffers()) if t.numel()}
         threads = [threading.Thread(target=work, args=(i,), name=f"fuyou-micro{i}", daemon=True) for i in range(k)]
@@ -321,19 +322,23 @@ class BlockMajor:
     def _park(self, carried: list, arguments: list, i: int) -> None:
         """Before micro-batch ``i`` waits for block 0 on a device with its own memory: its
         inputs to block 0 (on their way to the arena) and the rest of what its forward made
-        before block 0 and still holds in its frames (an embedding, the positions' own, ...)
-        leave the device; each waiting micro-batch would otherwise hold them until its forward
-        returns, a step's tokens x width several times over. Emptied in place (the model's
-        references stay; a copy in flight holds its memory until done): floating tensors
-        on the device, not parameters, buffers or views of them, not block 0's other
-        arguments (masks, rotary tables) and not the micro-batch itself. A model that reads
-        one of them after its blocks fails on its empty shape."""
+        before block 0 and still holds in the model's forward frames (an embedding, the
+        positions' own, ...) leave the device; each waiting micro-batch would otherwise hold
+        them until its forward returns, a step's tokens x width several times over. Emptied
+        in place (the model's references stay; a copy in flight holds its memory until
+        done): floating tensors on the device, not parameters, buffers or views of them, not
+        block 0's other arguments (masks, rotary tables), not the micro-batch itself and
+        nothing of ``loss_fn``'s own. A model that reads one of them after its blocks fails
+        on its empty shape."""
         keep = {id(t) for t in arguments if isinstance(t, torch.Tensor)} - {id(t) for t in carried}
         keep |= {id(t) for t in tree_flatten(self._micro_batches[i])[0] if isinstance(t, torch.Tensor)}
         for t in carried:
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         frame = sys._getframe(2)  # (the stand-in's caller: the model's forward)
         while frame is not None and frame.f_code is not self._work_code:
+            if id(frame.f_locals.get("self")) not in self._modules:
+                frame = frame.f_back  # (not one of the model's forwards: loss_fn's own tensors stay)
+                continue
             for value in list(frame.f_locals.values()):
                 for t in tree_flatten(value)[0] if isinstance(value, (tuple, list, dict)) else [value]:
                     if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and id(t) not in keep \
