@@ -76,14 +76,14 @@ def _scaled(name: str, memory: int, peak: float, pcie: float, pcie_source: str, 
 
 
 _GEN4 = "assumed: PCIe 4.0 x16, about 25 GB/s of its 32 each way"
-_GEN5 = "assumed: PCIe 5.0 x16 as measured on the H100 host, 54 GB/s each way"
 PROFILES: dict[str, GpuProfile] = {
     "h100": GpuProfile("h100", 80 * GiB, 989.4, Rate(H100_KERNEL_TFLOPS, f"measured: {H100_RUN} (ceiling run)"),
                        Rate(H100_PASS_GAP_S, f"measured: {H100_RUN} (ceiling run)"),
                        Rate(54.0, _MEASURED_PCIE), Rate(54.0, _MEASURED_PCIE), device_factor=H100_DEVICE_FACTOR,
                        source="NVIDIA H100 SXM5 80 GB: 989.4 dense bf16 TFLOPS (NVIDIA H100 datasheet); "
                               f"rates measured in {H100_RUN}"),
-    "h200": _scaled("h200", 141 * 10**9, 989.4, 54.0, _GEN5,
+    "h200": _scaled("h200", 141 * 10**9, 989.4, 55.3,
+                    "measured: 55.3 GB/s each way on the H200 host (bench/results/gpu-h200/gpu-bench-35999d1.json)",
                     "NVIDIA H200 SXM 141 GB: 989 dense bf16 TFLOPS (NVIDIA H200 datasheet)"),
     "a100": _scaled("a100", 80 * GiB, 312.0, 25.0, _GEN4,
                     "NVIDIA A100 SXM 80 GB: 312 dense bf16 TFLOPS (NVIDIA A100 datasheet)"),
