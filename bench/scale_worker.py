@@ -23,7 +23,7 @@ backward end, step end, zero_grad end), the StepInfo sums, the daemon's counters
 seconds over the window, loopback tx bytes (/proc/net/dev, rank 0 reads the machine-wide
 figure) and this process's own TCP bytes sent (``ss -tinp``: per socket, so other users of
 loopback on this shared machine do not count), the daemon's identity (to sum over daemons),
-and what the engine asked of the network: every call of ``fuyou_client.distributed``'s
+and what the engine asked of the network: every call of ``fuyou_client.parallel.world``'s
 reduce_scatter / all_gather / all_reduce in the window (counted by wrapping them: the
 engine's collectives all go through them; an offloaded block's fetch gather apart from the
 barrier's), the layer groups' sizes (numel, the padded numel the shards cut, offloaded or
@@ -83,13 +83,13 @@ def cpu_seconds(pid: int) -> float:
 
 
 class CollectiveCounter:
-    """Wraps ``fuyou_client.distributed``'s collectives (sharded.py calls them through the
+    """Wraps ``fuyou_client.parallel.world``'s collectives (sharded.py calls them through the
     module): per kind, calls and bytes of the full vector (reduce-scatter: its input; all-gather:
     its output; all-reduce: the tensor), and per call site of the all-gathers, the weights
     fetches' (``gather_fetch``) apart from the landing's."""
 
     def __init__(self):
-        from fuyou_client import distributed
+        from fuyou_client.parallel import world as distributed
         self.counts = {k: {"calls": 0, "bytes": 0} for k in ("reduce_scatter", "all_gather", "all_gather_fetch",
                                                               "all_reduce")}
         self.on = False

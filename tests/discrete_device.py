@@ -20,7 +20,7 @@ from concurrent.futures import Future
 
 import torch
 
-from fuyou_client.device import DONE, Device, call_into
+from fuyou_client.device.devices import DONE, Device, call_into
 
 
 class Event:

@@ -156,8 +156,8 @@ def _reduce_scatter(params) -> torch.Tensor:
 
 
 def _layer_groups(model) -> list[list[torch.nn.Parameter]]:
-    from fuyou_client.grouping import split
-    from fuyou_client.param_groups import resolve
+    from fuyou_client.model.blocks import split
+    from fuyou_client.model.param_groups import resolve
 
     tg = resolve(model, fuyou_client.AdamW(**HYPER), None, None)
     return [[p for _, p in spec.params] for spec in split(model, None, tg.index) if spec.params]

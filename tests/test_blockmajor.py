@@ -279,7 +279,7 @@ def test_waiting_micro_batches_hold_no_hidden_states_on_the_device(daemon, monke
     What loss_fn itself holds is left alone."""
     import gc
 
-    from fuyou_client import blockmajor
+    from fuyou_client.blockmajor import schedule as blockmajor
 
     k, width = 8, 40  # (a width no other test's model has: the count looks at every live tensor)
     device = LateCopyDevice(seed=3)

@@ -25,8 +25,8 @@ import torch
 import fuyou_client
 from conftest import HYPER, in_process_config, make_engine, tiny_gpt2
 from discrete_device import LateCopyDevice
-from fuyou_client.block_store import Plan, Store
-from fuyou_client.device import HostDevice
+from fuyou_client.blockmajor.store import Plan, Store
+from fuyou_client.device.devices import HostDevice
 from test_attach import daemon  # noqa: F401 (a module-scoped fuyoud)
 from test_blockmajor import assert_same, loop_step
 

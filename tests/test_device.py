@@ -167,7 +167,7 @@ def test_a_failed_host_addition_fails_its_groups_step(daemon):
 
 
 def test_the_cuda_helper_thread_outlives_a_failing_call():
-    from fuyou_client.device import _Thread
+    from fuyou_client.device.devices import _Thread
     helper, done = _Thread("test-helper"), threading.Event()
 
     def fail():

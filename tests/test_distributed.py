@@ -219,7 +219,7 @@ def test_a_killed_rank_is_an_error_on_the_others_and_resume_continues(daemon, sa
 def test_a_damaged_world_file_and_bad_options_are_refused(tmp_path):
     """A world.json whose world size is not a positive integer is refused before any
     shard is read; the data-parallel options are checked like the others."""
-    from fuyou_client import dp_checkpoints
+    from fuyou_client.parallel import checkpoints as dp_checkpoints
 
     (tmp_path / "world.json").write_text(json.dumps({"format": 1, "world_size": 0}))
     with pytest.raises(ValueError, match="world_size 0, not a positive integer"):

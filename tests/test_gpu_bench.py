@@ -101,7 +101,7 @@ def finish(proc: subprocess.Popen, out: Path) -> dict:
 
 def test_the_gpu_benchmark_runs_end_to_end_on_the_cpu(short_tmp):
     pytest.importorskip("transformers")
-    from fuyou_client.engine import Engine
+    from fuyou_client.engine.engine import Engine
     assert hasattr(Engine, "train_step")
     prof, stand_in = short_tmp / "prof", short_tmp / "stand-in"
     stand_in.mkdir()

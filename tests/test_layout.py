@@ -1,7 +1,15 @@
-"""The tree is a picture of the architecture: each package's directory is named as it is
-imported (client/fuyou_client, proto/fuyou_proto, fuyoud), and no module of a package
-imports, at run time, one that imports it back (imports under TYPE_CHECKING aside, and
-the package's own __init__, a facade, aside)."""
+"""The tree is a picture of the architecture:
+
+* each package's directory is named as it is imported (client/fuyou_client,
+  proto/fuyou_proto, fuyoud);
+* no module imports one that imports it back, counting every import (those under
+  TYPE_CHECKING and those inside functions too); a package's ``__init__`` is a facade
+  over its own modules, which import each other directly, never through it (that
+  would be a circle);
+* the client's subpackages are layered: each imports only those before it in LAYERS;
+* no client module touches another's private names (``x._name``, ``from m import _name``);
+* no client function is longer than 80 lines without a comment saying why.
+"""
 from __future__ import annotations
 
 import ast
@@ -13,27 +21,39 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = {"fuyoud": REPO / "fuyoud", "fuyou_client": REPO / "client" / "fuyou_client",
             "fuyou_proto": REPO / "proto" / "fuyou_proto"}
+CLIENT = PACKAGES["fuyou_client"]
+
+# The client's layers, lowest first (docs/architecture.md describes each).
+LAYERS = ["errors", "optim", "connection", "device", "model", "memory", "offload", "gradients", "groups", "steps",
+          "activations", "blockmajor", "checkpoints", "parallel", "sizing", "engine", "integrations"]
+
+# Private attributes of torch, transformers and the standard library the client may use.
+FOREIGN_PRIVATE = {"_modules", "_parameters", "_buffers", "_non_persistent_buffers_set", "_version", "_schema",
+                   "_cdata", "_getframe", "_foreach_norm", "_make_wrapper_subclass", "_initialize_weights",
+                   "_init_weights", "_reset_parameters", "_get_default_group", "_get_backend", "_timeout",
+                   "_save_checkpoint", "_save"}
+LONG_FUNCTION = 80
+
+
+def module_name(root: Path, package: str, path: Path) -> str:
+    return ".".join([package, *path.relative_to(root).with_suffix("").parts]).removesuffix(".__init__")
 
 
 def imports(root: Path, package: str) -> dict[str, set[str]]:
-    """module -> the package's modules it imports when it runs."""
+    """module -> the package's modules it imports (any import anywhere in it)."""
+    modules = {module_name(root, package, p): p for p in root.rglob("*.py")}
     graph = {}
-    for path in root.rglob("*.py"):
-        name = ".".join([package, *path.relative_to(root).with_suffix("").parts]).removesuffix(".__init__")
-        tree = ast.parse(path.read_text())
-        typing_only = {id(n) for node in ast.walk(tree)
-                       if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
-                       for n in ast.walk(node)}
+    for name, path in modules.items():
         deps = set()
-        for node in ast.walk(tree):
-            if id(node) in typing_only or not isinstance(node, ast.ImportFrom) or not node.module:
-                continue
-            if node.module == package:  # from package import submodule
-                deps.update(f"{package}.{a.name}" for a in node.names)
-            elif node.module.startswith(package + "."):
-                deps.add(node.module)
-        graph[name] = deps
-    return {m: {d for d in deps if d in graph and d != m and d != package} for m, deps in graph.items()}
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.split(".")[0] == package)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == package:
+                for a in node.names:  # (from package import submodule: that submodule)
+                    sub = f"{node.module}.{a.name}"
+                    deps.add(sub if sub in modules else node.module)
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
 
 
 @pytest.mark.parametrize("package", list(PACKAGES))
@@ -59,3 +79,53 @@ def test_no_import_circles(package):
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+def test_the_client_is_layered():
+    """Each subpackage (or top module) imports only the layers before it."""
+    graph = imports(CLIENT, "fuyou_client")
+    graph.pop("fuyou_client")
+    layer = {}
+    for module in graph:
+        top = module.split(".")[1]
+        assert top in LAYERS, f"{module}: its subpackage {top!r} has no place in LAYERS (and docs/architecture.md)"
+        layer[module] = LAYERS.index(top)
+    wrong = [f"{m} imports {d}" for m, deps in graph.items() for d in deps if layer[d] > layer[m]]
+    assert not wrong, "imports against the layers: " + "; ".join(sorted(wrong))
+    unused = [name for name in LAYERS if not any(m.split(".")[1] == name for m in graph)]
+    assert not unused, f"LAYERS names what the client does not have: {unused}"
+
+
+def _client_sources():
+    for path in sorted(CLIENT.rglob("*.py")):
+        yield path.relative_to(CLIENT), path.read_text()
+
+
+def test_no_client_module_touches_another_ones_private_names():
+    touched = []
+    for rel, text in _client_sources():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = node.value
+                if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                    continue
+                if node.attr not in FOREIGN_PRIVATE:
+                    touched.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fuyou_client"):
+                touched += [f"{rel}:{node.lineno}: from {node.module} import {a.name}" for a in node.names
+                            if a.name.startswith("_")]
+    assert not touched, "private names used from outside their object or module:\n" + "\n".join(touched)
+
+
+def test_no_long_client_function_without_a_reason():
+    """A function over LONG_FUNCTION lines says why in a comment on its first line
+    (``# long: ...``)."""
+    long = []
+    for rel, text in _client_sources():
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > LONG_FUNCTION and "# long:" not in lines[node.lineno - 1]:
+                    long.append(f"{rel}:{node.lineno}: {node.name} ({length} lines)")
+    assert not long, "functions too long, with no reason given:\n" + "\n".join(long)

@@ -16,7 +16,7 @@ import torch
 
 import fuyou_client
 from conftest import HYPER, SMALL, merge, private_daemon, tiny_llama
-from fuyou_client import memory_plan as mp
+from fuyou_client.memory import plan as mp
 from fuyou_proto.units import format_size
 
 MiB, GiB = 1 << 20, 1 << 30

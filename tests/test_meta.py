@@ -182,7 +182,7 @@ CHILD = textwrap.dedent("""
     import json, sys, torch
     from torch import nn
     import fuyou_client
-    from fuyou_client.checkpoints import read_masters
+    from fuyou_client.groups.masters import read_masters
 
     class Net(nn.Module):
         def __init__(self, width, blocks):
@@ -345,7 +345,7 @@ def test_an_init_that_leaves_values_unwritten_is_refused_by_name(daemon, tmp_pat
 def test_the_unwritten_value_check_is_exact_where_the_sum_is_not_finite():
     """The init's NaN sentinel is found by one summation, and exactly (element by element)
     where the sum alone cannot tell: infinities, or finite values whose sum overflows."""
-    from fuyou_client.materialize import _has_nan
+    from fuyou_client.model.materialize import _has_nan
     big = torch.full((3 << 21,), 3e38)  # (finite; the sum overflows to infinity)
     assert not _has_nan(big) and not _has_nan(torch.zeros(0))
     assert not _has_nan(torch.tensor([float("inf"), float("-inf"), 1.0]))  # (the sum is NaN, no element is)
@@ -361,7 +361,7 @@ def test_attach_reuses_the_memory_of_tensors_gone_and_never_of_one_alive():
     """The init's tensors of 1 MiB and more come from maps reused once nothing holds them
     (a fresh map faults every page in again): a map is handed out again only after its
     tensor and every view of it are gone, and the values written into a live one stay."""
-    from fuyou_client.weights_file import ReusedMaps
+    from fuyou_client.model.weights_file import ReusedMaps
     maps = ReusedMaps()
     a = maps.empty((512, 1024), torch.float32).fill_(1.0)
     where = a.data_ptr()

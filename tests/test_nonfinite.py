@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fuyou_client
-from fuyou_client import clipping
+from fuyou_client.gradients import clipping
 from conftest import SMALL, private_daemon
 from fuyou_client import SGD, AdamW
 from fuyou_proto import pb
@@ -254,7 +254,7 @@ def run(daemon, offload, max_grad_norm):
         when[0] = it == 1
         ours(x).square().mean().backward()
         if max_grad_norm is not None and it == 0:
-            assert clipping.coefficient(ours, engine.groups, max_grad_norm) == 1.0  # exactly: no scaling then
+            assert clipping.Clipper(ours, engine.groups).coefficient(max_grad_norm) == 1.0  # exactly: no scaling then
         try:
             engine.step()
         except fuyou_client.NonFinite as exc:

@@ -11,7 +11,7 @@ import torch
 import fuyou_client
 from conftest import HYPER, STREAMING, private_daemon, tiny_gpt2, tiny_llama
 from fuyou_client.errors import InvalidArgument
-from fuyou_client.param_groups import resolve
+from fuyou_client.model.param_groups import resolve
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,7 +11,7 @@ import torch
 
 import fuyou_client
 from conftest import SMALL
-from fuyou_client.planner import BlockProfile, Profile, evaluate, plan, uniform
+from fuyou_client.activations.planner import BlockProfile, Profile, evaluate, plan, uniform
 
 MiB = 1 << 20
 GB = 1e9

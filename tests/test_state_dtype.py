@@ -12,7 +12,7 @@ from torch import nn
 import fuyou_client
 from conftest import SMALL, merge, private_daemon
 from fuyou_client import AdamW
-from fuyou_client.session import _call
+from fuyou_client.connection.session import _call
 from fuyou_proto import pb
 from fuyoud.optimizer.groups import Group
 from fuyoud.optimizer.kernels import OptimizerSpec

@@ -61,13 +61,18 @@ class AdamW:
         check_number("AdamW", "weight_decay", self.weight_decay)
 
     def to_pb(self) -> pb.OptimizerSpec:
-        return pb.OptimizerSpec(kind="adamw", beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+        return pb.OptimizerSpec(kind=self.state_kind, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
                                 weight_decay=self.weight_decay,
                                 state_dtype=state_dtype_value(self.state_dtype))
 
+    @property
+    def state_kind(self) -> str:
+        """The layout of its state object (fuyou_proto.contract.STATE_SLOTS' key, with the state dtype)."""
+        return "adamw"
+
     def state_bytes(self, numel: int) -> int:
         """Bytes of a group's state on the SSD array."""
-        return state_object_bytes("adamw", self.state_dtype, numel)
+        return state_object_bytes(self.state_kind, self.state_dtype, numel)
 
 
 @dataclass(frozen=True)
@@ -89,9 +94,16 @@ class SGD:
         return pb.OptimizerSpec(kind="sgd", momentum=self.momentum, dampening=self.dampening,
                                 weight_decay=self.weight_decay, nesterov=self.nesterov, state_dtype=pb.STATE_FP32)
 
+    state_dtype = "fp32"
+
+    @property
+    def state_kind(self) -> str:
+        """The layout of its state object (fuyou_proto.contract.STATE_SLOTS' key, with the state dtype)."""
+        return "sgd+momentum" if self.momentum else "sgd"
+
     def state_bytes(self, numel: int) -> int:
         """Bytes of a group's state on the SSD array."""
-        return state_object_bytes("sgd+momentum" if self.momentum else "sgd", "fp32", numel)
+        return state_object_bytes(self.state_kind, self.state_dtype, numel)
 
 
 @dataclass(frozen=True)

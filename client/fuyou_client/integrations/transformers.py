@@ -44,10 +44,10 @@ import torch
 import transformers
 from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints
 
-from fuyou_client.attach import attach
-from fuyou_client.engine import Engine
+from fuyou_client.engine.attach import attach
+from fuyou_client.engine.engine import Engine
 from fuyou_client.optim import AdamW
-from fuyou_client.options import AttachOptions
+from fuyou_client.engine.options import AttachOptions
 
 FUYOU_DIR = "fuyou"  # Fuyou's checkpoint inside a Trainer checkpoint folder
 SCHEDULER_NAME = "scheduler.pt"

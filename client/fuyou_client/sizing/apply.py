@@ -20,7 +20,7 @@ log = logging.getLogger("fuyou_client")
 
 def plan_for(model, socket: str | None = None, session=None, seq: int | None = None) -> Plan:
     """The "auto" plan: this model on this host, budgets from the daemon."""
-    from fuyou_client.session import connect
+    from fuyou_client.connection.session import connect
     from fuyou_client.sizing import DEFAULT_SEQ, TOKENS_PER_STEP
 
     shape = from_model(model)

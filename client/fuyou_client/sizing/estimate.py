@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from fuyou_client import memory_plan
+from fuyou_client.memory import plan as memory_plan
 from fuyou_client.sizing.hardware import GB, GiB, Host
 from fuyou_client.sizing.iteration import Rates, Schedule, device_estimate, simulate, state_bytes
 from fuyou_client.sizing.shape import ModelShape
@@ -137,7 +137,7 @@ def chunked(numel: int, s: Settings, host: Host) -> bool:
 
 
 def groups(shape: ModelShape, s: Settings, host: Host) -> list[memory_plan.GroupShape]:
-    """The layer groups attach would plan (engine._plan_memory), from the shape alone."""
+    """The layer groups attach would plan (engine/build.py plan_memory), from the shape alone."""
     c = _compute_bytes(host)
     offload = s.offload if host.gpu is not None or s.offload is True else False  # ("host" on the CPU: resident)
     keeps = s.schedule == "loop" and s.micro_batches > 1  # gradients kept until the step

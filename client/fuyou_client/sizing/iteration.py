@@ -317,7 +317,7 @@ def _loop(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
     return {"micro_end": cpu, "end": max(end, t.free["gpu"]), "additions": additions}
 
 
-def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
+def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:  # long: one timeline, pass by pass
     """engine.train_step (blockmajor.py): forward block by block over all K micro-batches, each
     block's input (a checkpoint) downloaded into the host arena as it is made and uploaded for
     its use, the next one ahead; the tail's forward and input gradient per micro-batch. Backward

@@ -2,19 +2,16 @@
 what binds, what would help, and every assumed rate with its source."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from fuyou_proto.units import format_size
 
-if TYPE_CHECKING:
-    from fuyou_client.sizing.search import Plan
+# (plan: a search.Plan, which formats itself with this module: not imported here)
 
 
 def _where(offload) -> str:
     return {True: "the SSD array", "host": "pinned host memory", False: "the GPU"}[offload]
 
 
-def settings_line(plan: "Plan") -> str:
+def settings_line(plan) -> str:
     s = plan.best.settings
     how = "engine.train_step (block-major)" if s.schedule == "block-major" else "the ordinary loop"
     return (f"{how}: {s.micro_batch} x {s.seq} tokens per micro-batch, {s.micro_batches} micro-batch{'es' if s.micro_batches > 1 else ''} = "
@@ -22,13 +19,13 @@ def settings_line(plan: "Plan") -> str:
             f"host arena {format_size(plan.best.plan.host_budget)}")
 
 
-def call_line(plan: "Plan") -> str:
+def call_line(plan) -> str:
     s = plan.best.settings
     opts = ", ".join(f"{k}={v!r}" for k, v in s.attach_options().items())
     return f"attach(model, AdamW(state_dtype={s.state_dtype!r}), {opts})  # or attach(model, plan=plan)"
 
 
-def text(plan: "Plan") -> str:
+def text(plan) -> str:
     shape, host = plan.shape, plan.host
     lines = [f"model   {shape.describe()}", f"host    {host.describe()}"]
     if plan.best is None:

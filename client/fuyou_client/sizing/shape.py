@@ -166,7 +166,7 @@ def from_model(model) -> ModelShape:
     has one, else from the blocks' largest linear layers."""
     from torch import nn
 
-    from fuyou_client.grouping import find_blocks
+    from fuyou_client.model.blocks import find_blocks
 
     found = find_blocks(model)
     if found is None:

@@ -1,0 +1,525 @@
+"""A client session with fuyoud: the session socket, the gRPC channel, shared memory.
+
+    with fuyou_client.connect() as s:              # the host's daemon
+        buf = s.allocate(1 << 30)                  # pinned shared memory, mapped here
+        buf.tensor(torch.float32)[:] = ...         # fill it in place
+        s.swap_out("weights/0", buf)               # to the SSD array
+        s.swap_in("weights/0", buf)                # and back
+
+Transfers take whole buffers or ranges of them; ``*_async`` variants return futures and
+``swap_out_many`` / ``swap_in_many`` batch several objects into one request.
+"""
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import grpc
+
+from fuyou_client import errors
+from fuyou_client.connection.buffers import Segment, SharedBuffer
+from fuyou_client.optim import DTYPE_NAMES, AdamW, GroupInfo, SGD, StepInfo
+from fuyou_proto import SESSION_METADATA_KEY, pb, rpc
+from fuyou_proto import dtype_value
+
+MAX_MESSAGE = 64 * 1024
+
+
+def default_socket() -> str:
+    """$FUYOUD_SOCKET, else the daemon's default control socket for this user."""
+    env = os.environ.get("FUYOUD_SOCKET")
+    if env:
+        return env
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return str(Path(base) / f"fuyoud-{os.getuid()}" / "fuyoud.sock")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    name: str
+    namespace: str
+    size: int
+    persistent: bool
+    devices: int
+    version: int
+
+    @classmethod
+    def from_pb(cls, m: pb.ObjectInfo) -> "ObjectInfo":
+        return cls(m.name, m.namespace, m.size, m.persistent, m.devices, m.version)
+
+
+@dataclass
+class Out:
+    """One object of a batched swap-out: ``length`` bytes of ``buffer`` from ``offset``."""
+    name: str
+    buffer: SharedBuffer
+    offset: int = 0
+    length: int | None = None
+    persistent: bool = False
+
+    def to_pb(self) -> pb.SwapOutItem:
+        length = self.buffer.size - self.offset if self.length is None else self.length
+        return pb.SwapOutItem(name=self.name, buffer=self.buffer.ref, offset=self.offset, length=length,
+                              persistent=self.persistent)
+
+
+@dataclass
+class In:
+    """One object of a batched swap-in: object bytes from ``object_offset`` into the buffer."""
+    name: str
+    buffer: SharedBuffer
+    offset: int = 0
+    length: int | None = None  # None: the rest of the object
+    object_offset: int = 0
+
+    def to_pb(self) -> pb.SwapInItem:
+        return pb.SwapInItem(name=self.name, buffer=self.buffer.ref, offset=self.offset,
+                             object_offset=self.object_offset, length=self.length or 0)
+
+
+def _call(fn, request, metadata, timeout=None):
+    try:
+        return fn(request, metadata=metadata, timeout=timeout)
+    except grpc.RpcError as exc:
+        raise errors.from_rpc_error(exc) from None
+
+
+def _wrap_future(call: grpc.Future, convert=lambda r: r) -> Future:
+    """A concurrent.futures.Future that raises fuyou_client errors."""
+    fut: Future = Future()
+
+    def done(c: grpc.Future) -> None:
+        exc = c.exception()
+        if exc is None:
+            fut.set_result(convert(c.result()))
+        elif isinstance(exc, grpc.RpcError):
+            fut.set_exception(errors.from_rpc_error(exc))
+        else:
+            fut.set_exception(exc)
+
+    call.add_done_callback(done)
+    return fut
+
+
+def gather(futures: Sequence[Future], combine=list) -> Future:
+    """One future for several: done when every one is (so that no buffer they use is
+    reused early), with ``combine(results)``, or the first one's error."""
+    out: Future = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_f: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors_ = [f.exception() for f in futures if f.exception() is not None]
+        if errors_:
+            out.set_exception(errors_[0])
+        else:
+            try:
+                out.set_result(combine([f.result() for f in futures]))
+            except Exception as exc:  # noqa: BLE001 - handed to the waiter
+                out.set_exception(exc)
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    return out
+
+
+def flatten(outer: Future) -> Future:
+    """A future of a future's result, as one (a step submitted from a callback)."""
+    out: Future = Future()
+
+    def inner_done(inner: Future) -> None:
+        exc = inner.exception()
+        out.set_exception(exc) if exc is not None else out.set_result(inner.result())
+
+    def outer_done(f: Future) -> None:
+        exc = f.exception()
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            f.result().add_done_callback(inner_done)
+
+    outer.add_done_callback(outer_done)
+    return out
+
+
+NO_SOCKET_WAIT_S = 1.0  # how long connecting waits for a socket that is not there yet
+
+
+def _group_of(path: str) -> str:
+    gid = os.stat(path).st_gid
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def _denied(path: str, what: str) -> errors.PermissionDenied:
+    """The error of a user whom the file system keeps away from a daemon's socket."""
+    try:
+        user = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        user = str(os.getuid())
+    try:
+        group = _group_of(path)
+    except OSError:
+        group = "the daemon's group"
+    return errors.PermissionDenied(
+        f"permission denied on {path} ({what}): add user {user} to group {group} (`usermod -aG {group} {user}`, "
+        "then log in again), or ask the operator to admit this user; root and the daemon's own user may "
+        "always connect")
+
+
+def _first_closed_dir(path: str) -> str:
+    """The first directory on the way to ``path`` that this user may not enter."""
+    d = os.path.dirname(os.path.abspath(path))
+    parts = d.split("/")[1:]
+    for i in range(1, len(parts) + 1):
+        prefix = "/" + "/".join(parts[:i])
+        if not os.access(prefix, os.X_OK):
+            return prefix
+    return d
+
+
+def _reachable(path: str, timeout: float) -> None:
+    """Wait (briefly) for the socket of a daemon that is starting, and tell a user the file
+    system keeps out, or a socket nobody listens on, at once rather than after gRPC's
+    timeout."""
+    deadline = time.monotonic() + min(timeout, NO_SOCKET_WAIT_S)
+    while True:
+        try:
+            os.stat(path)
+            break
+        except FileNotFoundError:
+            pass
+        except PermissionError:  # a directory on the way that this user may not enter
+            raise _denied(_first_closed_dir(path), "a directory on the way to the socket") from None
+        if time.monotonic() >= deadline:
+            raise errors.DaemonUnavailable(
+                f"no fuyoud answers at {path} (no socket there): start it with "
+                "`systemctl start fuyoud` or `fuyoud`, or use fuyou_client.start_daemon()")
+        time.sleep(0.05)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as probe:
+        try:
+            probe.connect(path)
+        except PermissionError:
+            raise _denied(path, "the daemon's control socket") from None
+        except ConnectionRefusedError:
+            raise errors.DaemonUnavailable(
+                f"no fuyoud answers at {path}: the socket is there but nothing listens on it (a daemon that "
+                "died?): start it with `systemctl start fuyoud` or `fuyoud`") from None
+        except OSError:
+            pass  # (anything else: let gRPC say what it finds)
+
+
+class Session:
+    def __init__(self, socket_path: str | None = None, namespace: str | None = None, timeout: float = 10.0):
+        self.socket_path = socket_path or default_socket()
+        _reachable(self.socket_path, timeout)
+        self._channel = grpc.insecure_channel(f"unix:{self.socket_path}")
+        self._stub = rpc.FuyouStub(self._channel)
+        self._admin_stub = rpc.FuyouAdminStub(self._channel)
+        try:
+            status = self._admin_stub.Status(pb.StatusRequest(), timeout=timeout, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            self._channel.close()
+            raise errors.DaemonUnavailable(
+                f"no fuyoud answers at {self.socket_path} ({exc.code().name}): start it with "
+                "`systemctl start fuyoud` or `fuyoud`, or use fuyou_client.start_daemon()") from None
+        self.daemon_status = status
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            try:
+                self._sock.connect(status.session_socket)
+            except PermissionError:
+                raise _denied(status.session_socket, "the daemon's session socket") from None
+            self._sock.sendall(json.dumps({"hello": 1, "namespace": namespace, "client": "fuyou_client"}).encode())
+            reply = json.loads(self._sock.recv(MAX_MESSAGE) or b"null")
+        except errors.PermissionDenied:
+            self._sock.close()
+            self._channel.close()
+            raise
+        except (OSError, ValueError) as exc:
+            self._sock.close()
+            self._channel.close()
+            raise errors.DaemonUnavailable(f"session handshake with {status.session_socket} failed: {exc}") from None
+        if not isinstance(reply, dict) or "error" in reply or "token" not in reply:
+            self._sock.close()
+            self._channel.close()
+            err = (reply or {}).get("error", {"code": "UNKNOWN", "message": f"unexpected reply {reply!r}"})
+            raise errors.from_code(err["code"], err["message"])
+        self.id: int = reply["session"]
+        self.namespace: str = reply["namespace"]
+        self._metadata = ((SESSION_METADATA_KEY, reply["token"]),)
+        self._segments: dict[int, Segment] = {}
+        self._seg_lock = threading.Lock()
+        self._device = None  # a compute device every mapped segment is registered with
+        self.closed = False
+
+    # -- memory ---------------------------------------------------------------------
+    def allocate(self, nbytes: int) -> SharedBuffer:
+        """Pinned shared memory of ``nbytes`` bytes, mapped in this process."""
+        ref = _call(self._stub.Allocate, pb.AllocateRequest(size=nbytes), self._metadata)
+        segment = self._segment(ref.segment)
+        segment.live_buffers += 1
+        return SharedBuffer(self._free, ref, segment, nbytes)
+
+    def _segment(self, segment_id: int) -> Segment:
+        """The mapping of a segment; its fd arrived on the session socket before the reply."""
+        with self._seg_lock:
+            while segment_id not in self._segments:
+                msg, fds, _, _ = socket.recv_fds(self._sock, MAX_MESSAGE, 4)
+                if not msg:
+                    raise errors.DaemonUnavailable("fuyoud closed the session socket")
+                info = json.loads(msg)
+                if "segment" not in info or len(fds) != 1:
+                    for fd in fds:
+                        os.close(fd)
+                    raise errors.FuyouClientError(f"unexpected message on the session socket: {info!r}")
+                seg = Segment(info["segment"], info["size"], fds[0])
+                self._segments[info["segment"]] = seg
+                if self._device is not None:
+                    seg.register(self._device)
+            return self._segments[segment_id]
+
+    @property
+    def pinned_bytes(self) -> int:
+        """The shared memory this session holds (its segments, as the daemon counts them)."""
+        with self._seg_lock:
+            return sum(seg.size for seg in self._segments.values())
+
+    def use_device(self, device) -> None:
+        """Register every shared segment, mapped now or later, with a compute device
+        (``fuyou_client.device.devices``: cudaHostRegister on CUDA); None unregisters them."""
+        with self._seg_lock:
+            for seg in self._segments.values():
+                if device is None:
+                    seg.close_registration()
+                else:
+                    seg.register(device)
+            self._device = device
+
+    def _free(self, buf: SharedBuffer) -> None:
+        if self.closed:
+            return
+        _call(self._stub.Free, buf.ref, self._metadata)
+        with self._seg_lock:
+            seg = buf.segment
+            seg.live_buffers -= 1
+            if seg.live_buffers == 0:  # the daemon dropped the segment: drop our mapping too
+                self._segments.pop(seg.id, None)
+                seg.close()
+
+    # -- objects --------------------------------------------------------------------
+    def swap_out(self, name: str, buffer: SharedBuffer, offset: int = 0, length: int | None = None,
+                 persistent: bool = False) -> ObjectInfo:
+        """Store ``buffer[offset:offset+length]`` as object ``name``; returns when it is committed."""
+        return self.swap_out_many([Out(name, buffer, offset, length, persistent)])[0]
+
+    def swap_out_many(self, items: Sequence[Out]) -> list[ObjectInfo]:
+        reply = _call(self._stub.SwapOut, pb.SwapOutRequest(items=[i.to_pb() for i in items]), self._metadata)
+        return [ObjectInfo.from_pb(o) for o in reply.objects]
+
+    def swap_out_async(self, items: Sequence[Out]) -> Future:
+        """Start a batched swap-out; the future's result is the list of ObjectInfo."""
+        call = self._stub.SwapOut.future(pb.SwapOutRequest(items=[i.to_pb() for i in items]), metadata=self._metadata)
+        return _wrap_future(call, lambda r: [ObjectInfo.from_pb(o) for o in r.objects])
+
+    def swap_in(self, name: str, buffer: SharedBuffer, offset: int = 0, length: int | None = None,
+                object_offset: int = 0) -> None:
+        """Copy object bytes (from ``object_offset``; all the rest by default) into the buffer."""
+        self.swap_in_many([In(name, buffer, offset, length, object_offset)])
+
+    def swap_in_many(self, items: Sequence[In]) -> None:
+        _call(self._stub.SwapIn, pb.SwapInRequest(items=[i.to_pb() for i in items]), self._metadata)
+
+    def swap_in_async(self, items: Sequence[In]) -> Future:
+        call = self._stub.SwapIn.future(pb.SwapInRequest(items=[i.to_pb() for i in items]), metadata=self._metadata)
+        return _wrap_future(call, lambda r: None)
+
+    def delete(self, *names: str, missing_ok: bool = False) -> None:
+        _call(self._stub.Delete, pb.DeleteRequest(names=list(names), missing_ok=missing_ok), self._metadata)
+
+    def delete_async(self, *names: str) -> Future:
+        """Delete objects (missing ones are fine) without waiting."""
+        req = pb.DeleteRequest(names=list(names), missing_ok=True)
+        return _wrap_future(self._stub.Delete.future(req, metadata=self._metadata))
+
+    def stat(self, name: str) -> ObjectInfo:
+        return ObjectInfo.from_pb(_call(self._stub.Stat, pb.StatRequest(name=name), self._metadata))
+
+    def objects(self, prefix: str = "") -> list[ObjectInfo]:
+        reply = _call(self._stub.ListObjects, pb.ListObjectsRequest(prefix=prefix), self._metadata)
+        return [ObjectInfo.from_pb(o) for o in reply.objects]
+
+    # -- optimizer groups ---------------------------------------------------------------
+    def create_group(self, name: str, weights: SharedBuffer, optimizer: AdamW | SGD, offset: int = 0,
+                     numel: int | None = None, *, state: bool = False, step: int = 0) -> GroupInfo:
+        """A parameter group whose fp32 master weights start as ``weights[offset:]`` and whose
+        optimizer state lives on the SSD array (persistent object ``optim/<name>``).
+
+        With ``state``, ``weights[offset:]`` holds the whole state of ``numel`` parameters
+        instead (moments too, as the state object lays it out after its header:
+        ``optimizer.state_bytes(numel) - HEADER`` bytes, what swap_in of ``optim/<g>``
+        from ``weights_offset`` gives) and the group starts at step count ``step``: a
+        job resuming at another world size re-shards its optimizer state so."""
+        return self.create_group_async(name, weights, optimizer, offset, numel, state=state, step=step).result()
+
+    def create_group_async(self, name: str, weights: SharedBuffer, optimizer: AdamW | SGD, offset: int = 0,
+                           numel: int | None = None, *, state: bool = False, step: int = 0) -> Future:
+        """``create_group`` without waiting: the future's result is the GroupInfo. The daemon
+        reads ``weights`` until it is done (leave them unchanged until then)."""
+        if state and numel is None:
+            raise ValueError("create_group(state=True) needs numel: the buffer's size does not tell it")
+        numel = (weights.size - offset) // 4 if numel is None else numel
+        req = pb.CreateGroupRequest(name=name, optimizer=optimizer.to_pb(), weights=weights.ref, offset=offset,
+                                    numel=numel, with_state=state, step=step)
+        return _wrap_future(self._stub.CreateGroup.future(req, metadata=self._metadata), GroupInfo.from_pb)
+
+    def group(self, name: str) -> GroupInfo:
+        """An existing group (also one created before a daemon restart)."""
+        return GroupInfo.from_pb(_call(self._stub.GetGroup, pb.GetGroupRequest(name=name), self._metadata))
+
+    def _step_request(self, name, grads, lr, grads_offset, grad_dtype, out, out_offset, out_dtype, grad_scale,
+                      weights_object, hyper, masters=None, masters_offset=0):
+        req = pb.StepGroupRequest(name=name, grads=grads.ref, grads_offset=grads_offset,
+                                  grad_dtype=dtype_value(DTYPE_NAMES[grad_dtype]), lr=lr, weights_object=weights_object,
+                                  out_dtype=dtype_value(DTYPE_NAMES[out_dtype]))
+        if out is not None:
+            req.weights_out.CopyFrom(out.ref)
+            req.weights_out_offset = out_offset
+        if grad_scale is not None:
+            req.grad_scale = grad_scale
+        if hyper is not None:
+            req.hyper.CopyFrom(hyper.to_pb())
+        if masters is not None:
+            req.masters.CopyFrom(masters.ref)
+            req.masters_offset = masters_offset
+        return req
+
+    def step_group(self, name: str, grads: SharedBuffer, lr: float, *, grads_offset: int = 0,
+                   grad_dtype=None, out: SharedBuffer | None = None, out_offset: int = 0, out_dtype=None,
+                   grad_scale: float | None = None, hyper: AdamW | SGD | None = None) -> StepInfo:
+        """One optimizer step of a group: gradients from ``grads`` (times ``grad_scale``), the
+        new weights into ``out`` (in ``out_dtype``) when given. Blocks until committed."""
+        return self.step_group_async(name, grads, lr, grads_offset=grads_offset, grad_dtype=grad_dtype, out=out,
+                                     out_offset=out_offset, out_dtype=out_dtype, grad_scale=grad_scale,
+                                     hyper=hyper).result()
+
+    def step_group_async(self, name: str, grads: SharedBuffer, lr: float, *, grads_offset: int = 0,
+                         grad_dtype=None, out: SharedBuffer | None = None, out_offset: int = 0, out_dtype=None,
+                         grad_scale: float | None = None, weights_object: str = "",
+                         hyper: AdamW | SGD | None = None, masters: SharedBuffer | None = None,
+                         masters_offset: int = 0) -> Future:
+        """Submit a group's step; the future's result is a StepInfo. ``weights_object``
+        names a transient object that receives the new weights (``out_dtype``) too.
+        ``hyper``: this step's hyperparameters (``lr`` aside), where they differ from the
+        group's (a scheduler changed them); the same optimizer and state dtype.
+        ``masters``: the group's fp32 master weights at its current step (from
+        ``masters_offset``), as this client read them: a step in chunks takes them from
+        there instead of the SSD; leave them unchanged until the step is done."""
+        import torch
+
+        req = self._step_request(name, grads, lr, grads_offset, grad_dtype or torch.float32, out, out_offset,
+                                 out_dtype or torch.float32, grad_scale, weights_object, hyper, masters, masters_offset)
+        return _wrap_future(self._stub.StepGroup.future(req, metadata=self._metadata), StepInfo.from_pb)
+
+    def status(self) -> pb.StatusReply:
+        """The daemon's Status (engine, devices, memory, SSD bytes moved; its session list
+        holds this session only)."""
+        return _call(self._admin_stub.Status, pb.StatusRequest(), self._metadata)
+
+    def fetch_weights_async(self, name: str, out: SharedBuffer, dtype, out_offset: int = 0) -> Future:
+        """Ask the daemon for a group's weights (into ``out`` from byte ``out_offset``) from
+        a read-ahead of its state (see the proto); the future's result says whether it
+        served them."""
+        req = pb.FetchWeightsRequest(name=name, out=out.ref, out_offset=out_offset,
+                                     out_dtype=dtype_value(DTYPE_NAMES[dtype]))
+        return _wrap_future(self._stub.FetchWeights.future(req, metadata=self._metadata), lambda r: r.served)
+
+    def checkpoint(self, directory: str | os.PathLike, timeout: float = 60.0, mode: str = "auto",
+                   client_state: bytes = b"") -> pb.CheckpointReply:
+        """Have the daemon checkpoint this session's persistent objects (optimizer state
+        included) into ``directory``, an absolute path on the daemon's host that must not
+        exist yet, at a point between optimizer steps. ``mode``: "snapshot" (shares the
+        objects' extents on the array: no copy), "copy" (files in the directory), "auto"
+        (snapshot when the directory is on the array's filesystem). See proto/fuyou.proto."""
+        req = pb.CheckpointRequest(directory=os.fspath(directory), timeout_seconds=timeout, mode=mode,
+                                   client_state=client_state)
+        return _call(self._stub.Checkpoint, req, self._metadata, timeout=timeout + 3600)
+
+    def restore(self, directory: str | os.PathLike) -> pb.RestoreReply:
+        """Bring a checkpoint's objects into this session's namespace (all or nothing)."""
+        return _call(self._stub.Restore, pb.RestoreRequest(directory=os.fspath(directory)), self._metadata,
+                     timeout=3600)
+
+    def delete_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Remove a checkpoint: its directory and, for a snapshot, the extents it holds."""
+        _call(self._stub.DeleteCheckpoint, pb.DeleteCheckpointRequest(directory=os.fspath(directory)),
+              self._metadata, timeout=600)
+
+    def report_async(self, iterations: int, iteration_seconds: float, exposed_optimizer_seconds: float,
+                     activation_bytes_to_host: int = 0, activation_bytes_to_ssd: int = 0) -> Future:
+        """Tell the daemon this client's figures since its last report (its metrics
+        export them: iterations, time waited for the optimizer, activation traffic)."""
+        req = pb.ReportRequest(iterations=iterations, iteration_seconds=iteration_seconds,
+                               exposed_optimizer_seconds=exposed_optimizer_seconds,
+                               activation_bytes_to_host=activation_bytes_to_host,
+                               activation_bytes_to_ssd=activation_bytes_to_ssd)
+        return _wrap_future(self._stub.Report.future(req, metadata=self._metadata))
+
+    @property
+    def stub(self) -> rpc.FuyouStub:
+        """The raw gRPC stub (with ``metadata`` below) for calls this class does not wrap."""
+        return self._stub
+
+    @property
+    def admin_stub(self) -> rpc.FuyouAdminStub:
+        """The raw stub of the operator's service (Status, ListSessions, Drain)."""
+        return self._admin_stub
+
+    @property
+    def metadata(self) -> tuple:
+        return self._metadata
+
+    # -- lifetime -------------------------------------------------------------------
+    def close(self) -> None:
+        """End the session: the daemon releases its memory and transient objects."""
+        if self.closed:
+            return
+        try:
+            self._stub.CloseSession(pb.Empty(), metadata=self._metadata, timeout=10)
+        except grpc.RpcError:
+            pass  # the daemon is gone or the session already ended: nothing left to release
+        self.closed = True
+        self._sock.close()
+        self._channel.close()
+        with self._seg_lock:
+            for seg in self._segments.values():
+                seg.close()
+            self._segments.clear()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect(socket_path: str | None = None, namespace: str | None = None, timeout: float = 10.0) -> Session:
+    """Open a session with the daemon at ``socket_path`` (default: $FUYOUD_SOCKET or the
+    default path). ``namespace`` names where persistent objects live; one live session at
+    a time may hold a namespace."""
+    return Session(socket_path, namespace, timeout)

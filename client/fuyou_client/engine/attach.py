@@ -1,0 +1,119 @@
+"""``attach(model, optimizer, **options)``: the one call that hooks a model up to fuyoud.
+
+It validates the options (options.py) and the parameter groups (model/param_groups.py),
+cuts the model into layer groups (model/blocks.py), makes a model built on the meta
+device real one group at a time (model/materialize.py), connects, resumes when asked,
+and builds the Engine (build.py); when anything fails the model is left as it came. What
+differs between one process and data parallelism is asked of the parallelism seam
+(parallel/seam.py): with data parallelism every rank calls attach, and a failure on any
+rank is an error on every rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from fuyou_client import parallel as parallelism
+from fuyou_client.connection import connect
+from fuyou_client.device import resolve
+from fuyou_client.engine.build import build
+from fuyou_client.engine.engine import Engine
+from fuyou_client.engine.hooks import GRADIENT_CHECKPOINTING, hf_checkpointing
+from fuyou_client.engine.options import AttachOptions
+from fuyou_client.model import block_list, prepare, split
+from fuyou_client.model import resolve as resolve_groups
+from fuyou_client.optim import SGD, AdamW
+
+
+def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) -> Engine:
+    """Hook ``model`` up to fuyoud: its optimizer state (``optimizer``, default
+    ``AdamW()``) moves to the SSD array, each layer group is stepped by the daemon as soon
+    as backward has finished it, and the blocks' weights are fetched ahead of use. The
+    options (``socket=``, ``max_grad_norm=``, ``offload=``, ``resume=``, ``weights=``,
+    ``activations=``...) are the fields of ``fuyou_client.AttachOptions``, which
+    documents each one; a misspelt or invalid one is refused before anything starts.
+
+    Under torch.distributed (a world of more than one rank) every rank calls it: each
+    connects to its own host's daemon and keeps its shard of the optimizer state there
+    (docs/guide/distributed.md); a failure on any rank is an error on every rank.
+
+    ``plan=``: a ``fuyou_client.plan(...)`` result or ``"auto"`` (plan for this model on
+    this host now): its settings become the options not given (sizing/apply.py);
+    ``engine.sizing_plan`` keeps it (its ``settings``: the micro-batch shape it assumed)."""
+    plan = options.pop("plan", None)  # a fuyou_client.plan(...) or "auto": its settings (sizing/apply.py)
+    if plan is not None:
+        from fuyou_client.sizing.apply import apply
+        options, optimizer, plan = apply(plan, model, optimizer, options)
+    base = options.pop("options", None)  # attach(model, opt, options=AttachOptions(...), **overrides) too
+    opts = dataclasses.replace(base, **options) if base is not None else AttachOptions(**options)
+    par = parallelism.of(opts.process_group)
+    materializer, error, prepared = None, None, None
+    try:
+        par.check_options(opts)
+        materializer = prepare(model, opts.weights, opts.resume is not None)  # (a meta model: CPU stand-ins now)
+        prepared = _prepare(model, optimizer, opts, materializer, par)
+    except BaseException as exc:  # noqa: BLE001 - agreed below (one process: raised there)
+        if materializer is not None:
+            materializer.undo()
+        error = exc
+    par.agree(error, "attach")
+    torch_groups, groups, device = prepared
+    par.agree_on_model(groups, torch_groups)
+    namespace = par.namespace(opts.namespace)
+    owns, session = opts.session is None, opts.session
+    try:
+        session = session or connect(opts.socket, namespace=namespace)
+    except BaseException as exc:  # noqa: BLE001 - agreed below
+        if materializer is not None:
+            materializer.undo()
+        error = exc
+    par.agree(error, "connecting to fuyoud")
+    try:
+        state = par.restore(session, model, groups, opts)
+        engine = build(model, session, torch_groups, groups, opts, device, owns, state is not None, materializer,
+                       par)
+    except BaseException as exc:  # noqa: BLE001 - agreed below
+        _undo(owns, session, device, materializer)
+        par.agree(exc, "attach")
+    try:
+        engine.peers = par.joined(session)
+        if state is not None:
+            engine.checkpoint_groups = state["groups"]
+            engine.resume_lr()
+            engine.checkpoint_extra = state["extra"]
+        if materializer is not None:
+            materializer.commit()
+        engine.sizing_plan = plan
+        return engine
+    except BaseException:
+        engine.close(materialize=False)
+        if materializer is not None:
+            materializer.undo()
+        raise
+
+
+def _prepare(model: nn.Module, optimizer, opts: AttachOptions, materializer, par):
+    """(torch param groups, layer-group specs, device), checked before anything connects."""
+    par.check_model(materializer)
+    torch_groups = resolve_groups(model, optimizer or AdamW(), opts.param_groups, opts.no_decay)
+    groups = split(model, opts.blocks, torch_groups.index)
+    if not any(g.params for g in groups):
+        raise ValueError("the model has no trainable parameters")
+    if opts.offload and hf_checkpointing(model):
+        raise ValueError(GRADIENT_CHECKPOINTING)
+    if materializer is not None:
+        materializer.bind(block_list(model, opts.blocks))
+    device = resolve(opts.device, model)
+    par.check_device(opts, device)
+    return torch_groups, groups, device
+
+
+def _undo(owns: bool, session, device, materializer) -> None:
+    if owns:
+        session.close()
+    elif not device.shares_host_memory:
+        session.use_device(None)
+    device.close()
+    if materializer is not None:
+        materializer.undo()  # (the model is on the meta device again)

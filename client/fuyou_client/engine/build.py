@@ -1,0 +1,204 @@
+"""The one place that builds an Engine's parts, each from the parts it uses (as
+fuyoud/server.py builds the daemon), in dependency order; nothing is patched into a part
+after it is built.
+
+    memory plan -> gradient strategies -> layer groups (state created in the daemon)
+    -> offloader -> gradient pool / host accumulator -> step coordinator
+    -> activation swapper and planner -> model hooks -> Engine
+
+When a part fails, the model's parameters are put back as they came.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+
+from fuyou_proto.contract import stepped_in_chunks
+
+from fuyou_client import memory
+from fuyou_client.activations import ActivationSwapper, AutoPlanner, treatments
+from fuyou_client.connection import Session
+from fuyou_client.device import Device
+from fuyou_client.engine.hooks import ModelHooks
+from fuyou_client.engine.options import AttachOptions
+from fuyou_client.gradients import HostAccumulated, Pooled, Resident
+from fuyou_client.groups import LayerGroup, Scratch, create, placement
+from fuyou_client.groups.placement import hands_over, weights_rewritten
+from fuyou_client.model import GroupSpec, TorchGroups
+from fuyou_client.offload import Offloader
+from fuyou_client.parallel.world import Shards
+from fuyou_client.steps import StepCoordinator
+
+log = logging.getLogger("fuyou_client.engine")
+
+
+def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: list[GroupSpec],
+          options: AttachOptions, device: Device, owns_session: bool, resume: bool, materializer, parallel):
+    """The Engine of ``model``: its groups' state created in the daemon (or, ``resume``,
+    restored there already), its parameters pointed at shared or device memory, every
+    part wired. ``parallel``: the parallelism seam (parallel/seam.py)."""
+    from fuyou_client.engine.engine import Engine  # (the API this module builds)
+
+    options = options.for_device(device.shares_host_memory)
+    pool_grads = bool(options.offload) and options.accumulation_steps == 1 and options.max_grad_norm is None
+    layout = [(spec, *where) for spec in specs
+              if (where := placement(spec, options.offload, pool_grads, options.grad_accumulation,
+                                     parallel.data_parallel)) is not None]
+    # Every shared buffer below, planned from the session's budget first (memory/plan.py):
+    # a budget that cannot hold the smallest plan is refused before anything is allocated.
+    plan = plan_memory(session, layout, torch_groups, options, device, parallel.world)
+    (log.warning if plan.shrunk else log.info)("%s", plan.describe())
+    options = dataclasses.replace(options, prefetch=plan.prefetch, host_budget=plan.host_budget)
+    check_capacity(session, specs, torch_groups, options.offload, resume, parallel.share)
+    if not device.shares_host_memory:
+        session.use_device(device)  # cudaHostRegister of every shared segment
+    # Where each group's gradients live until its step (gradients/strategy.py).
+    strategies = {"resident": Resident(device), "pooled": Pooled(), "host": HostAccumulated(),
+                  "sharded": parallel.gradient_strategy(options, device)}
+    groups = _create_groups(session, device, layout, torch_groups, strategies, resume, materializer, parallel)
+    offloaded = [g.offloaded for g in groups if g.offloaded is not None]
+    for g in groups:  # (blocks stepped in chunks: their steps take the masters their backward read)
+        if g.offloaded is not None:
+            g.offloaded.hands_over = plan.handoff and hands_over(g)
+    pooled, host = strategies["pooled"], strategies["host"]
+    by_name = {g.spec.name: g for g in groups}
+
+    def on_backward(og) -> None:  # (a frozen block has no gradients)
+        if by_name[og.name].strategy is pooled:
+            pooled.pool.assign(by_name[og.name])
+    offloader = Offloader(session, device, offloaded, plan.prefetch, plan.keep, slots=plan.weight_slots,
+                          on_backward=on_backward, gather=parallel.fetch_gather(session, groups)) \
+        if offloaded else None
+    accumulated = [g for g in groups if g.strategy is host]
+    host_grads = host.bind(session, device, max(g.numel for g in accumulated) * 4, plan.staging_buffers) \
+        if accumulated else None
+    gradients = pooled.bind(session, device, plan.grad_buffers,
+                            max(g.numel * g.dtype.itemsize for g in groups if g.strategy is pooled)) \
+        if any(g.strategy is pooled for g in groups) else None
+    in_use = [st for st in strategies.values() if st is not None and any(g.strategy is st for g in groups)]
+    grouped = {id(p) for g in groups for _, p in g.spec.params}
+    frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in grouped]  # (at attach)
+    engine = None  # (built last; the coordinator reads its torch param groups, as schedulers left them, per step)
+    coordinator = StepCoordinator(session, device, groups, lambda: engine.optimizer.param_groups, torch_groups,
+                                  offloader, in_use,
+                                  parallel.clipper(model, groups), options.accumulation_steps,
+                                  options.max_grad_norm, frozen)
+    blocks = [g for g in groups if g.spec.module is not None]
+    weights = {(g.device_weights if g.device_weights is not None else g.weights.tensor(torch.uint8))
+               .untyped_storage().data_ptr() for g in groups if g.weights is not None}
+    activations = ActivationSwapper(session, options.host_budget, device=device,
+                                    protected=lambda t: t.untyped_storage().data_ptr() in weights)
+    treatment = treatments(options.activations, [g.spec.name for g in blocks])
+    hooks = ModelHooks(model, device, groups, coordinator, offloader, activations, treatment, auto=None)
+    auto = AutoPlanner(activations, device, hooks.apply_treatments, [g.spec.name for g in blocks],
+                       options.device_budget, options.host_budget) \
+        if options.activations == "auto" and blocks else None
+    hooks.auto = auto
+    block_modules = [spec.module for spec in specs if spec.module is not None]  # (frozen ones too)
+    engine = Engine(model, session, device, options, plan, groups, torch_groups, coordinator, offloader, activations,
+                    hooks, auto, parallel, owns_session, block_modules, gradients=gradients, host_grads=host_grads)
+    engine.zero_grad()
+    return engine
+
+
+def _create_groups(session, device, layout, torch_groups, strategies, resume, materializer, parallel):
+    """Every layer group's state in the daemon and its parameters pointed at their memory,
+    in forward order; on failure the parameters are put back as they came."""
+    groups: list[LayerGroup] = []
+    originals = [(p, p.data, p.grad) for spec, _, _ in layout for _, p in (*spec.params, *spec.frozen)]
+    # The daemon creates a group's state while the next group's values are made (a
+    # reused buffer: groups/create.py Scratch); resume and data parallelism read or shard instead.
+    biggest = max((spec.numel for spec, _, _ in layout), default=0)
+    scratch = Scratch(session, biggest * 4) if biggest and not resume and not parallel.data_parallel else None
+    try:
+        for spec, mode, kind in layout:
+            index = sum(1 for g in groups if g.offloaded is not None)  # position in forward order
+            if materializer is not None:  # a model on the meta device: this group's values, now
+                materializer.fill(spec, device.torch_device)
+            optimizers = [torch_groups.spec(part.index) for part in spec.parts]
+            shards = parallel.shards(spec.numel) if spec.params else None
+            buf = scratch.take() if scratch is not None and spec.numel else None
+            groups.append(create(session, device, spec, optimizers, mode, index, strategies[kind], resume, shards,
+                                 buf))
+            if buf is not None:
+                scratch.lend(buf, groups[-1].created)
+            if shards is not None:
+                parallel.bind(session, groups[-1])
+        if scratch is not None:
+            scratch.close()
+            scratch = None
+        for g in groups:
+            g.settle()
+        if materializer is not None:
+            materializer.finish(device.torch_device)
+    except BaseException:  # leave the user's model as it was
+        if scratch is not None:
+            with contextlib.suppress(Exception):  # (the error raised is the one that stopped attach)
+                scratch.close()
+        with torch.no_grad():
+            for p, data, grad in originals:
+                p.grad = None
+                p.data = data
+                p.grad = grad
+        raise
+    return groups
+
+
+def plan_memory(session, layout, torch_groups: TorchGroups, options: AttachOptions, device: Device,
+                world) -> memory.MemoryPlan:
+    """The shared buffers of an engine, planned from the session's budget and the groups'
+    sizes (memory/plan.py); raises memory.DoesNotFit before any allocation."""
+    limits = memory.limits_of(session)
+    shapes = []
+    for spec, mode, kind in layout:
+        dtype = (spec.params or spec.frozen)[0][1].dtype
+        numel, shard = spec.numel, 0
+        if world is not None and spec.params:
+            shards = Shards(spec.numel, world.size, world.rank)
+            numel, shard = shards.padded, shards.per
+        chunked = any(stepped_in_chunks(torch_groups.spec(part.index).state_bytes(part.numel), part.numel,
+                                        limits.optimizer_buffer_budget, limits.optimizer_buffers)
+                      for part in spec.parts)
+        shapes.append(memory.GroupShape(
+            spec.name, numel, dtype.itemsize, chunked=chunked, offload=mode, strategy=kind, shard=shard,
+            frozen_bytes=spec.frozen_numel * dtype.itemsize if mode is True else 0))
+    acts = options.activations
+    swaps = acts in ("swap", "auto") or (isinstance(acts, dict) and "swap" in acts.values())
+    wanted = memory.Wanted(options.prefetch, options.keep, options.host_budget,
+                           arena=any(spec.module is not None for spec, _, _ in layout), swaps=swaps,
+                           shares_host_memory=device.shares_host_memory)
+    return memory.plan(shapes, limits, wanted)
+
+
+def check_capacity(session, specs: list[GroupSpec], torch_groups: TorchGroups, offload, resume: bool,
+                   share: int) -> None:
+    """Fail before any work starts when the SSD array cannot hold what training puts
+    there: every group's state (in its state dtype; after a resume it is there
+    already), the new versions of the steps in flight (a step writes its group's
+    new version before the old one is freed: the three largest groups, for the read
+    ahead, the step and the write-back at once), and offloaded weights other than
+    fp32 (fp32 ones are read from the state in place). ``share``: this process's part
+    of the state (data parallelism: its shards)."""
+    states = sorted(torch_groups.spec(part.index).state_bytes(part.numel) for g in specs for part in g.parts)
+    need = ((0 if resume else sum(states)) + sum(states[-3:])) // share
+    need += sum(g.numel * g.params[0][1].dtype.itemsize for g in specs
+                if g.params and weights_rewritten(offload, g.params[0][1].dtype))
+    if offload is True:
+        need += sum(g.frozen_numel * g.frozen[0][1].dtype.itemsize for g in specs if g.module is not None and g.frozen)
+    status = session.daemon_status
+    free = sum(d.available_bytes if d.HasField("available_bytes") else d.capacity_bytes - d.used_bytes
+               for d in status.devices)
+    if need > free:
+        raise RuntimeError(
+            f"the SSD array of fuyoud has {_size(free)} free but this model needs {_size(need)} there (its "
+            "optimizer state, the new versions of the steps in flight and offloaded weights); free space on "
+            "its disks, raise [storage] capacity_per_device (or lower keep_free), add data_dirs, or keep the "
+            "state in fewer bytes (AdamW(state_dtype='bf16' or 'int8'))")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

@@ -1,0 +1,306 @@
+"""The Engine that ``attach(model)`` (attach.py) returns: an ordinary PyTorch model trained
+with its optimizer state on SSD.
+
+    engine = fuyou_client.attach(model, optimizer=fuyou_client.AdamW(lr=1e-4))
+    for batch in data:
+        loss = model(batch).loss
+        loss.backward()          # each group's step starts in fuyoud as soon as its grads are final
+        engine.step()            # barrier: every update of this iteration is in the weights
+        engine.zero_grad()
+
+On the CPU each layer group's parameters and gradients become views of two shared
+buffers (so autograd accumulates gradients straight into shared memory and the daemon
+writes the new weights straight into the parameters); on a GPU they are device memory,
+and gradients and new weights cross to and from shared memory on side streams
+(groups/, device/). The fp32 master weights and the AdamW/SGD moments live only
+on the SSD array, in the daemon. A post-accumulate-grad hook counts
+each group's gradients; when the last one lands during backward, that group's step is
+submitted while backward goes on with earlier layers. `engine.step()` waits for all of
+them. With `max_grad_norm`, clipping is exact: the steps wait for every gradient (the
+norm needs them all), then go out together with the clip coefficient.
+
+With ``offload=True`` (the default) the blocks' weights, too, are in memory only while
+they compute (see offload/); the "rest" group (embeddings, final norm, head) stays
+resident. Gradients of every group stay in shared memory (they accumulate there).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from fuyou_client.blockmajor import Store, run as run_block_major
+from fuyou_client.checkpoints import Trained, restore_groups
+from fuyou_client.engine.hooks import hf_checkpointing
+from fuyou_client.engine.torch_optimizer import TorchOptimizer
+from fuyou_client.groups import land_new_weights
+from fuyou_client.optim import StepInfo
+
+log = logging.getLogger("fuyou_client.engine")
+
+
+class Engine:
+    """The public API of an attached model. Built by engine/build.py from its parts:
+
+    * ``coordinator`` (steps/): gradients counted, steps submitted and landed, clipping;
+    * ``offloader`` (offload/, None without offloaded groups): the weight slots and fetches;
+    * ``activations`` (activations/) and ``hooks`` (engine/hooks.py): the activation
+      policy and every hook on the model;
+    * ``parallel`` (parallel/seam.py): one process or data parallelism;
+    * ``groups``: the layer groups (groups/), ``memory``: the memory plan (memory/).
+    """
+    sizing_plan = None  # the fuyou_client.plan(...) attach(plan=...) applied (sizing/), else None
+
+    def __init__(self, model: nn.Module, session, device, options, plan, groups, torch_groups, coordinator,
+                 offloader, activations, hooks, auto, parallel, owns_session: bool, block_modules: list,
+                 gradients=None, host_grads=None):
+        self.model, self.session, self.device, self.options = model, session, device, options
+        self.memory = plan
+        self.groups = groups
+        self._torch_groups = torch_groups
+        self.optimizer = TorchOptimizer(self, torch_groups)
+        self.coordinator = coordinator
+        self.offloader = offloader
+        self.activations = activations
+        self.hooks = hooks
+        self._auto = auto
+        self.parallel = parallel
+        self.gradients = gradients  # the pool of offloaded groups' gradient buffers (gradients/pool.py), or None
+        self.host_grads = host_grads  # grad_accumulation="host"'s accumulator (gradients/host.py), or None
+        self._owns_session = owns_session
+        self._block_modules = block_modules  # every block, in forward order (frozen ones too)
+        self._train_step_store: Store | None = None
+        self.peers: list | None = None  # data parallelism: each rank's (host, daemon)
+        self.checkpoint_extra = None  # what save_checkpoint(extra=...) kept, after a resume
+        self.checkpoint_groups: list[dict] = []  # each param group's hyperparameters at the checkpoint
+        self._last_step_end: float | None = None  # for the iteration times reported to the daemon
+
+    # -- what attach chose ------------------------------------------------------------------
+    @property
+    def world(self):
+        """Data parallelism's world (parallel.World), or None for one process."""
+        return self.parallel.world
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        return self.coordinator.max_grad_norm
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.coordinator.accumulation_steps
+
+    @property
+    def last_step_infos(self) -> list[StepInfo]:
+        """The last step's outcome per group (``StepInfo``), in group order."""
+        return self.coordinator.infos
+
+    def memory_plan(self):
+        """The shared buffers this engine planned and holds: ``print(engine.memory_plan())``
+        shows what goes where and what was given up to fit the session's budget."""
+        return self.memory
+
+    @property
+    def plan(self):
+        """The activation plan of ``activations="auto"`` (None until the first profiled
+        iteration's ``step()``); ``print(engine.plan)`` shows it."""
+        return self._auto.plan if self._auto is not None else None
+
+    def apply_treatments(self, treatments: dict[str, str]) -> None:
+        """Keep, swap or recompute, per block, from the next forward on."""
+        self.hooks.apply_treatments(treatments)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate (of the first param group); setting it sets every group's."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = value
+
+    # -- the training loop ------------------------------------------------------------------
+    def step(self) -> None:
+        """The barrier: after it every update of this iteration is in the parameters.
+        With ``accumulation_steps=n``, call it after the n-th backward (as with torch).
+
+        Non-finite gradients never reach the optimizer state. Without ``max_grad_norm``
+        each group's step leaves during backward, so a group whose gradients hold NaN or
+        inf is refused by the daemon (its state and step count kept) while the others
+        step; this then raises ``fuyou_client.errors.NonFinite`` naming it. With
+        ``max_grad_norm`` (``float("inf")`` checks without clipping) every gradient is
+        checked before any group steps: a non-finite global norm steps nothing and raises
+        NonFinite naming the groups at fault. Either way the loss-scaling skip is
+        ``except fuyou_client.errors.NonFinite: engine.zero_grad(); continue``."""
+        t_start = time.perf_counter()
+        self.optimizer.stepped()  # tells torch's LR schedulers that a step happened
+        self.coordinator.step()
+        self.activations.reset()
+        if self._auto is not None:
+            self._auto.step_done()
+        self._report(t_start)
+
+    def train_step(self, micro_batches, loss_fn) -> torch.Tensor:
+        """One iteration over ``micro_batches`` in block-major order (blockmajor.py): each
+        block runs forward for every micro-batch before the next block does, and backward
+        block by block, each block's gradient accumulated over the micro-batches on the
+        compute device, sent to fuyoud once and stepped at once (while backward goes on),
+        so weights and gradients cross once per block and iteration, not per micro-batch.
+
+        ``loss_fn(micro_batch)`` returns the scalar to backpropagate (divide by
+        ``len(micro_batches)`` in it for a mean). Returns the losses, detached, one per
+        micro-batch; the step's barrier has run (``engine.step()`` and ``zero_grad()``
+        are not called after it). Trains exactly as the ordinary loop over the same
+        micro-batches would, each micro-batch's dropout drawn as under
+        ``fuyou_client.micro_batch_rng``. Each micro-batch's input to each block is kept
+        until backward, in host memory up to ``host_budget`` bytes (on a GPU in a shared
+        arena), the rest on the SSD array, read back ahead of backward (block_store.py;
+        ``engine.train_step_stats`` counts it); ``host_budget`` must hold at least the
+        micro-batches of one block plus two. ``activations=`` does not apply to it, and each
+        group's gradients add up on the compute device over the micro-batches (in the
+        parameters' dtype, as torch adds them) whatever ``grad_accumulation`` says: they
+        leave it once per step."""
+        if hf_checkpointing(self.model):
+            raise RuntimeError("train_step recomputes blocks itself; turn Hugging Face gradient checkpointing off "
+                               "(gradient_checkpointing_disable())")
+        self.parallel.refuse_train_step()
+        if self._train_step_store is None:
+            self._train_step_store = Store(self.session, self.device, self.options.host_budget)
+        by_module = {id(g.spec.module): g for g in self.groups if g.spec.module is not None}
+        blocks = []
+        for module in self._block_modules:
+            g = by_module.get(id(module))
+            blocks.append((module, g.offloaded if g is not None else None,
+                           self.hooks.forward_of(g.spec.name, module) if g is not None else module.forward))
+        rest_trains = any(g.spec.module is None and g.spec.params for g in self.groups)
+        losses = run_block_major(self.model, self.device, self.coordinator, self.offloader, self._train_step_store,
+                                 blocks, rest_trains, micro_batches, loss_fn, barrier=self.step,
+                                 on_failure=self.zero_grad)
+        self.zero_grad()
+        return losses
+
+    @property
+    def train_step_stats(self):
+        """The last ``train_step``'s traffic to and from the SSD array (blockmajor.store.StoreStats:
+        bytes of kept inputs spilled and read back, seconds waited for them), or None before
+        the first."""
+        return self._train_step_store.stats if self._train_step_store is not None else None
+
+    def _report(self, t_start: float) -> None:
+        """Send this iteration's time and the part of it spent waiting in step() to the
+        daemon's metrics (fire and forget: a lost report costs nothing but a sample)."""
+        now, last = time.perf_counter(), self._last_step_end
+        self._last_step_end = now
+        if last is not None:  # an iteration runs from one step() return to the next
+            to_host, to_ssd = self.activations.stats.take_traffic()
+            self.session.report_async(1, now - last, now - t_start, to_host, to_ssd).add_done_callback(
+                lambda f: f.exception())
+
+    def grad_norm(self) -> float | None:
+        """This iteration's global gradient norm so far, as ``torch.nn.utils.clip_grad_norm_``
+        computes it (what ``step()`` clips with), where attach has ``max_grad_norm`` (every
+        gradient is then kept until ``step()``); None without it (the groups' steps leave
+        during backward and their gradients with them). For logging, as Hugging Face's
+        Trainer logs it; reading it changes nothing. With data parallelism it is the norm of
+        the ranks' mean gradient, and every rank must call it (it is all-reduced)."""
+        if self.max_grad_norm is None:
+            return None
+        return self.coordinator.clipper.total_norm()  # (data parallel: every rank calls it, all-reduced)
+
+    def zero_grad(self) -> None:
+        """Zero every gradient (in shared memory: they stay views of it; pooled ones are
+        zeroed when a group's backward takes a buffer). Between the micro-batches of an
+        accumulation it discards what they accumulated so far."""
+        self.activations.reset()  # what a forward without backward parked
+        self.coordinator.zero_grad()
+
+    def require_idle(self, what: str) -> None:
+        self.coordinator.require_idle(what)
+
+    # -- checkpoints and export ---------------------------------------------------------------
+    def save_checkpoint(self, directory, extra=None, mode: str = "auto", timeout: float = 60.0):
+        """Everything needed to resume: the daemon's optimizer state (master weights,
+        moments, step counts) and this engine's learning rate, plus ``extra`` (plain data:
+        scheduler.state_dict(), the data loader's position...), given back after
+        ``attach(model, resume=directory)`` as ``engine.checkpoint_extra``. ``directory``
+        is a new path on the daemon's host; on the SSD array's filesystem the checkpoint is
+        a snapshot (no bytes copied), elsewhere a copy (``mode`` forces either)."""
+        self.require_idle("save_checkpoint")
+        return self.parallel.save_checkpoint(self.session, self.groups, self.optimizer.param_groups, extra, directory,
+                                             mode, timeout)  # (data parallel: every rank calls it)
+
+    def resume_lr(self) -> None:
+        """Set every param group's learning rate (and a scheduler's initial_lr) and
+        hyperparameters back to the checkpoint's. attach(resume=...) does it; call it
+        again after creating an LR scheduler, whose constructor sets the rate of its
+        epoch 0, and loading its state_dict."""
+        restore_groups(self.optimizer.param_groups, self.checkpoint_groups)
+        for i, group in enumerate(self.optimizer.param_groups):
+            self._torch_groups.spec(i, group)  # (a checkpoint's values out of range: refused now, named)
+
+    def export(self, directory, dtype: torch.dtype | None = None):
+        """The trained weights as sharded safetensors (``from_pretrained`` reads the
+        directory; plain modules: ``load_state_dict(fuyou_client.load_exported(dir))``),
+        streamed from the SSD array one layer group at a time. ``dtype``: default, each
+        group's parameter dtype."""
+        self.require_idle("export")
+        return self.parallel.export(Trained(self.model, self.session, self.groups, self.world), directory, dtype)
+
+    def state_dict(self) -> dict:
+        return {"lr": self.lr, "group_steps": {part.name: self.session.group(part.name).step
+                                               for part in self.parallel.held_parts(self.groups)}}
+
+    def part_steps(self) -> dict[int, int]:
+        """The daemon's step count of each torch param group (of its first part)."""
+        steps: dict[int, int] = {}
+        for part in self.parallel.held_parts(self.groups):
+            steps.setdefault(part.index, self.session.group(part.name).step)
+        return steps
+
+    def close(self, materialize: bool = True) -> None:
+        """Detach from the daemon. With ``materialize`` the parameters become ordinary
+        tensors holding the trained weights (e.g. for save_pretrained) — the whole model
+        in memory; without, offloaded parameters stay empty."""
+        self.hooks.remove()  # (and the recomputed forwards unpatched)
+        if self._train_step_store is not None:
+            self._train_step_store.close()
+        try:
+            for g in self.groups:  # steps in flight still write into shared buffers: let them land
+                if g.future is not None and g.future.exception() is None and g.shard is None:
+                    land_new_weights(self.device, g)  # (GPU: into the parameters)
+            for strategy in self.coordinator.strategies:
+                strategy.reclaim()
+            if self.offloader is not None:
+                self.offloader.take_back_all()
+                self.offloader.release_all()
+            self._materialize(materialize)
+        finally:
+            self.parallel.close()  # (after the last fetches: with offload they gather from the ranks)
+            self.device.synchronize()
+            if self._owns_session:
+                self.session.close()
+            if not self.device.shares_host_memory:
+                self.session.use_device(None)
+            self.device.close()
+
+    def _materialize(self, materialize: bool) -> None:
+        """The parameters out of shared memory (which goes with the session): the trained
+        weights with ``materialize``, else offloaded ones empty."""
+        with torch.no_grad():
+            for g in self.groups:
+                if g.offloaded is not None and materialize:
+                    self.offloader.ensure(g.offloaded)
+                for p in (g.offloaded.params if g.offloaded is not None else [p for _, p in g.spec.params]):
+                    p.grad = None
+                    if materialize and p.data.numel():
+                        p.data = p.data.clone()
+                if g.offloaded is not None:
+                    self.offloader.release(g.offloaded, keep_params=materialize)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,158 @@
+"""The hooks attach puts on the user's model, all registered here, in this order:
+
+1. ``load_state_dict`` is refused (it would not reach the master weights in fuyoud).
+2. Per trained parameter, a gradient hook (before autograd adds a gradient): the
+   offloader makes the group's weights resident first (autograd shapes the gradient after
+   the parameter, which must not be an empty placeholder then), then the step
+   coordinator checks the group may take it; and a post-accumulate-grad hook: the
+   coordinator counts the gradient (the group's step leaves with its last one).
+3. Per block, around its forward (also when a block is called directly): the offloader's
+   fetch (``enter_forward``) before the activation policy's set-up (saved-tensor hooks:
+   offloaded weights become markers, activations are kept or swapped; ``auto``
+   profiles), and after it the policy's tear-down after the offloader's release.
+
+The activation policy per block (keep, swap, recompute) is applied here too: a
+recomputed block's ``forward`` is patched, and ``forward_of`` gives its own.
+"""
+from __future__ import annotations
+
+import torch
+
+from fuyou_client.device import heap
+from fuyou_client.offload import Saved
+
+GRADIENT_CHECKPOINTING = (
+    "the model has Hugging Face gradient checkpointing on (gradient_checkpointing_enable()): it reruns blocks "
+    "outside their forward hooks, which fetch offloaded weights. Use attach(activations=\"recompute\") instead "
+    "(the same recomputation, weights fetched again), or offload=False")
+
+
+def hf_checkpointing(model) -> bool:
+    """Whether Hugging Face activation (gradient) checkpointing is on."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # (the first: transformers >= 5)
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
+def _refuse_load(*_) -> None:
+    raise RuntimeError(
+        "load_state_dict() on an attached model would not reach the fp32 master weights in fuyoud (the next "
+        "step would start from the old ones): load the weights before attach, resume with attach(model, "
+        "resume=DIR), or engine.close() first")
+
+
+class ModelHooks:
+    def __init__(self, model, device, groups, coordinator, offloader, activations, treatment: dict, auto):
+        self.device, self.coordinator, self.offloader = device, coordinator, offloader
+        self.activations, self.auto = activations, auto
+        blocks = [g for g in groups if g.spec.module is not None]
+        self._by_name = {g.spec.name: g for g in blocks}
+        self._treatment = treatment
+        self._originals: dict[str, object] = {}  # block -> its own forward, while recomputing
+        self._saved_ctx = None
+        self._swap_now = False
+        self._current: str | None = None
+        self._handles = [model.register_load_state_dict_pre_hook(_refuse_load)]
+        for g in groups:
+            og = g.offloaded
+            for _, p in g.spec.params:
+                self._handles.append(p.register_hook(lambda grad, g=g, og=og: self._before_grad(g, og)))
+                self._handles.append(p.register_post_accumulate_grad_hook(lambda p, g=g: self._on_grad(g)))
+        self.apply_treatments(treatment)
+        for g in blocks:
+            name, og, module = g.spec.name, g.offloaded, g.spec.module
+            self._handles.append(module.register_forward_pre_hook(
+                lambda m, a, k, n=name, og=og: self._enter_forward(n, og, a, k), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(
+                lambda m, a, o, n=name, og=og: self._exit_forward(n, og), always_call=True))
+
+    # -- gradients -------------------------------------------------------------------------
+    def _before_grad(self, g, og) -> None:
+        if og is not None:
+            self.offloader.gradient_arriving(og)
+        self.coordinator.before_grad(g)
+
+    def _on_grad(self, g) -> None:
+        if self.auto is not None:
+            self.auto.backward_seen = True
+        self.coordinator.on_grad(g)
+
+    # -- forward ---------------------------------------------------------------------------
+    def _enter_forward(self, name: str, og, args, kwargs) -> None:
+        if og is not None:
+            self.offloader.enter_forward(og)
+            if getattr(self._by_name[name].spec.module, "gradient_checkpointing", False):
+                raise RuntimeError(GRADIENT_CHECKPOINTING)  # (enabled after attach: transformers >= 5 flags layers)
+        if self.auto is not None:
+            self.auto.before(name, args, kwargs)
+        self._current = name
+        self._swap_now = self._treatment[name] == "swap"
+        if torch.is_grad_enabled() and self._saved_ctx is None:
+            self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_ctx.__enter__()
+
+    def _exit_forward(self, name: str, og) -> None:
+        if og is not None:
+            self.offloader.exit_forward(og)
+        if self.auto is not None:
+            self.auto.after(name)
+        if self.device.shares_host_memory:
+            heap.trim()  # (the block's temporaries, freed around what it keeps: device/heap.py)
+        self._swap_now = False
+        self._current = None
+        if self._saved_ctx is not None:
+            self._saved_ctx.__exit__(None, None, None)
+            self._saved_ctx = None
+
+    def _pack(self, t: torch.Tensor):
+        """A block's saved tensor: offloaded weights become markers (offload/), the rest
+        are activations, kept or swapped out (activations/)."""
+        if self.offloader is not None:
+            marker = self.offloader.pack(t)
+            if marker is not t:
+                return marker
+        if self.auto is not None and self._current is not None and self.activations.is_activation(t):
+            self.auto.saved(self._current, t.numel() * t.element_size())
+        return self.activations.pack(t, self._swap_now)
+
+    def _unpack(self, saved):
+        if self.offloader is not None and isinstance(saved, Saved):
+            return self.offloader.unpack(saved)
+        return self.activations.unpack(saved)
+
+    # -- the activation policy ---------------------------------------------------------------
+    def apply_treatments(self, treatments: dict[str, str]) -> None:
+        """Keep, swap or recompute, per block, from the next forward on."""
+        self._treatment.update(treatments)
+        for name, g in self._by_name.items():
+            recompute = self._treatment[name] == "recompute"
+            if recompute and name not in self._originals:
+                self._originals[name] = g.spec.module.forward
+                g.spec.module.forward = self.activations.recomputed(g.spec.module.forward,
+                                                                    lambda og=g.offloaded: self._resident(og))
+            elif not recompute and name in self._originals:
+                del g.spec.module.forward  # the class's own forward again
+                del self._originals[name]
+
+    def _resident(self, og) -> None:
+        """Before a block is recomputed in backward: its weights, held until its gradients
+        are complete (the recomputed graph refers to them: no eviction)."""
+        if og is not None:
+            self.offloader.hold(og)
+
+    @property
+    def treatments(self) -> dict[str, str]:
+        """Each block's activation treatment now (keep, swap or recompute)."""
+        return dict(self._treatment)
+
+    def forward_of(self, name: str, module):
+        """A block's own forward (not the recomputing one the policy may have patched in)."""
+        return self._originals.get(name, module.forward)
+
+    def remove(self) -> None:
+        """Every hook off, every patched forward the class's own again."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.apply_treatments({name: "keep" for name in self._by_name})

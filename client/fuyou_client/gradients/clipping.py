@@ -1,0 +1,69 @@
+"""Exact clipping by the global gradient norm, as ``torch.nn.utils.clip_grad_norm_``.
+
+With ``attach(max_grad_norm=...)`` every gradient is kept until ``engine.step()``, which
+computes the norm over all of them (in ``model.parameters()`` order, as torch sums:
+the same bits), and each group's step then multiplies its gradients by the coefficient
+in the daemon. A non-finite norm steps nothing and names the groups at fault.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fuyou_client.errors import NonFinite
+
+
+def total_norm(model: nn.Module, groups) -> tuple[list, list, torch.Tensor]:
+    """(parameters with a gradient, their norms, the total norm). Gradients a group keeps
+    elsewhere than ``.grad`` (summed on the host) are taken from there."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad for p in params]
+    elsewhere = {id(p): v for g in groups for views in [g.strategy.norm_grads(g)] if views is not None
+                 for (_, p), v in zip(g.spec.params, views)}
+    if elsewhere:
+        grads = [elsewhere.get(id(p), p.grad) for p in params]
+    params, grads = [p for p, t in zip(params, grads) if t is not None], [t for t in grads if t is not None]
+    norms = torch._foreach_norm(grads, 2.0)
+    return params, norms, torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
+
+
+def coefficient_of(total: torch.Tensor, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s coefficient for the total norm ``total`` (a float32
+    scalar); exactly 1.0 with ``max_norm=inf``. The formula's one home."""
+    return float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+
+
+class Clipper:
+    """The global gradient norm of one process's groups (the parallelism seam hands the
+    step coordinator this one, or data parallelism's, parallel/sharded.py)."""
+
+    def __init__(self, model: nn.Module, groups):
+        self.model, self.groups = model, groups
+
+    def total_norm(self) -> float:
+        return total_norm(self.model, self.groups)[2].item()
+
+    def coefficient(self, max_norm: float) -> float:
+        """The clip coefficient; a non-finite norm raises NonFinite naming the groups whose
+        gradients made it so."""
+        params, norms, total = total_norm(self.model, self.groups)
+        if not math.isfinite(total.item()):
+            raise non_finite(self.groups, params, norms, total.item())
+        return coefficient_of(total, max_norm)
+
+
+def non_finite(groups, params: list, norms: list, total: float) -> NonFinite:
+    bad = {id(p) for p, n in zip(params, torch.stack([n.float() for n in norms]).tolist()) if not math.isfinite(n)}
+    names = [g.spec.name for g in groups if any(id(p) in bad for _, p in g.spec.params)]
+    if names:
+        which = ", ".join(map(repr, names))
+        cause = f"the gradients of group{'s' if len(names) > 1 else ''} {which} hold NaN or inf"
+    elif bad:
+        cause = "gradients of parameters outside the groups hold NaN or inf"
+    else:
+        cause = "every group's gradient norm is finite but their sum of squares overflows float32"
+    return NonFinite(f"the total gradient norm is {total}: {cause} (or a norm too large for float32); no group "
+                     "was stepped (the optimizer state is unchanged): call engine.zero_grad() and go on with "
+                     "the next batch")

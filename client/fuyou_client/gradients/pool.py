@@ -1,0 +1,117 @@
+"""Gradient buffers shared by the offloaded groups, so that gradients too take memory
+only while a group is in backward or its optimizer step is in flight.
+
+A group gets a buffer when its backward begins (its gradients are then views of it and
+autograd accumulates straight into it) and gives it up with its step:
+
+* on the CPU the buffer is shared memory, handed to the daemon as it is, and returns to
+  the pool when the step is done;
+* on a GPU it is device memory: at the step the gradients are downloaded (download
+  stream) into a shared host buffer, the step goes to the daemon once that copy has run,
+  and the device buffer is free again for the next group (whose zeroing waits for the
+  download's event on the compute stream); the host buffer returns when the step is done.
+
+When no host buffer is free the oldest step in flight is waited for: backpressure
+instead of growth. Gradient accumulation and exact clipping need every gradient kept
+until the step, so they use one resident buffer per group instead (layergroup.py).
+"""
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future
+
+import torch
+
+from fuyou_client.device.devices import Device, after
+from fuyou_client.connection.session import Session
+
+
+class GradientPool:
+    def __init__(self, session: Session, device: Device, count: int, nbytes: int):
+        self._session, self._device, self._nbytes = session, device, nbytes
+        self._free = [session.allocate(nbytes) for _ in range(count)]  # host (shared) buffers
+        # (device buffer, its last download), on a device with its own memory
+        self._device_free: list[tuple[torch.Tensor, object]] = \
+            [] if device.shares_host_memory else [(device.empty(nbytes), None) for _ in range(count)]
+        self._inflight: deque[tuple[Future, object, object]] = deque()  # (future, host buffer, group)
+        self.results: dict[str, object] = {}  # group name -> StepInfo, since the last barrier
+        self.errors: list[Exception] = []  # of steps that failed, raised at the barrier
+
+    def _host_buffer(self):
+        if not self._free:
+            if self._inflight:
+                self._reclaim_oldest()  # backpressure: wait for the oldest step
+            else:  # more groups in backward at once than buffers (a model called twice): grow
+                self._free.append(self._session.allocate(self._nbytes))
+        return self._free.pop()
+
+    def _flat(self, group) -> torch.Tensor:
+        """The group's gradient buffer as a flat tensor of its dtype."""
+        if self._device.shares_host_memory:
+            return group.grads.tensor(group.dtype)[:group.numel]
+        return group.device_grads[:group.numel * group.dtype.itemsize].view(group.dtype)
+
+    def assign(self, group) -> None:
+        """Give ``group`` (layergroup.LayerGroup) a zeroed buffer and point its .grad tensors into it."""
+        if self._device.shares_host_memory:
+            if group.grads is not None:
+                return
+            group.grads = self._host_buffer()
+        else:
+            if group.device_grads is not None:
+                return
+            if not self._device_free:
+                self._device_free.append((self._device.empty(self._nbytes), None))
+            buf, downloaded = self._device_free.pop(0)  # the longest free: its download has most likely run
+            if downloaded is not None:
+                self._device.wait(downloaded)  # its last group's gradients have left
+            group.device_grads = buf
+        flat = self._flat(group)
+        flat.zero_()
+        for (_, p), shape, part in zip(group.spec.params, group.shapes, group.views(flat)):
+            if p.grad is None and p.data.shape == shape:  # (resident: it is, in backward)
+                p.grad = part.view(shape)
+
+    def collect(self, group) -> None:
+        """Before submitting: gradients autograd created outside the buffer are copied in."""
+        self.assign(group)
+        group.adopt_grads(self._flat(group))
+
+    def submit(self, group, start) -> Future:
+        """The group's gradients go to its step: ``start(host_buffer)`` issues it. Returns
+        the step's future (the pool keeps it too: ``reclaim_all``)."""
+        self.collect(group)
+        if self._device.shares_host_memory:
+            future = start(group.grads)
+        else:
+            host = self._host_buffer()
+            src = self._flat(group)
+            downloaded = self._device.download(host.tensor(group.dtype)[:group.numel], src)
+            self._device_free.append((group.device_grads, downloaded))
+            group.device_grads = None
+            group.point_grads(None)  # the device buffer is another group's from now on
+            group.grads = host
+            future = after(self._device, downloaded, lambda: start(host))
+        self._inflight.append((future, group.grads, group))
+        return future
+
+    def _reclaim_oldest(self) -> None:
+        future, buf, group = self._inflight.popleft()
+        exc = future.exception()  # waits; the buffer comes back whatever happened
+        if self._device.shares_host_memory:
+            group.point_grads(None)
+        group.grads = None
+        self._free.append(buf)
+        if exc is not None:
+            self.errors.append(exc)
+        else:
+            self.results[group.spec.name] = future.result()
+
+    def reclaim_all(self) -> tuple[dict, list]:
+        """Wait for every step in flight; returns (and forgets) {group name: StepInfo} and
+        the errors of the steps that failed."""
+        while self._inflight:
+            self._reclaim_oldest()
+        results, self.results = self.results, {}
+        errors, self.errors = self.errors, []
+        return results, errors

@@ -1,0 +1,423 @@
+"""Parameter offload: a layer group's weights are in memory only while it computes.
+
+Between uses a group's compute-dtype weights live on the SSD array: for fp32 training
+they are the master weights themselves (the first slot of the optimizer state object,
+read in place), otherwise the transient object ``weights/<group>`` that every step
+rewrites. With ``offload="host"`` (a device with its own memory) they live in a shared
+host buffer per group that every step rewrites instead, and a "fetch" is only the
+upload. A handful of slots hold the groups in use:
+
+* forward: a block's pre-hook makes its weights resident (waiting for the fetch if
+  needed) and starts fetching the next ``prefetch`` blocks; its post-hook lets them go
+  (the last block stays: backward starts there; so do the ``keep`` blocks before it,
+  trading memory for SSD reads);
+* saved tensors: autograd keeps weights (and views of them, like ``weight.t()``) for
+  backward. A saved-tensors hook replaces any tensor that lives in a slot by a marker
+  (group, offset, size, stride); in backward the marker becomes a view of the group's
+  weights fetched again, and the first such request of a group starts fetching the
+  ``prefetch`` groups before it. A slot is therefore never read after it was reused.
+  Backward's fetches are served by the daemon from a read-ahead of the group's whole
+  optimizer state, which the group's step uses moments later (one read, not two);
+  when the daemon has no spare buffer, the client reads the weights itself;
+* a group whose weights backward never unpacks (a first block whose input needs no
+  gradient saves none) is made resident when its first gradient arrives, by a hook on
+  its parameters: autograd shapes new gradients after their parameter, so that must
+  not be an empty placeholder then;
+* a group's weights go as soon as its gradients are complete (its step is then
+  submitted). Parameters not resident are empty placeholders. A group whose step is
+  done in chunks in the daemon (its state is larger than an optimizer buffer) and whose
+  slot holds its fp32 master weights *lends* the slot to its step instead (``lend_for_step``,
+  ``hands_over``): the step takes the masters from there rather than reading them from
+  the SSD again, and the slot comes back when the step is done (a fetch that finds no
+  free slot waits for the oldest lent one before it evicts a resident group). Such a
+  group's backward fetch is a plain read: serving it from a read-ahead would hold daemon
+  buffers the step needs.
+
+How many slots: the memory plan's (memory_plan.py), by default the block computing,
+``prefetch`` ahead, ``keep``, and a spare or the slots lent to steps in flight.
+
+A slot is a shared host buffer (where the daemon puts the weights) and the compute
+device's memory for them. On the CPU these are the same bytes. On a GPU a landed fetch
+is uploaded on the upload stream as soon as the offloader sees it done (at the next
+hook: prefetched blocks are uploaded while earlier ones compute), after the compute
+stream has finished with the slot's previous group; a block's compute waits for its own
+upload's event only, and the host buffer takes a new fetch only after its upload ran.
+"""
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fuyou_client.device.devices import DONE, Device
+from fuyou_client.model.blocks import flat_parts
+from fuyou_client.connection.session import In, Session, gather
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a run of a group's compute weights is on the SSD array: ``length`` bytes at
+    ``offset`` in the group's weights, from ``object`` at ``object_offset`` (the masters
+    of a state object, a weights object, or a block's frozen parameters); FetchWeights
+    asks ``part`` (the daemon's optimizer group) for them ("": none, they are read)."""
+    object: str
+    object_offset: int
+    offset: int
+    length: int
+    part: str
+
+
+@dataclass
+class OffloadedGroup:
+    index: int
+    name: str
+    module: nn.Module
+    params: list[nn.Parameter]
+    dtype: torch.dtype
+    sources: list[Source]  # where the compute weights are on the SSD array (none: ``host``)
+    numel: int
+    slot: "Slot | None" = None  # while resident
+    ready: object = DONE  # event: the slot's upload (compute waits for it before using the weights)
+    fetch: Future | None = None
+    fetch_slot: "Slot | None" = None
+    fetch_via_state: bool = False  # the fetch asks the daemon to serve it from a state read-ahead
+    fetch_backward: bool = False  # the fetch is for backward
+    in_backward: bool = False
+    busy: bool = False  # between its forward pre- and post-hook: its slot must stay
+    last_used: int = 0
+    shapes: list[torch.Size] = field(default_factory=list)
+    placeholders: list[torch.Tensor] = field(default_factory=list)
+    host: object = None  # offload="host": the shared buffer holding the weights (the step writes it)
+    host_uploaded: object = DONE  # event: the last upload out of ``host`` (the step waits for it)
+    hands_over: bool = False  # its slot goes to its step, which takes the fp32 masters from it (lend)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class Slot:
+    """Room for one group's weights: a shared host buffer and its device counterpart."""
+
+    def __init__(self, session: Session, device: Device, nbytes: int, host: bool = True):
+        self.host = session.allocate(nbytes) if host else None  # (none when every group's weights are on the host)
+        self.device = self.host.tensor(torch.uint8) if device.shares_host_memory else device.empty(nbytes)
+        self.uploaded = DONE  # the last upload out of ``host`` (a new fetch may land only after it)
+        self.released = device.record()  # compute's last use of ``device`` (a new upload waits for it)
+
+    def weights(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.device.view(dtype)
+
+
+@dataclass(frozen=True)
+class Saved:
+    group: OffloadedGroup
+    offset: int
+    size: tuple
+    stride: tuple
+
+
+class Offloader:
+    """The weight slots and the fetches of the offloaded groups. The model's hooks
+    (engine/hooks.py) call ``enter_forward``/``exit_forward`` around each block and
+    ``gradient_arriving`` before a gradient lands; autograd's saved-tensor hooks call
+    ``pack``/``unpack``; block-major (blockmajor/schedule.py) calls the same methods in
+    its own order. ``on_backward(group)``: called when a group's backward begins (its
+    weights resident). ``gather`` (data parallelism, parallel/sharded.py): the sources
+    are this rank's shard, and ``gather(group, slot, fetch)`` returns the future of the
+    whole group in the slot, gathered from the ranks."""
+
+    def __init__(self, session: Session, device: Device, groups: list[OffloadedGroup], prefetch: int,
+                 keep: int = 0, slots: int | None = None, on_backward=None, gather=None):
+        self.session = session
+        self.device = device
+        self.groups = groups
+        self.prefetch = prefetch
+        self.keep = keep  # blocks (the last ones) kept from forward to backward: fewer fetches, more memory
+        nbytes = max(g.nbytes for g in groups)
+        from_ssd = any(g.host is None for g in groups)
+        count = slots if slots is not None else prefetch + 2 + keep
+        self._free = [Slot(session, device, nbytes, host=from_ssd) for _ in range(count)]
+        self._all = list(self._free)
+        self._lent: deque[tuple[Future, Slot]] = deque()  # slots whose masters a step reads, oldest first
+        self._lending: Slot | None = None  # lent, its step not submitted yet
+        self._deferred: list[tuple[OffloadedGroup, bool]] = []  # prefetches waiting for a slot (poll)
+        self._clock = 0
+        self._by_ptr: dict[int, OffloadedGroup] = {}
+        self.fetched_bytes = 0  # weight bytes read from the SSD array for this client
+        self.fetched_forward = 0  # of which for forward (the rest: backward's)
+        self.served_bytes = 0  # weight bytes served from optimizer-state read-aheads (no extra read)
+        self._on_backward = on_backward or (lambda g: None)
+        self._gather = gather
+        for g in groups:
+            g.placeholders = [p.data for p in g.params]  # empty since the groups were placed
+        # Blocks with no trained parameters: no gradient says when backward is done with
+        # them; it is once backward asks for an earlier block.
+        self._frozen_blocks = [g for g in groups if not any(p.requires_grad for p in g.params)]
+
+    # -- residency ----------------------------------------------------------------------
+    def _start_fetch(self, g: OffloadedGroup, backward: bool = False) -> None:
+        """Start reading a group's weights into a free slot. In backward the daemon serves
+        them from a read-ahead of the group's optimizer state, which the group's step, due
+        right after, then uses: one SSD read instead of two (unless the group lends its
+        slot to its step instead: ``lend``)."""
+        if g.slot is not None or g.fetch is not None:
+            return
+        self._take_back()
+        if self._free:
+            self._fetch_into(g, self._free.pop(0), backward)  # (the longest free: its last use is furthest back)
+        elif self._lent and not any(d is g for d, _ in self._deferred):  # (when a lent slot is back: poll)
+            self._deferred.append((g, backward))
+
+    def poll(self) -> None:
+        """Cheap, called often (each gradient): slots lent to steps that are done are free
+        again, and the fetches deferred for want of a slot start in them."""
+        if not self._lent and not self._deferred:
+            return
+        self._take_back()
+        while self._free and self._deferred:
+            g, backward = self._deferred.pop(0)
+            if g.slot is None and g.fetch is None:
+                self._fetch_into(g, self._free.pop(0), backward)
+
+    def _take_back(self, wait: bool = False) -> None:
+        """Slots lent to steps that are done are free again (``wait``: the oldest is waited for)."""
+        if wait and self._lent:
+            self._lent[0][0].exception()  # (waits; whatever the step's outcome, it reads the slot no more)
+        while self._lent and self._lent[0][0].done():
+            self._free.append(self._lent.popleft()[1])
+
+    def _lend(self, g: OffloadedGroup):
+        """Backward is done with the group's weights, and its step will read its fp32 masters
+        from the slot: the parameters let go of it as with ``release``, but the slot is out of
+        use until ``_lent_until``'s future is done. Returns the slot's shared buffer."""
+        slot = g.slot
+        self.release(g, lend=True)
+        self._lending = slot
+        return slot.host
+
+    def _lent_until(self, step: Future) -> None:
+        """The step that reads the slot just lent; the slot is free again once it is done."""
+        self._lent.append((step, self._lending))
+        self._lending = None
+
+    def take_back_all(self) -> None:
+        """(at the barrier, every step landed) Every lent slot is free again; prefetches
+        still deferred are forgotten (the next forward asks again)."""
+        for step, slot in self._lent:
+            step.exception()
+            self._free.append(slot)
+        self._lent.clear()
+        self._deferred.clear()
+
+    def _fetch_into(self, g: OffloadedGroup, slot: Slot, backward: bool) -> None:
+        slot.uploaded.synchronize()  # the host buffer's last upload has run (normally long ago)
+        self._deferred = [(d, b) for d, b in self._deferred if d is not g]
+        via_state = backward and not g.hands_over
+        g.fetch_slot, g.fetch_via_state, g.fetch_backward = slot, via_state, backward
+        if g.host is not None:  # nothing to read: the upload starts when the fetch lands
+            g.fetch = Future()
+            g.fetch.set_result(False)
+        elif via_state:  # (a list: per source, served (True), declined (False) or read (None))
+            g.fetch = gather([self.session.fetch_weights_async(s.part, slot.host, g.dtype, out_offset=s.offset)
+                              if s.part else self._read([s], slot) for s in g.sources])
+        else:
+            g.fetch = self._read(g.sources, slot)
+        if self._gather is not None:  # (every rank starts its fetches in the same order)
+            g.fetch = self._gather(g, slot, g.fetch)
+
+    def _read(self, sources: list[Source], slot: Slot) -> Future:
+        return self.session.swap_in_async([In(s.object, slot.host, s.offset, s.length, s.object_offset)
+                                           for s in sources])
+
+    def ensure(self, g: OffloadedGroup, backward: bool = False) -> None:
+        """Make the group's weights resident (waits for its fetch); the compute stream's
+        next work waits for their upload."""
+        if g.slot is None:
+            if g.fetch is None:
+                self._fetch_into(g, self._slot_for(g), backward)
+            self._land(g)
+        self.device.wait(g.ready)
+
+    def _slot_for(self, g: OffloadedGroup) -> "Slot":
+        """A slot for a fetch that cannot wait: a free one, else the oldest lent one once its
+        step is done, else a resident group's (evicted)."""
+        self._take_back()
+        if not self._free and self._lent:
+            self._take_back(wait=True)
+        return self._free.pop(0) if self._free else self._evict(g)
+
+    def _land(self, g: OffloadedGroup) -> None:
+        """A fetch is done (or waited for): upload it and point the parameters at it."""
+        served = g.fetch.result()  # (waits for the reads; via the state: per source, served or not)
+        if not g.fetch_via_state:
+            served = [None] * len(g.sources)
+        slot = g.fetch_slot
+        if g.host is None:  # (offload="host": nothing was read)
+            read_declined(self.session, g.sources, served, slot.host)
+            read = sum(s.length for s, ok in zip(g.sources, served) if not ok)
+            self.served_bytes += sum(s.length for s, ok in zip(g.sources, served) if ok)
+            self.fetched_bytes += read
+            if not g.fetch_backward:
+                self.fetched_forward += read
+        g.slot, g.fetch, g.fetch_slot = slot, None, None
+        if self._gather is not None:  # (data parallel: gathered in the slot's device memory already)
+            slot.uploaded = DONE
+        elif not self.device.shares_host_memory:
+            source = g.host if g.host is not None else slot.host
+            slot.uploaded = self.device.upload(slot.device[:g.nbytes], source.tensor(torch.uint8)[:g.nbytes],
+                                               after=slot.released)
+            if g.host is not None:
+                g.host_uploaded = slot.uploaded
+        g.ready = slot.uploaded
+        with torch.inference_mode(False):  # (an eval forward under inference_mode: still plain tensors)
+            flat = slot.weights(g.dtype)
+            self._by_ptr[flat.untyped_storage().data_ptr()] = g
+            for p, shape, part in zip(g.params, g.shapes, flat_parts(flat, g.shapes)):
+                p.data = part.view(shape)
+
+    def _poll(self) -> None:
+        """Land the fetches that are done, so that their uploads overlap compute."""
+        if self.device.shares_host_memory:
+            return
+        for g in self.groups:
+            if g.fetch is not None and g.fetch.done():
+                self._land(g)
+
+    def _evict(self, wanted: OffloadedGroup):
+        """All slots hold groups (parameters that got no gradient keep a group resident
+        until the step; a model called twice keeps more): free the least recently used one
+        that is not computing. Its saved tensors are markers, so a later use fetches it again."""
+        victims = [g for g in self.groups if g.slot is not None and g is not wanted and not g.busy]
+        if not victims:
+            raise RuntimeError(f"no weight slot for {wanted.name}: all {len(self._all)} hold blocks computing "
+                               "right now; attach with a larger prefetch or keep")
+        self.release(min(victims, key=lambda g: g.last_used))
+        return self._free.pop()
+
+    def release(self, g: OffloadedGroup, keep_params: bool = False, lend: bool = False) -> None:
+        """Give the group's slot back; its parameters become empty placeholders (unless
+        ``keep_params``: the caller has already pointed them elsewhere; ``lend``: the slot
+        goes to the group's step, see ``lend``)."""
+        if g.slot is None:
+            return
+        if not keep_params:
+            for p, ph in zip(g.params, g.placeholders):
+                p.data = ph
+        self._by_ptr.pop(g.slot.weights(g.dtype).untyped_storage().data_ptr(), None)
+        g.slot.released = self.device.record()  # the compute enqueued so far may still read it
+        if not lend:
+            self._free.append(g.slot)
+        g.slot, g.ready = None, DONE
+
+    def release_all(self) -> None:
+        for g in self.groups:
+            if g.fetch is not None:  # let a prefetch land before its slot is reused
+                g.fetch.result()
+                self._free.append(g.fetch_slot)
+                g.fetch = g.fetch_slot = None
+            self.release(g)
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _touch(self, g: OffloadedGroup) -> None:
+        self._clock += 1
+        g.last_used = self._clock
+
+    def enter_forward(self, g: OffloadedGroup) -> None:
+        """Before the block's forward: its weights resident, the next blocks' fetches started."""
+        g.in_backward = False
+        self.ensure(g)
+        g.busy = True
+        self._touch(g)
+        for nxt in self.groups[g.index + 1:g.index + 1 + self.prefetch]:
+            self._start_fetch(nxt)
+        self._poll()
+
+    def exit_forward(self, g: OffloadedGroup) -> None:
+        """After the block's forward: its slot free again (not the last ``keep`` + 1 blocks')."""
+        g.busy = False
+        if g.index < len(self.groups) - 1 - self.keep:  # the last block stays: backward starts with it
+            self.release(g)
+
+    def pack(self, t: torch.Tensor):
+        g = self._by_ptr.get(t.untyped_storage().data_ptr())
+        if g is None or t.dtype != g.dtype:
+            return t
+        return Saved(g, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+
+    def unpack(self, saved):
+        if not isinstance(saved, Saved):
+            return saved
+        g = saved.group
+        self.ensure_for_backward(g)
+        self._poll()
+        self.begin_backward(g)
+        return g.slot.weights(g.dtype).as_strided(saved.size, saved.stride, saved.offset)
+
+    def ensure_for_backward(self, g: OffloadedGroup) -> None:
+        """A group's weights for its backward (or its recomputed forward); the first
+        request of a group starts fetching the ``prefetch`` groups before it, which
+        backward needs next."""
+        if not g.in_backward:  # (once per group and backward, not per saved tensor)
+            for done in self._frozen_blocks:
+                if done.index > g.index and done.slot is not None and not done.busy:
+                    self.release(done)
+        if g.slot is None:
+            self.ensure(g, backward=True)
+            for prev in reversed(self.groups[max(0, g.index - self.prefetch):g.index]):
+                self._start_fetch(prev, backward=True)
+        else:
+            self.device.wait(g.ready)
+
+    def gradient_arriving(self, g: OffloadedGroup) -> None:
+        """Before autograd adds a gradient to one of the group's parameters (it shapes it after
+        the parameter, which must not be an empty placeholder then)."""
+        self.ensure(g, backward=True)
+        self.begin_backward(g)
+
+    def begin_backward(self, g: OffloadedGroup) -> None:
+        """The group's backward begins (its weights resident)."""
+        self._touch(g)
+        if not g.in_backward:
+            g.in_backward = True
+            self._on_backward(g)
+
+    def hold(self, g: OffloadedGroup) -> None:
+        """The group's weights for its backward (or recomputed forward), held until
+        ``backward_done``: the graph being built refers to them, so no eviction."""
+        self.ensure_for_backward(g)
+        g.busy = True
+
+    def let_go(self, g: OffloadedGroup) -> None:
+        """The group's weights may be evicted again (its slot stays until then)."""
+        g.busy = False
+
+    def backward_done(self, g: OffloadedGroup) -> None:
+        """Backward is done with the group's weights: its slot is free again."""
+        g.busy = False
+        self.release(g)
+
+    def lend_for_step(self, g: OffloadedGroup, submit) -> None:
+        """Backward is done with the group's weights and its step takes the fp32 masters from
+        its slot: ``submit(buffer)`` sends the step (returns its future); the slot is free
+        again once that step is done."""
+        g.busy = False
+        self._lent_until(submit(self._lend(g)))
+
+    def let_go_all(self) -> None:
+        """(a step abandoned) No group is held any more; every slot and fetch is given back."""
+        for g in self.groups:
+            g.busy = False
+        self.release_all()
+
+
+def read_declined(session: Session, sources: list[Source], served: list, host) -> None:
+    """The sources a fetch served from a state read-ahead reported declined (``False``: no
+    optimizer buffer was spare), read into the slot's ``host`` buffer by the client."""
+    declined = [s for s, ok in zip(sources, served) if ok is False]
+    if declined:
+        session.swap_in_many([In(s.object, host, s.offset, s.length, s.object_offset) for s in declined])
+
