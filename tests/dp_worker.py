@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import HYPER, tiny_gpt2, tiny_llama  # noqa: E402
 
 import fuyou_client  # noqa: E402
-from fuyou_client import distributed  # noqa: E402
+from fuyou_client.parallel import world as distributed  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
