@@ -1,5 +1,5 @@
 """engine.train_step(micro_batches, loss_fn): block-major order over micro-batches
-(client/fuyou_client/blockmajor.py).
+(client/fuyou_client/blockmajor/schedule.py).
 
 The spec: it trains bitwise as today's engine does over the same micro-batches with
 ``accumulation_steps=K`` (fp32, and bf16 compute), on GPT-2 (tied embeddings: the head's

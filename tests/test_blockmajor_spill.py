@@ -1,5 +1,5 @@
 """train_step's kept inputs beyond host_budget go to the SSD array and come back
-(client/fuyou_client/block_store.py over spill.py, the activation swapper's tier).
+(client/fuyou_client/blockmajor/store.py over spill.py, the activation swapper's tier).
 
 The spec: with a host_budget smaller than a step's kept inputs, train_step trains bitwise
 as it does with all of them in memory and as the ordinary loop with accumulation does,

@@ -129,3 +129,26 @@ def test_no_long_client_function_without_a_reason():
                 if length > LONG_FUNCTION and "# long:" not in lines[node.lineno - 1]:
                     long.append(f"{rel}:{node.lineno}: {node.name} ({length} lines)")
     assert not long, "functions too long, with no reason given:\n" + "\n".join(long)
+
+
+def test_the_architecture_page_names_every_client_part():
+    """docs/design/architecture.md gives each client layer its row, naming each of its files."""
+    page = (REPO / "docs" / "design" / "architecture.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in page.splitlines()
+            if line.startswith("| `") and "|" in line[1:]}
+    missing = []
+    for layer in LAYERS:
+        path = CLIENT / layer
+        if not path.is_dir():
+            if not any(f"`{layer}.py`" in key for key in rows):
+                missing.append(f"{layer}.py")
+            continue
+        row = rows.get(f"`{layer}/`")
+        if row is None:
+            missing.append(f"{layer}/")
+            continue
+        if layer == "sizing":  # (its files are named in the paragraph after the table)
+            row = page
+        missing += [f"{layer}/{f.name}" for f in sorted(path.glob("*.py"))
+                    if f.name != "__init__.py" and f"`{f.name}`" not in row]
+    assert not missing, f"docs/design/architecture.md does not describe: {missing}"

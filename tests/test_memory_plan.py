@@ -1,4 +1,4 @@
-"""The memory plan (client/fuyou_client/memory_plan.py): the shared buffers of a training
+"""The memory plan (client/fuyou_client/memory/plan.py): the shared buffers of a training
 process derived from the session's budget before anything is allocated.
 
 The plan as a function (counts for small and large blocks, what a tight budget gives up

@@ -1,5 +1,5 @@
 """Host memory that spills to the SSD array: the mechanism the activation swapper
-(activations.py) and block-major's store (block_store.py) share; each keeps its own
+(swapper.py) and block-major's store (blockmajor/store.py) share; each keeps its own
 policy of what goes and when.
 
 ``Arena``: first-fit ranges of one shared buffer, 4 KiB aligned, so the daemon's

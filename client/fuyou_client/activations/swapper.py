@@ -15,7 +15,7 @@ forward without backward - is dropped at the next ``engine.step()`` or
 nothing behind. The arena and the SSD tier are spill.py's, shared with block-major
 training's store: each spilled activation carries a CRC32C taken as it leaves, and one
 that comes back damaged is a ``DataLoss``, not a wrong gradient. A spill waits for its
-write here (the oldest activation makes room for the next at once); block_store.py,
+write here (the oldest activation makes room for the next at once); blockmajor/store.py,
 which knows its whole step in advance, writes ahead instead.
 
 On a GPU the copy into the arena runs on the device's download stream (the source is

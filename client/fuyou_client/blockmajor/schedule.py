@@ -6,20 +6,20 @@ step can only start after the last micro-batch's backward. Here the order is tur
 around (layer-to-layer training's order; FlexGen's for inference):
 
 * **forward**, block by block: block l runs for micro-batches 1..K before block l+1 does,
-  without keeping a graph. Each micro-batch's input to each block (a checkpoint) is kept:
+  without keeping a graph. Each micro-batch's input to each block (its *kept input*) is kept:
   on the CPU as the tensor itself, on a device with its own memory in a host arena of
   shared memory (downloaded as it is made, uploaded again ahead of its use), and what
   ``host_budget`` cannot hold on the SSD array (written as it is made, read back ahead
-  of backward: block_store.py). The tail
+  of backward: store.py). The tail
   (final norm, head, ``loss_fn``) runs with a graph, and its gradient with respect to the
   last block's output is taken at once;
 * **backward**, block by block in reverse: the block's weights come up once, then for
-  micro-batches 1..K in ascending order its forward is recomputed from the checkpoint and
+  micro-batches 1..K in ascending order its forward is recomputed from the kept input and
   backward runs through it, so its gradient accumulates on the device in the order
   torch's loop would add it. After the K-th the group's gradient is final: it goes down
   once and its step is submitted, overlapping the backward of the blocks before it;
 * **the rest** (embeddings, head, final norm): each micro-batch's ``loss_fn`` is replayed
-  with the blocks answered from the checkpoints, and one backward per micro-batch takes
+  with the blocks answered from the kept inputs, and one backward per micro-batch takes
   the head's and the embeddings' gradients together (tied weights add up as in torch).
 
 The model's own ``forward`` runs unchanged: each micro-batch's forward runs in a thread of
@@ -33,7 +33,7 @@ Dropout: micro-batch k draws from the default generators seeded ``seed + k``, wi
 alike (``micro_batch_rng`` gives the same draws to an ordinary loop). The result is
 bitwise that of the ordinary loop over the same micro-batches with
 ``accumulation_steps=K`` (fp32 and bf16 compute: tests/test_blockmajor.py). The
-checkpoints are kept by block_store.py.
+kept inputs are held by store.py.
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ class _Turns:
 @dataclass
 class _Call:
     """What a block received for one micro-batch: the call's structure, its constant
-    leaves, and which leaves are carried (hidden states: checkpointed, given gradients)."""
+    leaves, and which leaves are carried (hidden states: kept, given gradients)."""
     spec: object
     leaves: list
     carried: list[int]  # leaf positions
@@ -431,7 +431,7 @@ class BlockMajor:
     # -- the rest -------------------------------------------------------------------------
     def _rest_backward(self, micro_batches, loss_fn, micros) -> None:
         """The embeddings', head's and final norm's gradients: each micro-batch's loss_fn
-        again, the blocks answered from the checkpoints, one backward each."""
+        again, the blocks answered from the kept inputs, one backward each."""
         n = len(self.blocks)
         state = {}
 

@@ -1,4 +1,4 @@
-"""The tensors block-major training keeps between its passes (blockmajor.py), keyed
+"""The tensors block-major training keeps between its passes (schedule.py), keyed
 (kind, block, micro-batch): ("x", l, i) is micro-batch i's input to block l (l = n, the
 last block's output, is the rest's input), ("g", l, i) the gradient flowing into block
 l's output. A step of n blocks and K micro-batches keeps (n + 2) K of them at its peak
@@ -11,7 +11,7 @@ the compute stream wait for its upload only, and a slot takes a new download onl
 the upload out of it ran (ordered by events, not by the host).
 
 ``host_budget`` bounds them (on the CPU too), in slots of one entry rounded up to 4 KiB.
-What does not fit goes to the SSD array through fuyoud, with spill.py's tier (the
+What does not fit goes to the SSD array through fuyoud, with activations/spill.py's tier (the
 activation swapper's: transient objects, a CRC32C each, checked on the way back):
 
 * *What goes* is planned at ``reserve``, when the step's shape is known: the entries
@@ -195,7 +195,7 @@ class Store:
         for the rest). Called before the step's first put (again within a step: no-op)."""
         if self._open:
             if not self.plan.same(nbytes, blocks, micro_batches, last):
-                raise RuntimeError("train_step's checkpoints changed size mid-step")
+                raise RuntimeError("train_step's kept inputs changed size mid-step")
             return
         plan = self.plan if self.plan is not None and self.plan.same(nbytes, blocks, micro_batches, last) \
             else Plan(nbytes, blocks, micro_batches, self.budget, last, prologue_first=not self.host)
@@ -243,7 +243,7 @@ class Store:
         e = _Entry(key, layout, nbytes)
         goes = self.plan is not None and key in self.plan.to_ssd and nbytes > 0
         if nbytes > self.slot and (goes or not self.host):
-            raise RuntimeError(f"a checkpoint of {nbytes} bytes does not fit train_step's slots of {self.slot}")
+            raise RuntimeError(f"a kept input of {nbytes} bytes does not fit train_step's slots of {self.slot}")
         e.forward_take = goes and (0 < key[1] or not self.host) and key[1] < self.plan.blocks
         if self.host:
             e.tensors = [None if t is None else t.detach() for t in tensors]
@@ -363,7 +363,7 @@ class Store:
             writes = [e.write for e in self._writing]
             if not writes:
                 raise RuntimeError(f"train_step's host arena ({self.arena.size} bytes) is full: a model whose "
-                                   "checkpoints changed size mid-step?")
+                                   "kept inputs changed size mid-step?")
             t0 = time.perf_counter()
             wait_futures(writes, return_when=FIRST_COMPLETED)
             self.stats.write_wait_s += time.perf_counter() - t0

@@ -110,7 +110,7 @@ def _wrap_future(call: grpc.Future, convert=lambda r: r) -> Future:
     return fut
 
 
-def gather(futures: Sequence[Future], combine=list) -> Future:
+def all_of(futures: Sequence[Future], combine=list) -> Future:
     """One future for several: done when every one is (so that no buffer they use is
     reused early), with ``combine(results)``, or the first one's error."""
     out: Future = Future()

@@ -30,6 +30,8 @@ from concurrent.futures import Future
 
 import torch
 
+from fuyou_client.device import heap
+
 log = logging.getLogger(__name__)
 
 
@@ -120,6 +122,9 @@ class Device:
         """Bytes the framework has allocated on the device (None where it cannot tell)."""
         return None
 
+    def block_done(self) -> None:
+        """A block's forward or backward has ended (its temporaries are freed)."""
+
     def close(self) -> None:
         pass
 
@@ -129,6 +134,9 @@ class HostDevice(Device):
 
     torch_device = torch.device("cpu")
     shares_host_memory = True
+
+    def block_done(self) -> None:
+        heap.trim()  # (the block's temporaries were malloc'ed, freed around what it keeps: heap.py)
 
 
 class _Thread:

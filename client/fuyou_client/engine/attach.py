@@ -112,7 +112,7 @@ def _prepare(model: nn.Module, optimizer, opts: AttachOptions, materializer, par
 def _undo(owns: bool, session, device, materializer) -> None:
     if owns:
         session.close()
-    elif not device.shares_host_memory:
+    else:
         session.use_device(None)
     device.close()
     if materializer is not None:

@@ -54,8 +54,7 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
     (log.warning if plan.shrunk else log.info)("%s", plan.describe())
     options = dataclasses.replace(options, prefetch=plan.prefetch, host_budget=plan.host_budget)
     check_capacity(session, specs, torch_groups, options.offload, resume, parallel.share)
-    if not device.shares_host_memory:
-        session.use_device(device)  # cudaHostRegister of every shared segment
+    session.use_device(device)  # (CUDA: cudaHostRegister of every shared segment; the CPU: nothing to do)
     # Where each group's gradients live until its step (gradients/strategy.py).
     strategies = {"resident": Resident(device), "pooled": Pooled(), "host": HostAccumulated(),
                   "sharded": parallel.gradient_strategy(options, device)}

@@ -143,7 +143,7 @@ class Engine:
         self._report(t_start)
 
     def train_step(self, micro_batches, loss_fn) -> torch.Tensor:
-        """One iteration over ``micro_batches`` in block-major order (blockmajor.py): each
+        """One iteration over ``micro_batches`` in block-major order (blockmajor/schedule.py): each
         block runs forward for every micro-batch before the next block does, and backward
         block by block, each block's gradient accumulated over the micro-batches on the
         compute device, sent to fuyoud once and stepped at once (while backward goes on),
@@ -156,7 +156,7 @@ class Engine:
         micro-batches would, each micro-batch's dropout drawn as under
         ``fuyou_client.micro_batch_rng``. Each micro-batch's input to each block is kept
         until backward, in host memory up to ``host_budget`` bytes (on a GPU in a shared
-        arena), the rest on the SSD array, read back ahead of backward (block_store.py;
+        arena), the rest on the SSD array, read back ahead of backward (blockmajor/store.py;
         ``engine.train_step_stats`` counts it); ``host_budget`` must hold at least the
         micro-batches of one block plus two. ``activations=`` does not apply to it, and each
         group's gradients add up on the compute device over the micro-batches (in the
@@ -281,8 +281,7 @@ class Engine:
             self.device.synchronize()
             if self._owns_session:
                 self.session.close()
-            if not self.device.shares_host_memory:
-                self.session.use_device(None)
+            self.session.use_device(None)
             self.device.close()
 
     def _materialize(self, materialize: bool) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from fuyou_client.device import heap
 from fuyou_client.offload import Saved
 
 GRADIENT_CHECKPOINTING = (
@@ -97,8 +96,7 @@ class ModelHooks:
             self.offloader.exit_forward(og)
         if self.auto is not None:
             self.auto.after(name)
-        if self.device.shares_host_memory:
-            heap.trim()  # (the block's temporaries, freed around what it keeps: device/heap.py)
+        self.device.block_done()  # (the CPU: the block's temporaries' heap given back)
         self._swap_now = False
         self._current = None
         if self._saved_ctx is not None:

@@ -53,7 +53,7 @@ class AttachOptions:
       and one with ``weight_decay=0`` for the parameters whose names contain one of the
       given strings (``["bias", "LayerNorm.weight"]``), for which a function
       ``f(name, parameter)`` is true, or with ``"auto"`` biases and normalisation weights
-      as Hugging Face's Trainer picks them (param_groups.py).
+      as Hugging Face's Trainer picks them (model/param_groups.py).
       ``max_grad_norm``: clip the global gradient norm to it, exactly as
       ``torch.nn.utils.clip_grad_norm_`` (the steps then wait for every gradient); every
       gradient is then checked before any group steps, and a non-finite norm steps
@@ -69,7 +69,7 @@ class AttachOptions:
       "device".
 
     Memory (the shared buffers all these take are planned from the daemon's session
-    budget before anything is allocated: memory_plan.py, ``engine.memory_plan()``):
+    budget before anything is allocated: memory/plan.py, ``engine.memory_plan()``):
       ``offload``: True (the default): the blocks' weights are on the SSD array and in
       memory only while they compute, fetched ``prefetch`` blocks ahead (default: chosen
       by the memory plan: two for small blocks, one for blocks of 512 MiB or more, fewer

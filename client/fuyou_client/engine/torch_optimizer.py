@@ -1,7 +1,7 @@
 """``engine.optimizer``: the engine's face for code written for a torch optimizer.
 
 A ``torch.optim.Optimizer`` whose ``param_groups`` are the torch parameter groups of
-``attach`` (param_groups.py), one dict each with its parameters and hyperparameters, so
+``attach`` (model/param_groups.py), one dict each with its parameters and hyperparameters, so
 LR schedulers (a list of lambdas too), Hugging Face's Trainer and Accelerate drive it as
 they drive ``torch.optim.AdamW``: each group step reads its torch group's values at that
 moment. ``step()`` is the engine's barrier, ``zero_grad()`` the engine's.

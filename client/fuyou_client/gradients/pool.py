@@ -13,7 +13,7 @@ autograd accumulates straight into it) and gives it up with its step:
 
 When no host buffer is free the oldest step in flight is waited for: backpressure
 instead of growth. Gradient accumulation and exact clipping need every gradient kept
-until the step, so they use one resident buffer per group instead (layergroup.py).
+until the step, so they use one resident buffer per group instead (groups/layer_group.py).
 """
 from __future__ import annotations
 

@@ -2,15 +2,15 @@
 reach the daemon: one interface, one class per strategy. The engine calls only this
 interface (``on_backward``, ``before_step``, ``before_grad``, ``submit``, ``landing``,
 ``zero``, ``reclaim``, ``discard``, ``norm_grads``); a new way of moving gradients is
-one more class (sharded.py: a reduce-scatter to a shard, for data parallelism).
+one more class (parallel/sharded.py: a reduce-scatter to a shard, for data parallelism).
 
 * ``Resident``: a buffer per group, for the whole run (shared memory on the CPU; on a
   GPU device memory, downloaded into shared memory at the step). What accumulation
   over micro-batches and exact clipping need, and what resident groups use.
 * ``Pooled``: offloaded groups without accumulation or clipping borrow a buffer from the
-  GradientPool (gradients.py) while in backward and while their step is in flight.
+  GradientPool (pool.py) while in backward and while their step is in flight.
 * ``HostAccumulated``: ``grad_accumulation="host"`` on a GPU: each backward's gradients
-  leave the device at once into an fp32 accumulator in shared memory (hostgrads.py).
+  leave the device at once into an fp32 accumulator in shared memory (host.py).
 """
 from __future__ import annotations
 

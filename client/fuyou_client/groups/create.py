@@ -10,7 +10,7 @@ import torch
 
 from fuyou_proto.contract import HEADER, state_object
 
-from fuyou_client.connection.session import Out, Session, gather
+from fuyou_client.connection.session import Out, Session, all_of
 from fuyou_client.device import Device
 from fuyou_client.gradients.strategy import GradientStrategy
 from fuyou_client.groups.layer_group import LayerGroup, flat_copy
@@ -188,7 +188,7 @@ def _masters(session: Session, spec: GroupSpec, optimizers: list, resume: bool, 
     params = [p for _, p in spec.params]
     if not resume and scratch is not None:
         flat_copy(params, scratch.tensor(torch.float32)[:n])
-        return None, gather([session.create_group_async(part.name, scratch, optimizer, offset=part.start * 4,
+        return None, all_of([session.create_group_async(part.name, scratch, optimizer, offset=part.start * 4,
                                                         numel=part.numel)
                              for part, optimizer in zip(spec.parts, optimizers)])
     if not resume:

@@ -11,8 +11,11 @@ are downloaded into shared memory on the download stream before the step is subm
 goes on with backward), and the step's new weights are uploaded at the barrier, on the
 upload stream, after the compute stream has finished with the old ones.
 
-Offloaded groups (offload.py) have no resident weights; pooled gradients
-(gradients.py) have no resident gradient buffers.
+Offloaded groups (offload/offloader.py) have no resident weights. Pooled gradients have
+no gradient buffers of their own: the gradient pool (gradients/pool.py) lends a group
+``grads`` (and on a GPU ``device_grads``) from its backward's start to its step's end, and
+only the pool sets them for such a group; the step coordinator (steps/) is the only one
+to set ``future``, ``submitted``, ``pending`` and ``backwards``.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ class LayerGroup:
     backwards: int = 0  # backward passes completed since the last step (gradient accumulation)
     future: Future | None = None
     submitted: bool = False  # this iteration's step was sent
-    strategy: GradientStrategy | None = None  # where the gradients live until the step (gradstrategy.py)
+    strategy: GradientStrategy | None = None  # where the gradients live until the step (gradients/strategy.py)
     uploaded: object = DONE  # event: the last upload of new weights into device_weights
     downloaded: object = DONE  # event: the last download of device_grads
     shard: object = None  # data parallelism: this rank's shard of the group (sharded.ShardState)

@@ -6,18 +6,18 @@ counts the plan chose; ``engine.memory_plan()`` shows it).
 What a training process holds in shared memory:
 
 * per layer group, for the whole run: the gradients kept until its step (resident and
-  host-accumulated groups: gradstrategy.py), the weights its step writes (resident
-  groups; ``offload="host"``), with data parallelism its shard buffers (sharded.py);
-* weight slots (offload.py), each as large as the largest offloaded block: the block
+  host-accumulated groups: gradients/strategy.py), the weights its step writes (resident
+  groups; ``offload="host"``), with data parallelism its shard buffers (parallel/sharded.py);
+* weight slots (offload/offloader.py), each as large as the largest offloaded block: the block
   computing, ``prefetch`` blocks fetched ahead, the ``keep`` blocks kept from forward to
   backward, and a spare; where the steps of blocks stepped in chunks take their fp32
   master weights from the slot their block's backward used (``handoff``: 4 SSD bytes per
   parameter fewer), the slots of the steps in flight instead of the spare;
-* gradient buffers shared by the offloaded blocks (gradients.py): the block in backward
+* gradient buffers shared by the offloaded blocks (gradients/pool.py): the block in backward
   and the steps in flight;
-* staging buffers of host gradient accumulation (hostgrads.py);
-* the host arena of ``host_budget`` bytes (activations.py's swapped activations;
-  block_store.py's kept inputs of ``train_step``);
+* staging buffers of host gradient accumulation (gradients/host.py);
+* the host arena of ``host_budget`` bytes (activations/swapper.py's swapped activations;
+  blockmajor/store.py's kept inputs of ``train_step``);
 * for a moment: a buffer of the largest group's fp32 master weights (attach creates each
   group's state from it; resume reads them back) before the training buffers exist, and
   a buffer export reads master weights through (``EXPORT_PIECE``) beside them.
@@ -51,7 +51,7 @@ MAX_PREFETCH = 2  # blocks fetched ahead, at most (small blocks)
 MAX_STAGING = 3  # host accumulation's staging buffers, at most
 ARENA_DEFAULT = 256 << 20  # host_budget when attach leaves it to the plan
 ARENA_FLOOR = 64 << 20  # the least the plan shrinks it to
-EXPORT_PIECE = 64 << 20  # the shared buffer export reads master weights through (checkpoints.py)
+EXPORT_PIECE = 64 << 20  # the shared buffer export reads master weights through (checkpoints/)
 
 
 def depth(nbytes: int, most: int) -> int:
@@ -68,7 +68,7 @@ class GroupShape:
     chunked: bool = False  # the daemon steps it in chunks (fuyou_proto.contract.stepped_in_chunks)
     frozen_bytes: int = 0  # an offloaded block's frozen parameters, fetched with its weights
     offload: bool | str = False  # True: weights on the SSD array; "host": in shared memory; False: resident
-    strategy: str = "resident"  # where its gradients live: resident | pooled | host | sharded (gradstrategy.py)
+    strategy: str = "resident"  # where its gradients live: resident | pooled | host | sharded (gradients/strategy.py)
     shard: int = 0  # data parallelism: this rank's shard, elements
 
     @property
@@ -230,7 +230,7 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted()) ->
     def build(k: _Knobs, shrunk: tuple[str, ...] = ()) -> MemoryPlan:
         held_by_steps = k.inflight if k.handoff else 0
         # Blocks of a WINDOW or more: a fetch and a step's I/O share the SSD array, so a
-        # prefetch may wait for a slot a step holds (offload.py: deferred, started as the
+        # prefetch may wait for a slot a step holds (offload/offloader.py: deferred, started as the
         # step ends) at no cost; smaller ones get room for both.
         shared = held_by_steps and slot >= WINDOW
         extra = max(k.prefetch, held_by_steps) if shared else k.prefetch + (held_by_steps or k.spare)

@@ -12,7 +12,7 @@ predicate ``f(name, parameter) -> bool``, or ``"auto"`` (biases and the weights 
 normalisation layers, as Hugging Face's Trainer chooses them).
 
 A layer group whose parameters fall in several torch groups is stepped in parts, one
-daemon optimizer group per torch group it touches (grouping.py); each step sends its
+daemon optimizer group per torch group it touches (blocks.py); each step sends its
 torch group's current hyperparameters (``engine.optimizer.param_groups``), so schedulers
 that change ``lr``, ``betas`` or ``weight_decay`` per group work as with torch.
 

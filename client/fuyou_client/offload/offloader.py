@@ -33,7 +33,7 @@ upload. A handful of slots hold the groups in use:
   group's backward fetch is a plain read: serving it from a read-ahead would hold daemon
   buffers the step needs.
 
-How many slots: the memory plan's (memory_plan.py), by default the block computing,
+How many slots: the memory plan's (memory/plan.py), by default the block computing,
 ``prefetch`` ahead, ``keep``, and a spare or the slots lent to steps in flight.
 
 A slot is a shared host buffer (where the daemon puts the weights) and the compute
@@ -54,7 +54,7 @@ from torch import nn
 
 from fuyou_client.device.devices import DONE, Device
 from fuyou_client.model.blocks import flat_parts
-from fuyou_client.connection.session import In, Session, gather
+from fuyou_client.connection.session import In, Session, all_of
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,7 @@ class Offloader:
             g.fetch = Future()
             g.fetch.set_result(False)
         elif via_state:  # (a list: per source, served (True), declined (False) or read (None))
-            g.fetch = gather([self.session.fetch_weights_async(s.part, slot.host, g.dtype, out_offset=s.offset)
+            g.fetch = all_of([self.session.fetch_weights_async(s.part, slot.host, g.dtype, out_offset=s.offset)
                               if s.part else self._read([s], slot) for s in g.sources])
         else:
             g.fetch = self._read(g.sources, slot)

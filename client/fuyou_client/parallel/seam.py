@@ -5,7 +5,7 @@ model, and where its optimizer state lives", answered by one object per mode.
 * ``DataParallel``: every rank of a torch.distributed world trains a replica; each rank's
   daemon holds its shard of every group's state (ZeRO-2 style: sharded.py), gradients
   are reduce-scattered to the shards and the new weights all-gathered; checkpoints are
-  collective (checkpoints.py). Every call below is made by every rank, in the same order.
+  collective (checkpoints/). Every call below is made by every rank, in the same order.
 
 A dedicated optimizer host (one rank with the SSD array holding every group's state) is
 a third implementation of this interface.

@@ -1,4 +1,4 @@
-"""ZeRO-2-style gradients and weights for data parallelism (distributed.py has the world).
+"""ZeRO-2-style gradients and weights for data parallelism (world.py has the world).
 
 Each layer group's flat vector is cut into one shard per rank (``distributed.Shards``);
 rank r's daemon holds the fp32 master weights, the moments and the step count of shard r
@@ -26,7 +26,7 @@ tensors: only the shard crosses PCIe, down (gradients) and up (weights), on the
 device's copy streams, ordered by events: 1/N of the bytes a single process moves.
 
 Every collective goes through the engine's ``Collectives`` thread, in the order the
-training thread asks (distributed.py).
+training thread asks (world.py).
 """
 from __future__ import annotations
 

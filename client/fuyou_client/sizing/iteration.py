@@ -53,7 +53,7 @@ class Schedule:
     grad_bytes: int = 4       # block-major: a block's gradient summed on the GPU (4: fp32, 2: bf16)
     grad_buffers: int = 2     # block-major: (1: the next block waits for the last one's download)
     host_state: tuple = ()    # block-major: groups ("first", "rest") whose state stays in host memory
-    staging: int = 3          # loop: hostgrads.py's staging buffers and download depth
+    staging: int = 3          # loop: gradients/host.py's staging buffers and download depth
     depth: int = 2
     prefetch: int = 2         # weight slots are prefetch + 2 (loop, offloaded)
     served: bool = True       # block-major, weights on the SSD array: backward's weights come with the step's
@@ -249,7 +249,7 @@ def _loop(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
     group's gradients are flattened to fp32 on the compute stream, downloaded, and added into
     its host accumulator by the helper thread (the first micro-batch: straight into it). The
     training thread waits for the oldest addition when the staging buffers are taken, and for
-    the oldest download when more than ``depth`` wait (hostgrads.py). ``overlap=False``: a
+    the oldest download when more than ``depth`` wait (gradients/host.py). ``overlap=False``: a
     download and an addition never run at once (how the H100 run is reproduced; inferred, not
     observed). Then each group's step, and the new weights of resident groups up."""
     block, rest, c = shape.block_params, shape.rest_params, s.compute_bytes
@@ -318,7 +318,7 @@ def _loop(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
 
 
 def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:  # long: one timeline, pass by pass
-    """engine.train_step (blockmajor.py): forward block by block over all K micro-batches, each
+    """engine.train_step (blockmajor/schedule.py): forward block by block over all K micro-batches, each
     block's input (a checkpoint) downloaded into the host arena as it is made and uploaded for
     its use, the next one ahead; the tail's forward and input gradient per micro-batch. Backward
     block by block in reverse: checkpoint and output gradient uploaded (the next micro-batch's
@@ -342,7 +342,7 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
     on_ssd = s.weights == "ssd"
     daemon = Daemon(t, r, order, sizes, state_io(shape, s), in_memory)
     slots, grad_bufs = deque([0.0] * 2), deque([0.0] * s.grad_buffers)
-    host_grads = deque([0.0] * (s.prefetch + 3))  # gradients.py's host buffers, each held until its step
+    host_grads = deque([0.0] * (s.prefetch + 3))  # gradients/pool.py's host buffers, each held until its step
     ups, downs = deque([0.0] * 4), deque([0.0] * 4)  # checkpoint buffers on the GPU: uploads, downloads
     arena = {}  # checkpoint -> when its host copy is there
 

@@ -3,7 +3,7 @@ and the FLOPs of a block's and the tail's forward and backward.
 
 From a Hugging Face ``config.json`` (``from_config``, ``from_path``: the file or a model
 directory holding it), or counted on a model already built, typically on the meta device
-(``from_model``: the blocks attach would find, grouping.py). The families below are read
+(``from_model``: the blocks attach would find, model/blocks.py). The families below are read
 field by field; a field a family needs and the config lacks is an error naming it.
 
 Parameter counts follow each family's modules (untied heads add ``vocab x width``); FLOPs
@@ -162,7 +162,7 @@ def from_path(path: str | os.PathLike) -> ModelShape:
 
 def from_model(model) -> ModelShape:
     """Counted on a model (any device, the meta device included): the blocks attach finds
-    (grouping.py) and everything else; dimensions from its Hugging Face config where it
+    (model/blocks.py) and everything else; dimensions from its Hugging Face config where it
     has one, else from the blocks' largest linear layers."""
     from torch import nn
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from contextlib import contextmanager
 
-from fuyou_client.connection import Session, gather
-from fuyou_client.device import Device, heap
+from fuyou_client.connection import Session, all_of
+from fuyou_client.device import Device
 from fuyou_client.errors import NonFinite
 from fuyou_client.gradients import guard
 from fuyou_client.groups import LayerGroup, land_new_weights
@@ -66,8 +66,7 @@ class StepCoordinator:
             return
         g.pending = len(g.spec.params)
         g.backwards += 1
-        if self.device.shares_host_memory:
-            heap.trim()  # (the block's backward temporaries were malloc'ed: device/heap.py)
+        self.device.block_done()  # (the CPU: its backward temporaries' heap given back)
         if g.backwards > self.accumulation_steps:
             raise RuntimeError(
                 f"group {g.spec.name} got gradients from {g.backwards} backward passes since the last "
@@ -104,7 +103,7 @@ class StepCoordinator:
             g.host_weights_read().synchronize()  # the step overwrites what the last upload read
             at = {id(part): start for part, start in pieces} if pieces is not None else \
                 {id(part): part.start for part, _, _ in parts}
-            return gather([session.step_group_async(
+            return all_of([session.step_group_async(
                 part.name, grads, lr, grads_offset=at[id(part)] * gsize, grad_dtype=g.grad_dtype,
                 out=g.weights if out is None else out, out_offset=at[id(part)] * wsize, out_dtype=g.dtype,
                 grad_scale=scale, hyper=hyper, weights_object=step_weights_object(g.offload, g.dtype, part.name),
