@@ -421,7 +421,7 @@ def test_options_can_be_given_as_one_object(daemon):
 
 def test_a_group_the_daemon_refuses_mid_attach_stops_it_and_leaves_the_model(short_tmp):
     """attach has the daemon create a group's state while it makes the next group's values
-    (groups/create.py Scratch): a group refused halfway (a namespace quota that holds the first
+    (groups/creation.py Scratch): a group refused halfway (a namespace quota that holds the first
     blocks' state only) stops attach at the refusal, with the daemon's error, the model as
     it came and nothing left held."""
     torch.manual_seed(0)

@@ -208,7 +208,7 @@ def test_notify_socket_start_and_sigterm_stop(short_tmp):
     listener.bind(str(notify_path))
     listener.settimeout(60)
     cfg = short_tmp / "fuyoud.toml"
-    cfg.write_text(fuyou_client.daemon.to_toml(merge(SMALL, {
+    cfg.write_text(fuyou_client.connection.to_toml(merge(SMALL, {
         "daemon": {"state_dir": str(short_tmp / "state"), "runtime_dir": str(short_tmp / "run")},
         "metrics": {"listen": "127.0.0.1:0"}})))
     proc = subprocess.Popen([sys.executable, "-m", "fuyoud", "--config", str(cfg)],

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import fuyou_client
 from conftest import in_process_config
-from fuyou_client.checkpoints.client_state import client_state, load_client_state
+from fuyou_client.checkpoints.state import client_state, load_client_state
 from fuyoud.server import Daemon
 
 SECRET = b"SECRET-OUTSIDE-THE-CHECKPOINT" * 142  # 4118 bytes

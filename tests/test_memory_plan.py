@@ -1,4 +1,4 @@
-"""The memory plan (client/fuyou_client/memory/plan.py): the shared buffers of a training
+"""The memory plan (client/fuyou_client/memory/budget.py): the shared buffers of a training
 process derived from the session's budget before anything is allocated.
 
 The plan as a function (counts for small and large blocks, what a tight budget gives up
@@ -16,7 +16,7 @@ import torch
 
 import fuyou_client
 from conftest import HYPER, SMALL, merge, private_daemon, tiny_llama
-from fuyou_client.memory import plan as mp
+from fuyou_client.memory import budget as mp
 from fuyou_proto.units import format_size
 
 MiB, GiB = 1 << 20, 1 << 30

@@ -236,7 +236,7 @@ def start_raw(short_tmp, env_extra, config_extra=None):
     listener.bind(str(notify_path))
     listener.settimeout(60)
     cfg = short_tmp / "fuyoud.toml"
-    cfg.write_text(fuyou_client.daemon.to_toml(merge(SMALL, merge({
+    cfg.write_text(fuyou_client.connection.to_toml(merge(SMALL, merge({
         "daemon": {"state_dir": str(short_tmp / "state"), "runtime_dir": str(short_tmp / "run")},
         "metrics": {"enabled": False}}, config_extra or {}))))
     proc = subprocess.Popen([sys.executable, "-m", "fuyoud", "--config", str(cfg)],

@@ -503,13 +503,12 @@ def check_micro_batches(micro_batches, loss_fn) -> None:
 
 def run(model, device, coordinator, offloader, store: Store, blocks: list, rest_trains: bool, micro_batches,
         loss_fn, barrier, on_failure) -> torch.Tensor:
-    """Engine.train_step's work: check, run BlockMajor with the step coordinator counting
-    each group's gradient once over the micro-batches, then ``barrier()`` (the engine's
-    step). ``blocks``: [(module, offloaded group or None, its own forward)]. A failure
-    leaves the steps already sent landed and the rest forgotten (``on_failure()``: the
-    engine's zero_grad)."""
-    check_micro_batches(micro_batches, loss_fn)
-    coordinator.require_idle("train_step")
+    """Engine.train_step's work, once it has checked the micro-batches
+    (``check_micro_batches``) and that no iteration is under way: BlockMajor, with the
+    step coordinator counting each group's gradient once over the micro-batches, then
+    ``barrier()`` (the engine's step). ``blocks``: [(module, offloaded group or None, its
+    own forward)]. A failure leaves the steps already sent landed and the rest forgotten
+    (``on_failure()``: the engine's zero_grad)."""
     try:
         with coordinator.block_major(len(micro_batches)):
             losses = BlockMajor(model, device, offloader, blocks, rest_trains, store).run(micro_batches, loss_fn)

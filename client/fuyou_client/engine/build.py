@@ -26,8 +26,8 @@ from fuyou_client.device import Device
 from fuyou_client.engine.hooks import ModelHooks
 from fuyou_client.engine.options import AttachOptions
 from fuyou_client.gradients import HostAccumulated, Pooled, Resident
-from fuyou_client.groups import LayerGroup, Scratch, create, placement
-from fuyou_client.groups.placement import hands_over, weights_rewritten
+from fuyou_client.groups import LayerGroup, Scratch, create
+from fuyou_client.groups.placement import hands_over, placement, weights_rewritten
 from fuyou_client.model import GroupSpec, TorchGroups
 from fuyou_client.offload import Offloader
 from fuyou_client.parallel.world import Shards
@@ -48,7 +48,7 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
     layout = [(spec, *where) for spec in specs
               if (where := placement(spec, options.offload, pool_grads, options.grad_accumulation,
                                      parallel.data_parallel)) is not None]
-    # Every shared buffer below, planned from the session's budget first (memory/plan.py):
+    # Every shared buffer below, planned from the session's budget first (memory/budget.py):
     # a budget that cannot hold the smallest plan is refused before anything is allocated.
     plan = plan_memory(session, layout, torch_groups, options, device, parallel.world)
     (log.warning if plan.shrunk else log.info)("%s", plan.describe())
@@ -110,7 +110,7 @@ def _create_groups(session, device, layout, torch_groups, strategies, resume, ma
     groups: list[LayerGroup] = []
     originals = [(p, p.data, p.grad) for spec, _, _ in layout for _, p in (*spec.params, *spec.frozen)]
     # The daemon creates a group's state while the next group's values are made (a
-    # reused buffer: groups/create.py Scratch); resume and data parallelism read or shard instead.
+    # reused buffer: groups/creation.py Scratch); resume and data parallelism read or shard instead.
     biggest = max((spec.numel for spec, _, _ in layout), default=0)
     scratch = Scratch(session, biggest * 4) if biggest and not resume and not parallel.data_parallel else None
     try:
@@ -150,7 +150,7 @@ def _create_groups(session, device, layout, torch_groups, strategies, resume, ma
 def plan_memory(session, layout, torch_groups: TorchGroups, options: AttachOptions, device: Device,
                 world) -> memory.MemoryPlan:
     """The shared buffers of an engine, planned from the session's budget and the groups'
-    sizes (memory/plan.py); raises memory.DoesNotFit before any allocation."""
+    sizes (memory/budget.py); raises memory.DoesNotFit before any allocation."""
     limits = memory.limits_of(session)
     shapes = []
     for spec, mode, kind in layout:

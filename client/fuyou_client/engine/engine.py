@@ -25,20 +25,17 @@ resident. Gradients of every group stay in shared memory (they accumulate there)
 """
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
 from torch import nn
 
-from fuyou_client.blockmajor import Store, run as run_block_major
+from fuyou_client.blockmajor import Store, check_micro_batches, run as run_block_major
 from fuyou_client.checkpoints import Trained, restore_groups
 from fuyou_client.engine.hooks import hf_checkpointing
 from fuyou_client.engine.torch_optimizer import TorchOptimizer
 from fuyou_client.groups import land_new_weights
 from fuyou_client.optim import StepInfo
-
-log = logging.getLogger("fuyou_client.engine")
 
 
 class Engine:
@@ -166,6 +163,8 @@ class Engine:
             raise RuntimeError("train_step recomputes blocks itself; turn Hugging Face gradient checkpointing off "
                                "(gradient_checkpointing_disable())")
         self.parallel.refuse_train_step()
+        check_micro_batches(micro_batches, loss_fn)
+        self.require_idle("train_step")
         if self._train_step_store is None:
             self._train_step_store = Store(self.session, self.device, self.options.host_budget)
         by_module = {id(g.spec.module): g for g in self.groups if g.spec.module is not None}

@@ -9,7 +9,7 @@ import torch
 from fuyou_proto.contract import state_object
 
 from fuyou_client.connection.session import In, Session
-from fuyou_client.memory.plan import EXPORT_PIECE
+from fuyou_client.memory.budget import EXPORT_PIECE
 from fuyou_client.model.blocks import GroupSpec
 
 

@@ -33,7 +33,7 @@ upload. A handful of slots hold the groups in use:
   group's backward fetch is a plain read: serving it from a read-ahead would hold daemon
   buffers the step needs.
 
-How many slots: the memory plan's (memory/plan.py), by default the block computing,
+How many slots: the memory plan's (memory/budget.py), by default the block computing,
 ``prefetch`` ahead, ``keep``, and a spare or the slots lent to steps in flight.
 
 A slot is a shared host buffer (where the daemon puts the weights) and the compute

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from fuyou_proto.contract import HEADER, ITEMSIZE, STATE_SLOTS, slot_bytes, state_object
-from fuyou_client.checkpoints.client_state import client_state
+from fuyou_client.checkpoints.state import client_state
 from fuyou_client.parallel import world as distributed
 from fuyou_client.parallel.world import Shards, World
 from fuyou_client.connection.session import In, connect

@@ -8,7 +8,7 @@ the settings for the fastest plan that fits.
 
 Modules: shape.py (the model), hardware.py (the host, GPU profiles, every rate's source),
 probe.py (this host, measured), iteration.py (the discrete-event model of an iteration),
-estimate.py (one configuration: tiers, SSD bytes, time), search.py (the settings),
+estimate.py (one configuration: tiers, SSD bytes, time), plan_search.py (the settings),
 report.py (the table), cli.py (``fuyouctl plan``).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from fuyou_client.sizing.estimate import Estimate, Settings
 from fuyou_client.sizing.hardware import (PROFILES, Disks, GpuProfile, Host, HostError, Rate, gpu_profile,
                                           parse_bytes, parse_ssd)
 from fuyou_client.sizing.iteration import from_gpu_run
-from fuyou_client.sizing.search import TOKENS_PER_STEP, Plan, search
+from fuyou_client.sizing.plan_search import TOKENS_PER_STEP, Plan, search
 from fuyou_client.sizing.shape import ModelShape, ShapeError, from_config, from_model, from_path, of
 
 SSD_SIZE = 3_840_000_000_000  # assumed per device when the rates are given and the size is not

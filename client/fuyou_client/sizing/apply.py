@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from fuyou_client.sizing import host as make_host
-from fuyou_client.sizing.search import Plan, search
+from fuyou_client.sizing.plan_search import Plan, search
 from fuyou_client.sizing.shape import from_model
 
 log = logging.getLogger("fuyou_client")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from fuyou_client.memory import plan as memory_plan
+from fuyou_client.memory import budget as memory_plan
 from fuyou_client.sizing.hardware import GB, GiB, Host
 from fuyou_client.sizing.iteration import Rates, Schedule, device_estimate, simulate, state_bytes
 from fuyou_client.sizing.shape import ModelShape

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fuyou_proto.units import format_size
 
-# (plan: a search.Plan, which formats itself with this module: not imported here)
+# (plan: a plan_search.Plan, which formats itself with this module: not imported here)
 
 
 def _where(offload) -> str:

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from fuyou_client.memory.plan import ARENA_DEFAULT
+from fuyou_client.memory.budget import ARENA_DEFAULT
 from fuyou_client.sizing.estimate import Estimate, Settings, estimate, kept_inputs
 from fuyou_client.sizing.hardware import Host
 from fuyou_client.sizing.shape import ModelShape

@@ -1,6 +1,6 @@
 """Export: the trained weights as sharded safetensors.
 
-(Checkpoints: the daemon's optimizer state with client_state.py's part.)
+(Checkpoints: the daemon's optimizer state with state.py's part.)
 
 * ``save_checkpoint``: the daemon checkpoints the session's optimizer state (master
   weights, moments, step counts) between two steps (see fuyoud/checkpoint.py); the
