@@ -293,7 +293,7 @@ def test_attach_takes_the_settings_the_plan_printed(small_daemon, caplog):
         assert engine._torch_groups.base.state_dtype == "bf16"  # (the optimizer attach made: the plan's)
         assert engine.memory.host_budget == chosen.get("host_budget", engine.memory.host_budget)
         assert (engine.offloader is not None) == bool(chosen["offload"])
-        assert chosen["activations"] == "recompute" and set(engine.hooks.treatments.values()) == {"recompute"}  # (not "keep")
+        assert chosen["activations"] == "recompute" and set(engine.activation_policy.treatments.values()) == {"recompute"}  # (not "keep")
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attach: plan")]
         assert len(lines) == 1 and all(f"{k}=" in lines[0] for k in chosen)
     finally:

@@ -70,6 +70,10 @@ class AutoPlanner:
         self.apply_treatments({n: "swap" for n in self.blocks})
 
     # -- hooks -------------------------------------------------------------------------------
+    def saw_backward(self) -> None:
+        """A gradient arrived (the model's hooks): the profiled forward's backward ran."""
+        self.backward_seen = True
+
     def before(self, name: str, args, kwargs) -> None:
         if name == self.blocks[0]:
             if self.profiling and self._forward and self.backward_seen:  # a new micro-batch

@@ -4,7 +4,7 @@ after it is built.
 
     memory plan -> gradient strategies -> layer groups (state created in the daemon)
     -> offloader -> gradient pool / host accumulator -> step coordinator
-    -> activation swapper and planner -> model hooks -> Engine
+    -> activation swapper, policy and planner -> model hooks -> Engine
 
 When a part fails, the model's parameters are put back as they came.
 """
@@ -20,7 +20,7 @@ from torch import nn
 from fuyou_proto.contract import stepped_in_chunks
 
 from fuyou_client import memory
-from fuyou_client.activations import ActivationSwapper, AutoPlanner, treatments
+from fuyou_client.activations import ActivationPolicy, ActivationSwapper, AutoPlanner, treatments
 from fuyou_client.connection import Session
 from fuyou_client.device import Device
 from fuyou_client.engine.hooks import ModelHooks
@@ -91,15 +91,16 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
                .untyped_storage().data_ptr() for g in groups if g.weights is not None}
     activations = ActivationSwapper(session, options.host_budget, device=device,
                                     protected=lambda t: t.untyped_storage().data_ptr() in weights)
-    treatment = treatments(options.activations, [g.spec.name for g in blocks])
-    hooks = ModelHooks(model, device, groups, coordinator, offloader, activations, treatment, auto=None)
-    auto = AutoPlanner(activations, device, hooks.apply_treatments, [g.spec.name for g in blocks],
+    policy = ActivationPolicy(blocks, activations, offloader, treatments(options.activations,
+                                                                         [g.spec.name for g in blocks]))
+    auto = AutoPlanner(activations, device, policy.apply, [g.spec.name for g in blocks],
                        options.device_budget, options.host_budget) \
         if options.activations == "auto" and blocks else None
-    hooks.auto = auto
+    hooks = ModelHooks(model, device, groups, coordinator, offloader, activations, policy, auto)
     block_modules = [spec.module for spec in specs if spec.module is not None]  # (frozen ones too)
     engine = Engine(model, session, device, options, plan, groups, torch_groups, coordinator, offloader, activations,
-                    hooks, auto, parallel, owns_session, block_modules, gradients=gradients, host_grads=host_grads)
+                    policy, hooks, auto, parallel, owns_session, block_modules, gradients=gradients,
+                    host_grads=host_grads)
     engine.zero_grad()
     return engine
 

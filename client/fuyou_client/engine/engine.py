@@ -43,15 +43,15 @@ class Engine:
 
     * ``coordinator`` (steps/): gradients counted, steps submitted and landed, clipping;
     * ``offloader`` (offload/, None without offloaded groups): the weight slots and fetches;
-    * ``activations`` (activations/) and ``hooks`` (engine/hooks.py): the activation
-      policy and every hook on the model;
+    * ``activations``, ``activation_policy`` (activations/) and ``hooks``
+      (engine/hooks.py): activations kept, swapped or recomputed, and every hook on the model;
     * ``parallel`` (parallel/seam.py): one process or data parallelism;
     * ``groups``: the layer groups (groups/), ``memory``: the memory plan (memory/).
     """
     sizing_plan = None  # the fuyou_client.plan(...) attach(plan=...) applied (sizing/), else None
 
     def __init__(self, model: nn.Module, session, device, options, plan, groups, torch_groups, coordinator,
-                 offloader, activations, hooks, auto, parallel, owns_session: bool, block_modules: list,
+                 offloader, activations, policy, hooks, auto, parallel, owns_session: bool, block_modules: list,
                  gradients=None, host_grads=None):
         self.model, self.session, self.device, self.options = model, session, device, options
         self.memory = plan
@@ -61,6 +61,7 @@ class Engine:
         self.coordinator = coordinator
         self.offloader = offloader
         self.activations = activations
+        self.activation_policy = policy
         self.hooks = hooks
         self._auto = auto
         self.parallel = parallel
@@ -106,7 +107,7 @@ class Engine:
 
     def apply_treatments(self, treatments: dict[str, str]) -> None:
         """Keep, swap or recompute, per block, from the next forward on."""
-        self.hooks.apply_treatments(treatments)
+        self.activation_policy.apply(treatments)
 
     @property
     def lr(self) -> float:
@@ -172,7 +173,7 @@ class Engine:
         for module in self._block_modules:
             g = by_module.get(id(module))
             blocks.append((module, g.offloaded if g is not None else None,
-                           self.hooks.forward_of(g.spec.name, module) if g is not None else module.forward))
+                           self.activation_policy.forward_of(g.spec.name, module) if g is not None else module.forward))
         rest_trains = any(g.spec.module is None and g.spec.params for g in self.groups)
         losses = run_block_major(self.model, self.device, self.coordinator, self.offloader, self._train_step_store,
                                  blocks, rest_trains, micro_batches, loss_fn, barrier=self.step,
@@ -262,7 +263,8 @@ class Engine:
         """Detach from the daemon. With ``materialize`` the parameters become ordinary
         tensors holding the trained weights (e.g. for save_pretrained) — the whole model
         in memory; without, offloaded parameters stay empty."""
-        self.hooks.remove()  # (and the recomputed forwards unpatched)
+        self.hooks.remove()
+        self.activation_policy.close()  # (the recomputed forwards unpatched)
         if self._train_step_store is not None:
             self._train_step_store.close()
         try:

@@ -11,8 +11,8 @@
    offloaded weights become markers, activations are kept or swapped; ``auto``
    profiles), and after it the policy's tear-down after the offloader's release.
 
-The activation policy per block (keep, swap, recompute) is applied here too: a
-recomputed block's ``forward`` is patched, and ``forward_of`` gives its own.
+The activation policy (activations/policy.py) says which blocks swap; a recomputed
+block's ``forward`` is the policy's.
 """
 from __future__ import annotations
 
@@ -42,13 +42,11 @@ def _refuse_load(*_) -> None:
 
 
 class ModelHooks:
-    def __init__(self, model, device, groups, coordinator, offloader, activations, treatment: dict, auto):
+    def __init__(self, model, device, groups, coordinator, offloader, activations, policy, auto):
         self.device, self.coordinator, self.offloader = device, coordinator, offloader
-        self.activations, self.auto = activations, auto
+        self.activations, self.policy, self.auto = activations, policy, auto
         blocks = [g for g in groups if g.spec.module is not None]
         self._by_name = {g.spec.name: g for g in blocks}
-        self._treatment = treatment
-        self._originals: dict[str, object] = {}  # block -> its own forward, while recomputing
         self._saved_ctx = None
         self._swap_now = False
         self._current: str | None = None
@@ -58,7 +56,6 @@ class ModelHooks:
             for _, p in g.spec.params:
                 self._handles.append(p.register_hook(lambda grad, g=g, og=og: self._before_grad(g, og)))
                 self._handles.append(p.register_post_accumulate_grad_hook(lambda p, g=g: self._on_grad(g)))
-        self.apply_treatments(treatment)
         for g in blocks:
             name, og, module = g.spec.name, g.offloaded, g.spec.module
             self._handles.append(module.register_forward_pre_hook(
@@ -74,7 +71,7 @@ class ModelHooks:
 
     def _on_grad(self, g) -> None:
         if self.auto is not None:
-            self.auto.backward_seen = True
+            self.auto.saw_backward()
         self.coordinator.on_grad(g)
 
     # -- forward ---------------------------------------------------------------------------
@@ -86,7 +83,7 @@ class ModelHooks:
         if self.auto is not None:
             self.auto.before(name, args, kwargs)
         self._current = name
-        self._swap_now = self._treatment[name] == "swap"
+        self._swap_now = self.policy.swaps(name)
         if torch.is_grad_enabled() and self._saved_ctx is None:
             self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_ctx.__enter__()
@@ -119,38 +116,8 @@ class ModelHooks:
             return self.offloader.unpack(saved)
         return self.activations.unpack(saved)
 
-    # -- the activation policy ---------------------------------------------------------------
-    def apply_treatments(self, treatments: dict[str, str]) -> None:
-        """Keep, swap or recompute, per block, from the next forward on."""
-        self._treatment.update(treatments)
-        for name, g in self._by_name.items():
-            recompute = self._treatment[name] == "recompute"
-            if recompute and name not in self._originals:
-                self._originals[name] = g.spec.module.forward
-                g.spec.module.forward = self.activations.recomputed(g.spec.module.forward,
-                                                                    lambda og=g.offloaded: self._resident(og))
-            elif not recompute and name in self._originals:
-                del g.spec.module.forward  # the class's own forward again
-                del self._originals[name]
-
-    def _resident(self, og) -> None:
-        """Before a block is recomputed in backward: its weights, held until its gradients
-        are complete (the recomputed graph refers to them: no eviction)."""
-        if og is not None:
-            self.offloader.hold(og)
-
-    @property
-    def treatments(self) -> dict[str, str]:
-        """Each block's activation treatment now (keep, swap or recompute)."""
-        return dict(self._treatment)
-
-    def forward_of(self, name: str, module):
-        """A block's own forward (not the recomputing one the policy may have patched in)."""
-        return self._originals.get(name, module.forward)
-
     def remove(self) -> None:
-        """Every hook off, every patched forward the class's own again."""
+        """Every hook off."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.apply_treatments({name: "keep" for name in self._by_name})
