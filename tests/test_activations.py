@@ -7,15 +7,19 @@ import pytest
 import torch
 
 import fuyou_client
-from conftest import scrape
+from conftest import SMALL, private_daemon, scrape
 
 transformers = pytest.importorskip("transformers")
 MiB = 1 << 20
 
 
-@pytest.fixture
-def daemon(small_daemon):
-    return small_daemon
+@pytest.fixture(scope="module")
+def daemon():
+    """One fuyoud with conftest's small limits for the module (each session has a namespace
+    of its own; what a test parks it reads back from its own session): a daemon each cost
+    3-4 s a test. The traffic test, which reads the daemon's counters, takes a new one."""
+    with private_daemon(SMALL, prefix="fy-act-") as d:
+        yield d
 
 
 def gpt2():
@@ -47,7 +51,7 @@ def train(make_model, daemon, steps=3, **kwargs):
     return model, engine, losses
 
 
-@pytest.mark.parametrize("make_model", [gpt2, llama])
+@pytest.mark.parametrize("make_model", [gpt2, pytest.param(llama, marks=pytest.mark.slow)])
 def test_kept_swapped_to_host_and_to_ssd_train_bitwise_alike(daemon, make_model):
     runs = {}
     for name, kwargs in {"keep": {}, "host": dict(activations="swap", host_budget=64 * MiB),
@@ -76,15 +80,16 @@ def test_kept_swapped_to_host_and_to_ssd_train_bitwise_alike(daemon, make_model)
     assert runs["host"][2] > 256 << 10 >= runs["ssd"][2]  # the small arena spilled to SSD
 
 
-def test_traffic_is_counted_and_reported(daemon):
-    _, engine, _ = train(gpt2, daemon, steps=4, activations="swap", host_budget=256 << 10)
+@pytest.mark.slow  # (four swapped steps for the metrics: about 15 s)
+def test_traffic_is_counted_and_reported(small_daemon):
+    _, engine, _ = train(gpt2, small_daemon, steps=4, activations="swap", host_budget=256 << 10)
     stats = engine.activations.stats
     assert stats.host_bytes == 0 and stats.device_bytes == 0  # all used by backward
     engine.close()
     import time
 
     time.sleep(0.3)
-    m = scrape(daemon.status().metrics_url)
+    m = scrape(small_daemon.status().metrics_url)
     assert m['fuyoud_activation_bytes_total{tier="ssd"}'] > 0
     assert m['fuyoud_activation_bytes_total{tier="host"}'] >= m['fuyoud_activation_bytes_total{tier="ssd"}']
 
@@ -137,6 +142,7 @@ class Twice(torch.nn.Module):
         return h.square().mean()
 
 
+@pytest.mark.slow  # (three runs of three steps per offload setting: 10 s each)
 @pytest.mark.parametrize("offload", [True, False])
 def test_blocks_called_twice_and_parameter_views(daemon, offload):
     results = []
@@ -156,6 +162,7 @@ def test_blocks_called_twice_and_parameter_views(daemon, offload):
             assert torch.equal(value, results[0][key]), key
 
 
+@pytest.mark.slow  # (two Llama runs of four steps; auto is also planned in test_planner.py)
 def test_auto_on_llama_trains_bitwise_like_keep(daemon):
     keep, engine, keep_losses = train(llama, daemon, steps=4)
     budget = engine.activations.stats.device_peak // 3

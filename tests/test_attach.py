@@ -200,7 +200,7 @@ def test_what_would_silently_diverge_from_torch_is_refused(daemon):
     engine.close()
 
 
-@pytest.mark.parametrize("offload", [True, False], ids=["offloaded", "resident"])
+@pytest.mark.parametrize("offload", [pytest.param(True, marks=pytest.mark.slow), False], ids=["offloaded", "resident"])
 def test_torch_zero_grad_on_the_model_trains_like_torch(daemon, offload):
     """``model.zero_grad()``, torch's (what Hugging Face's Trainer calls), in place of
     ``engine.zero_grad()``: autograd then makes gradients outside the shared buffers, and
@@ -209,7 +209,8 @@ def test_torch_zero_grad_on_the_model_trains_like_torch(daemon, offload):
     assert_same(ours, ref)
 
 
-@pytest.mark.parametrize("make_model, offload", [(gpt2, True), (llama, True), (gpt2, False)],
+@pytest.mark.parametrize("make_model, offload",
+                         [(gpt2, True), (llama, True), pytest.param(gpt2, False, marks=pytest.mark.slow)],
                          ids=["gpt2", "llama", "gpt2-resident-weights"])
 def test_hf_causal_lms_train_bitwise_like_torch_adamw(daemon, make_model, offload):
     engine, ours, ref, losses = train_pair(make_model, daemon, offload=offload)
@@ -233,6 +234,7 @@ def test_hf_causal_lms_train_bitwise_like_torch_adamw(daemon, make_model, offloa
     assert_same(ours, ref)
 
 
+@pytest.mark.slow  # (about 20 s; accumulation and clipping also in test_param_groups.py, test_grad_guard.py)
 def test_gradient_accumulation_and_exact_clipping(daemon):
     engine, ours, ref, _ = train_pair(gpt2, daemon, steps=4, accumulation=2, clip=0.05, keep=3)
     block_bytes = engine.groups[0].spec.numel * 4
@@ -242,6 +244,7 @@ def test_gradient_accumulation_and_exact_clipping(daemon):
     assert_same(ours, ref)
 
 
+@pytest.mark.slow  # (bf16 matmuls are slow on the CPU: about 15 s; bf16 also in test_blockmajor.py, test_optimizer.py)
 def test_bf16_compute_with_fp32_masters(daemon):
     """bf16 parameters and gradients, fp32 master weights and moments in the daemon: the
     same recipe done by hand with torch gives the same bits (so the tolerance is zero;
@@ -292,7 +295,7 @@ def test_bad_models_and_daemons(daemon, short_tmp):
         tiny.stop()
 
 
-@pytest.mark.parametrize("offload", [True, False])
+@pytest.mark.parametrize("offload", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_dead_daemon_is_a_clear_error_not_a_hang(short_tmp, offload):
     d = fuyou_client.start_daemon(short_tmp / "state", config=TIGHT)
     model = MLP()
@@ -419,6 +422,7 @@ def test_options_can_be_given_as_one_object(daemon):
         assert (engine.max_grad_norm, engine.accumulation_steps) == (1.0, 2)
 
 
+@pytest.mark.slow  # (a daemon of its own: about 6 s)
 def test_a_group_the_daemon_refuses_mid_attach_stops_it_and_leaves_the_model(short_tmp):
     """attach has the daemon create a group's state while it makes the next group's values
     (groups/creation.py Scratch): a group refused halfway (a namespace quota that holds the first

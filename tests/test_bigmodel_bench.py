@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "bigmodel.py"
 
 
+@pytest.mark.slow  # (bench/bigmodel.py in a subprocess: about 20 s)
 def test_bigmodel_bench_runs_end_to_end_on_a_tiny_model(tmp_path):
     out = tmp_path / "big.json"
     run = subprocess.run([sys.executable, str(BENCH), "--json", str(out), "--width", "64", "--heads", "4",

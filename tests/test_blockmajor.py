@@ -77,8 +77,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("where", ["cpu", "stand-in", pytest.param("cuda", marks=needs_cuda)])
-@pytest.mark.parametrize("case", list(CASES))
+def where_params():
+    """Every case on the stand-in (and on CUDA where present); on the CPU the cheapest case
+    (llama-clip) in the default suite, the others (5-17 s each) with `-m slow`."""
+    marks = {"cpu": lambda case: () if case == "llama-clip" else pytest.mark.slow, "stand-in": lambda case: (),
+             "cuda": lambda case: needs_cuda}
+    return [pytest.param(case, where, marks=marks[where](case), id=f"{case}-{where}")
+            for case in CASES for where in ("cpu", "stand-in", "cuda")]
+
+
+@pytest.mark.parametrize("case, where", where_params())
 def test_train_step_is_bitwise_the_ordinary_loop(daemon, case, where):
     """On a real GPU both orders run the same kernels on the same shapes, attention by
     SDPA's math backend (the fused ones may sum in another order from one call to the
@@ -249,6 +257,7 @@ def test_a_failure_in_backward_lands_the_steps_sent_and_forgets_the_rest(daemon)
     engine.close()
 
 
+@pytest.mark.slow  # (bench/schedule.py in a subprocess: about 20 s; the schedule's bytes are counted above)
 def test_the_schedule_bench_runs_and_halves_the_ssd_traffic(tmp_path):
     """bench/schedule.py at a tiny size: the two orders agree bitwise (it exits otherwise)
     and train_step reads fewer weights from the SSD array than the loop."""
@@ -269,6 +278,7 @@ def test_the_schedule_bench_runs_and_halves_the_ssd_traffic(tmp_path):
     assert block["weights_read_bytes_per_param_per_iter"] < loop["weights_read_bytes_per_param_per_iter"]
 
 
+@pytest.mark.slow  # (scans every live tensor at each of 8 x 4 block turns: about 13 s late in a run)
 def test_waiting_micro_batches_hold_no_hidden_states_on_the_device(daemon, monkeypatch):
     """On a device with its own memory, a micro-batch waiting for its turn holds none of
     its hidden states there: its input to block 0 and what its forward made before block 0

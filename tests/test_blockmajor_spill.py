@@ -48,7 +48,7 @@ def attach(model, socket, device=None, **kwargs):
 
 
 @pytest.mark.parametrize("slots", [12, 5])  # some inputs go; every input goes (the least that runs)
-@pytest.mark.parametrize("where", ["cpu", "stand-in"])
+@pytest.mark.parametrize("where", [pytest.param("cpu", marks=pytest.mark.slow), "stand-in"])  # (cpu: 9-12 s each)
 def test_spilling_trains_bitwise_as_the_in_memory_arena_and_the_loop(daemon, where, slots):
     """host_budget of ``slots`` slots: ENTRIES - (slots - FREE) entries go to the SSD array
     each step (12: the last outputs, block 0's inputs and two of block 1's; 5: all 15
@@ -211,6 +211,7 @@ def test_a_spilled_input_that_comes_back_damaged_names_its_block_and_micro_batch
         fuyoud.stop()
 
 
+@pytest.mark.slow  # (a daemon with a small array of its own: about 8 s)
 def test_a_step_whose_spilled_inputs_the_array_cannot_hold_is_refused_before_any_work(short_tmp):
     """A disk with room for the state but not for the step's spilled inputs: train_step
     refuses before anything is written, naming the bytes and what to change."""

@@ -58,7 +58,8 @@ LAYOUTS = {"sgd": OptimizerSpec("sgd"), "sgd+momentum": OptimizerSpec("sgd", mom
            "adamw-int8": OptimizerSpec("adamw", state_dtype="int8")}
 
 
-@pytest.mark.parametrize("kind", list(LAYOUTS))
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in ("sgd+momentum", "adamw-bf16") else k
+                                  for k in LAYOUTS])  # (1-1.5 s each: two of the five layouts with `-m slow`)
 def test_the_stages_fit_the_buffers(kind):
     """Scratch and stages, in one to three buffers, never overlap nor leave their buffer,
     and every slot's range of a chunk is 4 KiB aligned in memory and in the object; the
@@ -254,6 +255,7 @@ def test_a_non_finite_chunk_commits_nothing(session, where, bad):
     assert torch.equal(w.tensor(torch.float32)[:N], ref.data)
 
 
+@pytest.mark.slow  # (a daemon of its own, restarted: about 13 s)
 def test_a_chunked_group_survives_a_daemon_restart(short_tmp):
     """Larger buffers here (4 of 32 MiB: a step holds three, one per stage, and steps
     chunks of 626,688 elements, 2.4 MiB per slot, spanning several checksum blocks); the
@@ -292,6 +294,7 @@ def test_a_chunked_group_survives_a_daemon_restart(short_tmp):
         assert torch.equal(exp_avg_sq, opt.state[ref]["exp_avg_sq"])
 
 
+@pytest.mark.slow  # (a daemon of its own: about 10 s)
 def test_a_corrupt_chunk_is_refused_and_commits_nothing(short_tmp):
     """A flipped byte in the data file, in the second moment of a chunk mid-way: the step
     reads it again (checked), then fails with DATA_LOSS naming the object; nothing is
@@ -452,6 +455,7 @@ def test_attach_with_blocks_larger_than_the_buffers(daemon, short_tmp):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow  # (a daemon of its own: about 8 s)
 def test_a_buffer_too_small_to_chunk_in_is_refused(short_tmp):
     """Chunks need scratch blocks for the checksum blocks' edges and three stages: a group
     larger than buffers too small for that is refused at creation, naming the minimum."""

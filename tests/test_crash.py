@@ -20,7 +20,7 @@ def reference():
     return crash.Reference(STEPS, data), data
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in range(1, 4))])
 def test_sigkill_at_a_random_moment_loses_nothing_committed(short_tmp, reference, seed):
     ref, data = reference
     trial = crash.run_trial(short_tmp, random.Random(seed), ref, data, STEPS)

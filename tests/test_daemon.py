@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +22,36 @@ from fuyou_client import In, Out
 from fuyou_proto import pb
 
 MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """One fuyoud (three data directories, as conftest's daemon) for the tests that look only
+    at their own sessions' objects (a session without a namespace gets one of its own): a
+    daemon each cost 3-4 s a test. The tests that count the daemon's sessions, objects or
+    bytes take a new one (fresh_session)."""
+    root = Path(tempfile.mkdtemp(prefix="fy-d-", dir="/tmp"))
+    dirs = [str(root / f"ssd{i}") for i in range(3)]
+    d = fuyou_client.start_daemon(root / "state", config=merge(SMALL, {"storage": {"data_dirs": dirs}}))
+    try:
+        yield d
+    finally:
+        code = d.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    assert code == 0, d.log()
+
+
+@pytest.fixture
+def session(shared):
+    with fuyou_client.connect(shared.socket) as s:
+        yield s
+
+
+@pytest.fixture
+def fresh_session(daemon):
+    """A session of conftest's daemon, new for the test."""
+    with fuyou_client.connect(daemon.socket) as s:
+        yield s
 
 
 def test_round_trips_through_the_public_api(session):
@@ -98,9 +129,9 @@ def test_errors_name_the_problem(session):
     keeper.free()
 
 
-def test_two_sessions_are_isolated(daemon):
-    with fuyou_client.connect(daemon.socket, namespace="alice") as a, \
-            fuyou_client.connect(daemon.socket, namespace="bob") as b:
+def test_two_sessions_are_isolated(shared):
+    with fuyou_client.connect(shared.socket, namespace="alice") as a, \
+            fuyou_client.connect(shared.socket, namespace="bob") as b:
         ba, bb = a.allocate(1 * MiB), b.allocate(1 * MiB)
         ba.view[:] = random_bytes(MiB, 1)
         bb.view[:] = random_bytes(MiB, 2)
@@ -118,9 +149,10 @@ def test_two_sessions_are_isolated(daemon):
                            metadata=b.metadata)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(fuyou_client.NamespaceBusy, match="held by live session"):
-            fuyou_client.connect(daemon.socket, namespace="alice")
+            fuyou_client.connect(shared.socket, namespace="alice")
 
 
+@pytest.mark.slow  # (two daemons: about 8 s; test_checkpoint.py's snapshot resume restarts one too)
 def test_persistent_objects_survive_a_restart_and_transient_ones_do_not(short_tmp):
     cfg = merge(SMALL, {"storage": {"data_dirs": [str(short_tmp / "a"), str(short_tmp / "b")]}})
     data = random_bytes(5 * MiB + 7)
@@ -149,19 +181,19 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_a_killed_client_is_reclaimed(daemon, session):
-    survivor = session.allocate(MiB)
+def test_a_killed_client_is_reclaimed(daemon, fresh_session):
+    survivor = fresh_session.allocate(MiB)
     survivor.view[:] = random_bytes(MiB, 5)
-    session.swap_out("mine", survivor)
+    fresh_session.swap_out("mine", survivor)
     child = subprocess.Popen([sys.executable, "-c", CHILD, daemon.socket], stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "ready"
-    status = session.admin_stub.Status(pb.StatusRequest())
+    status = fresh_session.admin_stub.Status(pb.StatusRequest())
     assert status.sessions == 2 and status.pinned_used_bytes >= 20 * MiB
     child.send_signal(signal.SIGKILL)
     child.wait()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        status = session.admin_stub.Status(pb.StatusRequest())
+        status = fresh_session.admin_stub.Status(pb.StatusRequest())
         if status.sessions == 1:
             break
         time.sleep(0.05)
@@ -170,16 +202,16 @@ def test_a_killed_client_is_reclaimed(daemon, session):
     assert status.pinned_used_bytes < 20 * MiB
     metrics = scrape(status.metrics_url)
     assert metrics["fuyoud_reclaimed_pinned_bytes_total"] >= 20 * MiB
-    out = session.allocate(MiB)
-    session.swap_in("mine", out)
+    out = fresh_session.allocate(MiB)
+    fresh_session.swap_in("mine", out)
     assert bytes(out.view) == bytes(survivor.view)
 
 
-def test_metrics_endpoint_and_health(session):
-    buf = session.allocate(2 * MiB)
-    session.swap_out("m", buf)
-    session.swap_in("m", buf)
-    status = session.admin_stub.Status(pb.StatusRequest())
+def test_metrics_endpoint_and_health(fresh_session):
+    buf = fresh_session.allocate(2 * MiB)
+    fresh_session.swap_out("m", buf)
+    fresh_session.swap_in("m", buf)
+    status = fresh_session.admin_stub.Status(pb.StatusRequest())
     m = scrape(status.metrics_url)
     written = sum(v for k, v in m.items() if k.startswith('fuyoud_io_bytes_total{') and 'direction="write"' in k)
     read = sum(v for k, v in m.items() if k.startswith('fuyoud_io_bytes_total{') and 'direction="read"' in k)
@@ -191,7 +223,7 @@ def test_metrics_endpoint_and_health(session):
     assert any(k.startswith("fuyoud_io_batch_duration_seconds_bucket") for k in m)
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(f"unix:{session.socket_path}") as ch:
+    with grpc.insecure_channel(f"unix:{fresh_session.socket_path}") as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="fuyou.v1.Fuyou"))
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -235,6 +267,7 @@ def test_a_full_disk_at_start_is_refused_clearly(short_tmp):
         fuyou_client.start_daemon(short_tmp / "state", config=merge(SMALL, {"storage": {"capacity_per_device": "1000TiB"}}))
 
 
+@pytest.mark.slow  # (a daemon of its own; the engine itself is tested in test_io_engines.py and test_store.py)
 def test_the_threadpool_engine_end_to_end(short_tmp):
     cfg = merge(SMALL, {"io": {"engine": "threadpool"}})
     with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d, fuyou_client.connect(d.socket) as s:
@@ -247,6 +280,7 @@ def test_the_threadpool_engine_end_to_end(short_tmp):
         assert bytes(out.view) == bytes(buf.view[5:])
 
 
+@pytest.mark.slow  # (192 MiB through one I/O thread, then a restart: about 11 s)
 def test_sigterm_lets_in_flight_swaps_finish(short_tmp):
     """A swap under way when SIGTERM arrives completes (and is durable) before exit 0."""
     # One I/O thread and small chunks: the swap takes long enough to be caught in flight.
@@ -273,6 +307,7 @@ def test_sigterm_lets_in_flight_swaps_finish(short_tmp):
             assert bytes(out.view) == data
 
 
+@pytest.mark.slow  # (a parent process that starts a daemon, killed: about 8 s)
 def test_a_private_daemon_stops_when_its_parent_dies(short_tmp):
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import fuyou_client, time
@@ -295,6 +330,7 @@ def test_a_private_daemon_stops_when_its_parent_dies(short_tmp):
         pytest.fail("the private daemon outlived its parent")
 
 
+@pytest.mark.slow  # (two daemons started and stopped: about 8 s)
 def test_a_temporary_daemon_leaves_nothing_behind(short_tmp):
     """start_daemon() without a directory makes a temporary one, data files and all, and
     stop() removes it (the log stays readable); a directory you name is kept."""

@@ -56,6 +56,7 @@ VICTIM = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # (two training clients, one killed: about 13 s; reclaiming is tested in test_daemon.py)
 def test_a_client_killed_mid_step_is_reclaimed_while_another_trains_on(short_tmp):
     d = fuyou_client.start_daemon(short_tmp / "state", config=SMALL)
     try:
@@ -115,7 +116,9 @@ def test_a_client_killed_mid_step_is_reclaimed_while_another_trains_on(short_tmp
         assert d.stop() == 0, d.log()
 
 
-@pytest.mark.parametrize("point, rpc", [("forward", "SwapIn"), ("backward", "FetchWeights"), ("step", "StepGroup")])
+@pytest.mark.parametrize("point, rpc", [pytest.param("forward", "SwapIn", marks=pytest.mark.slow),
+                                        pytest.param("backward", "FetchWeights", marks=pytest.mark.slow),
+                                        ("step", "StepGroup")])  # (a daemon each: the step's in the default suite)
 def test_a_dead_daemon_raises_within_seconds_at_any_point(short_tmp, point, rpc):
     # fp32 offload: forward fetches weights with SwapIn, backward asks FetchWeights, the
     # steps go out during backward and are waited for in engine.step().

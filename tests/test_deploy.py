@@ -238,6 +238,7 @@ def query(base: str, expr: str) -> list:
     return reply["data"]["result"]
 
 
+@pytest.mark.slow  # (a real Prometheus started and waited for: about 10 s)
 def test_prometheus_scrapes_a_daemon_serving_a_training_client(trained_daemon, tmp_path):
     prometheus = tool("prometheus")
     if prometheus is None:

@@ -46,7 +46,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+SLOW_CASES = ("bf16", "weights-on-host-bf16-accumulate")  # (bf16 matmuls are slow on the CPU: `-m slow`)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
 def test_late_copies_train_bitwise_like_torch(daemon, case):
     """Bitwise equal to in-process torch AdamW, whatever the copies' timing."""
     kwargs = dict(CASES[case])
@@ -227,6 +230,7 @@ def test_cuda_close_between_micro_batches_lets_host_additions_land_first(daemon)
     assert all(p.is_cuda and p.numel() for p in model.parameters())
 
 
+@pytest.mark.slow  # (five treatments of activations, each a training run: about 13 s per model)
 @pytest.mark.parametrize("make_model", [small_gpt2, small_llama], ids=["gpt2", "llama"])
 def test_activations_cross_on_side_streams_bitwise_alike(small_daemon, make_model):
     """Kept, swapped to the host arena, spilled to SSD, recomputed, planned: the same

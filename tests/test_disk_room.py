@@ -78,6 +78,7 @@ def numbers(message: str) -> tuple[int, int]:
 
 
 # -- the tests ------------------------------------------------------------------------------------
+@pytest.mark.slow  # (a namespace, a daemon and a training child each: 15-25 s)
 def test_an_export_without_room_is_refused_before_the_first_byte(tmp_path):
     seen = in_small_fs(tmp_path, "export-refused")
     small = tmp_path / "small"
@@ -96,6 +97,7 @@ def test_an_export_without_room_is_refused_before_the_first_byte(tmp_path):
     assert seen["bf16_bytes"] <= seen["free"] and seen["bf16_tensors"] == seen["fp32_tensors"]
 
 
+@pytest.mark.slow  # (a namespace, a daemon and a training child each: 15-25 s)
 def test_an_export_that_runs_out_of_room_midway_removes_what_it_wrote(tmp_path):
     seen = in_small_fs(tmp_path, "export-fills-up")
     for case, where, left in (("new", tmp_path / "small" / "model", []),
@@ -108,7 +110,7 @@ def test_an_export_that_runs_out_of_room_midway_removes_what_it_wrote(tmp_path):
     assert seen["after"]["step"] and seen["after"]["exported"] == 5
 
 
-@pytest.mark.parametrize("mode", ["copy", "auto"])
+@pytest.mark.parametrize("mode", ["copy", pytest.param("auto", marks=pytest.mark.slow)])
 def test_a_copy_checkpoint_without_room_is_refused_and_training_goes_on(tmp_path, mode):
     seen = in_small_fs(tmp_path, "checkpoint-refused", mode)
     err = seen["refused"]
@@ -122,6 +124,7 @@ def test_a_copy_checkpoint_without_room_is_refused_and_training_goes_on(tmp_path
     assert seen["resumed_equal"], "the checkpoint taken after the refusal does not resume the weights"
 
 
+@pytest.mark.slow  # (a namespace, a daemon and a training child each: 15-25 s)
 def test_a_copy_checkpoint_that_runs_out_of_room_midway_leaves_nothing(tmp_path):
     seen = in_small_fs(tmp_path, "checkpoint-fills-up")
     err = seen["failed"]
@@ -131,6 +134,7 @@ def test_a_copy_checkpoint_that_runs_out_of_room_midway_leaves_nothing(tmp_path)
     assert seen["roomy"] == {"mode": "copy", "step": 2}, seen["roomy"]
 
 
+@pytest.mark.slow  # (a namespace, a daemon and a training child each: 15-25 s)
 def test_a_copy_checkpoint_whose_disk_fills_after_the_check_leaves_nothing(tmp_path):
     # The daemon pauses after its check (a failpoint), another writer takes the room, the
     # copy's writes fail: the error is the disk's, not an internal one, and nothing is left.
@@ -142,6 +146,7 @@ def test_a_copy_checkpoint_whose_disk_fills_after_the_check_leaves_nothing(tmp_p
     assert seen["roomy"] == {"mode": "copy", "step": 2}, seen["roomy"]
 
 
+@pytest.mark.slow  # (two ranks under torchrun in a namespace: about 30 s)
 def test_every_rank_is_refused_alike_and_the_ranks_stay_in_step(tmp_path):
     seen = in_small_fs(tmp_path, "dp-export")
     assert len(seen["ranks"]) == 2, seen

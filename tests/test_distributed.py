@@ -59,19 +59,28 @@ def out(tmp_path):
     return tmp_path
 
 
-def test_two_ranks_bitwise_against_ddp_and_inconsistent_ranks_refused(daemon, out):
+# Two ranks' exactness cases: a first set in the default suite (one torchrun launch, with the
+# refusals and the non-finite gradient), the combinations of the same features with `-m slow`.
+EXACT_FIRST = "plain,llama,accum-backward,clip,bf16,offload,stand-in"
+EXACT_REST = ("accum,swap,offload-accum,offload-bf16,offload-clip,stand-in-backward,stand-in-clip,stand-in-offload,"
+              "stand-in-offload-bf16")
+
+
+@pytest.mark.parametrize("names", [EXACT_FIRST, pytest.param(EXACT_REST, marks=pytest.mark.slow)],
+                         ids=["first", "combinations"])
+def test_two_ranks_bitwise_against_ddp_and_inconsistent_ranks_refused(daemon, out, names):
     """N=2: bitwise against torch DDP + fused AdamW (fp32 masters for bf16) for GPT-2,
     Llama, accumulation, bf16, swapped activations, offloaded weights (each fetch reads the rank's shard and
     gathers the rest); per-backward reduction against the same collectives by
     hand; clipping (the norm is summed by shards, not by parameters) within 1e-6; the
     same on the stand-in for a device with its own memory (late copies), whose links carry
-    exactly the shards (1/N of a single process's bytes). Then
+    exactly the shards (1/N of a single process's bytes). Then (the first set's launch)
     ranks that attach inconsistently all get an error and the group stays usable, and with
     check_collectives a rank that skips a block is an error on both, not a hang; a NaN in
     one rank's gradient steps that group on no rank and raises NonFinite on both."""
-    torchrun(daemon, 2, "exact+bad+nonfinite", out, "exact.names=plain,llama,accum,accum-backward,clip,bf16,swap,offload,"
-             "offload-accum,offload-bf16,offload-clip,stand-in,stand-in-backward,stand-in-clip,stand-in-offload,"
-             "stand-in-offload-bf16", "bad.what=model,daemon,namespace,diverge")
+    first = names == EXACT_FIRST
+    torchrun(daemon, 2, "exact+bad+nonfinite" if first else "exact", out, f"exact.names={names}",
+             *(["bad.what=model,daemon,namespace,diverge"] if first else []))
     for rank in results(out, "exact", 2):
         for name, r in rank.items():
             if "clip" in name:  # (engine.grad_norm(): the norm of the ranks' mean gradient, as DDP's)
@@ -81,8 +90,12 @@ def test_two_ranks_bitwise_against_ddp_and_inconsistent_ranks_refused(daemon, ou
                 assert r["differ"] == [] and r["losses"] == r["ref_losses"], (name, r)
             if "stand-in" in name and r["pcie"]:  # a device with its own memory: only this rank's shards cross
                 assert r["pcie"]["up"] == r["pcie"]["want_up"] and r["pcie"].get("down") == r["pcie"].get("want_down")
-        assert rank["accum-backward"]["reference"] == "run_manual"
-        assert rank["plain"]["reference"] == "run_ddp"
+        if first:
+            assert rank["accum-backward"]["reference"] == "run_manual"
+            assert rank["plain"]["reference"] == "run_ddp"
+        assert set(rank) == set(names.split(","))
+    if not first:
+        return
     bad = results(out, "bad", 2)
     for rank in bad:
         assert all(v is not None for v in rank.values()), rank
@@ -108,7 +121,7 @@ def test_two_gpus_on_nccl_bitwise_against_ddp(daemon, out):
             assert r["differ"] == [] and r["reference"] == "run_ddp", (name, r)
 
 
-@pytest.mark.slow  # (three ranks run in the default suite too: test_checkpoint_resumes_bitwise_and_reshards)
+@pytest.mark.slow  # (about a minute; three ranks also in test_checkpoint_resumes_bitwise_and_reshards, slow too)
 def test_three_ranks_pad_and_match_the_collectives_and_one_process(daemon, out):
     """N=3 (the shards are padded): bitwise against the same collectives around fused
     AdamW (clipping within 1e-6); one step against one process on the concatenated batch within 1e-6."""
@@ -124,6 +137,7 @@ def test_three_ranks_pad_and_match_the_collectives_and_one_process(daemon, out):
         assert rank["max_diff"] < 1e-6, rank
 
 
+@pytest.mark.slow  # (two torchrun agents and two daemons, then a third launch: about 45 s)
 def test_two_hosts_each_with_its_daemon(out):
     """Two simulated hosts: two torchrun agents (--nnodes 2) on 127.0.0.1, each with its own
     daemon, socket and data directories; bitwise against DDP, each daemon steps its rank's
@@ -164,6 +178,7 @@ def saved(daemon, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # (five torchrun launches, 2 -> 3 -> 2 -> 1 ranks: over a minute)
 def test_checkpoint_resumes_bitwise_and_reshards(daemon, saved):
     """2 -> 3 (refused without reshard=True, then cut again and checkpointed at once),
     3 -> 2 (then 2 more steps: bitwise the run that never stopped), 2 -> 1; the export of
@@ -193,6 +208,7 @@ def test_checkpoint_resumes_bitwise_and_reshards(daemon, saved):
         assert torch.equal(p.detach(), continued[name]), name
 
 
+@pytest.mark.slow  # (the checkpointed run it resumes, a kill and a resume: about 35 s)
 def test_a_killed_rank_is_an_error_on_the_others_and_resume_continues(daemon, saved):
     """Rank 1 SIGKILLed mid-step: rank 0 raises at once (well within the group's timeout
     plus 5 s) saying what happened, its daemon has reclaimed the dead session within 5 s,

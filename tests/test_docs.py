@@ -45,8 +45,14 @@ def test_the_examples_compile(code, runs):
     compile(code, "<doc>", "exec")
 
 
-@pytest.mark.parametrize("code", [p.values[0] for p in examples() if p.values[1]],
-                         ids=[p.id for p in examples() if p.values[1]])
+def marked_examples():
+    """The examples marked to run: the first (the README's) in the default suite, the others,
+    each a Python start, a daemon and a training run (about 15 s), with `-m slow`."""
+    marked = [p for p in examples() if p.values[1]]
+    return [pytest.param(p.values[0], id=p.id, marks=() if i == 0 else pytest.mark.slow) for i, p in enumerate(marked)]
+
+
+@pytest.mark.parametrize("code", marked_examples())
 def test_the_marked_examples_run(code, tmp_path):
     proc = subprocess.run([sys.executable, "-c", PRELUDE + code], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)

@@ -32,6 +32,7 @@ def test_swap_roundtrip_example(short_tmp):
     assert "every byte verified" in run.stdout
 
 
+@pytest.mark.slow  # (the demo again with its options: about 14 s)
 def test_finetune_demo_takes_a_state_dtype_and_writes_its_losses(short_tmp):
     pytest.importorskip("transformers")
     import json
@@ -47,6 +48,7 @@ def test_finetune_demo_takes_a_state_dtype_and_writes_its_losses(short_tmp):
     assert r["state_dtype"] == "int8" and len(r["losses"]) == 4 and r["final_loss"] == r["losses"][-1]
 
 
+@pytest.mark.slow  # (the demo again, through the Trainer: about 17 s; FuyouTrainer is tested in test_trainer.py)
 def test_finetune_demo_through_the_trainer(short_tmp):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
@@ -61,6 +63,7 @@ def test_finetune_demo_through_the_trainer(short_tmp):
     assert not (short_tmp / "state").exists()  # (the Trainer's folder went with the daemon's state)
 
 
+@pytest.mark.slow  # (two ranks under torchrun: about 20 s; data parallelism is tested in test_distributed.py)
 def test_finetune_demo_under_torchrun(short_tmp):
     """The demo data parallel: two ranks under torchrun share the private daemon local
     rank 0 starts; the export (every rank gathers, rank 0 writes) loads."""

@@ -99,6 +99,7 @@ def finish(proc: subprocess.Popen, out: Path) -> dict:
     return res
 
 
+@pytest.mark.slow  # (two runs of bench/gpu.py with their workers: about 100 s)
 def test_the_gpu_benchmark_runs_end_to_end_on_the_cpu(short_tmp):
     pytest.importorskip("transformers")
     from fuyou_client.engine.engine import Engine

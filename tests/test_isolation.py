@@ -123,6 +123,7 @@ def start(short_tmp, **daemon):
     return d
 
 
+@pytest.mark.slow  # (clients run as another uid, each a Python start: about 16 s; test_socket_access.py refuses one too)
 @needs_root
 def test_another_uid_is_refused_unless_configured(short_tmp):
     d = start(short_tmp, allow_group="root")
@@ -133,6 +134,7 @@ def test_another_uid_is_refused_unless_configured(short_tmp):
         assert d.stop() == 0, d.log()
 
 
+@pytest.mark.slow  # (a client as another uid tries every way in: about 13 s)
 @needs_root
 def test_an_admitted_uid_reaches_nothing_of_another_users(short_tmp):
     d = start(short_tmp, allow_uids=[NOBODY], checkpoint_dirs=[str(short_tmp / "ckpts")])

@@ -103,6 +103,7 @@ def session_pinned(engine) -> int:
     return mine[0].pinned_bytes
 
 
+@pytest.mark.slow  # (two trainings under two budgets: about 18 s)
 def test_a_small_budget_trains_bitwise_as_a_large_one_with_fewer_buffers(short_tmp):
     """The same model attached to a daemon whose session budget holds its default counts and
     to one whose budget does not: the second plans fewer slots and gradient buffers, holds
@@ -161,6 +162,7 @@ def step_bytes(engine, model, x) -> dict:
             "masters": sum(i.masters_bytes for i in engine.last_step_infos)}
 
 
+@pytest.mark.slow  # (chunked steps counted by cause: about 17 s; the unchunked count runs by default)
 def test_chunked_blocks_hand_their_masters_to_their_steps_counted_by_cause(short_tmp):
     """fp32 blocks stepped in chunks: each step takes the master weights backward read
     (StepInfo.masters_bytes: 4 bytes per block parameter) instead of reading them from the

@@ -93,8 +93,11 @@ def attach(model, daemon, **kwargs):
 
 
 @pytest.mark.parametrize("make, shard, offload, dtype", [
-    (gpt2, None, True, None), (gpt2, "300KB", True, None), (llama, "300KB", True, None),
-    (llama_tied, None, False, None), (llama, None, True, torch.bfloat16)],
+    pytest.param(gpt2, None, True, None, marks=pytest.mark.slow),
+    pytest.param(gpt2, "300KB", True, None, marks=pytest.mark.slow),
+    pytest.param(llama, "300KB", True, None, marks=pytest.mark.slow),  # (sharded: also the device test below)
+    (llama_tied, None, False, None),
+    pytest.param(llama, None, True, torch.bfloat16, marks=pytest.mark.slow)],
     ids=["gpt2", "gpt2-sharded", "llama-sharded", "llama-tied-resident", "llama-bf16-from-fp32"])
 def test_a_meta_model_from_safetensors_trains_like_the_loaded_model(daemon, tmp_path, make, shard, offload, dtype):
     """save_pretrained, then the same architecture built on the meta device and attached
@@ -123,7 +126,7 @@ def test_a_meta_model_from_safetensors_trains_like_the_loaded_model(daemon, tmp_
     engine_ref.close()
 
 
-@pytest.mark.parametrize("offload", [True, "host"], ids=["offloaded", "weights-on-host"])
+@pytest.mark.parametrize("offload", [True, pytest.param("host", marks=pytest.mark.slow)], ids=["offloaded", "weights-on-host"])
 def test_a_meta_model_on_a_device_with_its_own_memory(daemon, tmp_path, offload):
     """The compute device's path (copies late, memory its own): the meta model from a
     checkpoint trains bitwise like the loaded one."""
@@ -139,7 +142,7 @@ def test_a_meta_model_on_a_device_with_its_own_memory(daemon, tmp_path, offload)
     engine_ref.close()
 
 
-@pytest.mark.parametrize("make", [gpt2_dropout, llama, llama_tied, Plain])
+@pytest.mark.parametrize("make", [gpt2_dropout, pytest.param(llama, marks=pytest.mark.slow), llama_tied, Plain])
 def test_init_gives_the_values_of_the_model_built_on_the_cpu(daemon, tmp_path, make):
     """weights="init": the masters fuyoud holds are bitwise those of the same model built
     on the CPU after the same torch.manual_seed (constructors' draws, then post_init's
@@ -162,6 +165,7 @@ def test_init_gives_the_values_of_the_model_built_on_the_cpu(daemon, tmp_path, m
     engine_ref.close()
 
 
+@pytest.mark.slow  # (four Llama steps, a checkpoint and a resume: about 12 s)
 def test_resume_into_a_meta_model(daemon, tmp_path):
     """attach(resume=...) of a model built on the meta device takes the checkpoint's masters
     (and recomputes the rotary buffers): it goes on bitwise like the run it came from."""
@@ -236,6 +240,7 @@ def write_checkpoint(root: Path, width: int, blocks: int) -> None:
     (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
+@pytest.mark.slow  # (a 100M-parameter model attached in a child process: 15 s each)
 @pytest.mark.parametrize("weights", ["checkpoint", "init"])
 def test_attaching_a_meta_model_holds_a_few_blocks_not_the_model(short_tmp, weights):
     """A 100M-parameter model (403 MB of fp32 weights) built on the meta device, attached

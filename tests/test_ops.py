@@ -77,6 +77,7 @@ def test_fuyouctl_status_and_sessions(daemon):
     assert fuyouctl(daemon, "sessions").stdout.strip() == "no sessions"
 
 
+@pytest.mark.slow  # (a daemon and fuyouctl calls: about 6 s; sessions are listed in test_fuyouctl_status_and_sessions)
 def test_ranks_of_a_job_show_their_job_and_rank_together(daemon):
     """Sessions named <job>.r<rank> (one per rank of a data-parallel job) show JOB and
     RANK in `fuyouctl sessions`, listed together by job then rank; the metrics say the
@@ -107,6 +108,7 @@ def test_ranks_of_a_job_show_their_job_and_rank_together(daemon):
             s.close()
 
 
+@pytest.mark.slow  # (fuyouctl drain, waited for: about 9 s)
 def test_drain_refuses_new_sessions_and_lets_current_ones_finish(daemon, short_tmp):
     with fuyou_client.connect(daemon.socket) as running:
         buf = running.allocate(MiB)
@@ -148,6 +150,7 @@ def check_checkpoint(directory: Path, session) -> dict:
     return manifest
 
 
+@pytest.mark.slow  # (training with fuyouctl calls between steps: about 10 s; test_a_session_may_checkpoint_only_itself checkpoints too)
 def test_checkpoint_of_a_training_session_while_it_trains(daemon, short_tmp):
     model = Blocks(depth=6)
     with fuyou_client.attach(model, socket=daemon.socket, namespace="ckpt") as engine:
@@ -257,6 +260,7 @@ def pings(listener, seconds):
     return n
 
 
+@pytest.mark.slow  # (waits for the watchdog to fall silent: about 7 s)
 def test_watchdog_pings_while_serving_and_stops_when_stuck(short_tmp):
     # Two gRPC workers; Status requests hang at a failpoint: once both workers hang, the
     # watchdog's health probe cannot be served and the pings must stop.

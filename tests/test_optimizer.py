@@ -5,9 +5,17 @@ import pytest
 import torch
 
 import fuyou_client
-from conftest import SMALL, merge, scrape
+from conftest import SMALL, merge, private_daemon, scrape
 from fuyou_proto import pb
 from fuyou_client import SGD, AdamW
+
+@pytest.fixture(scope="module")
+def daemon():
+    """One fuyoud for this module's session tests (conftest's session takes it; every session
+    has a namespace of its own, so the tests do not meet): a daemon each cost 3-4 s a test."""
+    with private_daemon(SMALL, prefix="fy-opt-") as d:
+        yield d
+
 
 SIZES = [1000, 4097, 123457]  # odd sizes: tails that are not multiples of a page or a vector
 
@@ -54,6 +62,8 @@ LRS = [1e-2 * (0.8 ** i) for i in range(10)]  # a non-default schedule, changed 
 @pytest.mark.parametrize("fused", [True, False])
 def test_adamw_matches_torch(session, fused):
     spec = AdamW(betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    url = session.admin_stub.Status(pb.StatusRequest()).metrics_url
+    steps_before = scrape(url).get("fuyoud_optimizer_group_steps_total", 0.0)  # (the module's daemon: other tests')
     init, weights, grads = make_groups(session, SIZES, spec)
     ref = [torch.nn.Parameter(w.clone()) for w in init]
     opt = torch.optim.AdamW(ref, lr=LRS[0], betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, fused=fused)
@@ -65,8 +75,8 @@ def test_adamw_matches_torch(session, fused):
         else:  # torch's default single-tensor path rounds differently in the last bit
             assert (got - p.data).abs().max().item() <= 1e-6
     assert [session.group(f"g{i}").step for i in range(3)] == [10, 10, 10]
-    m = scrape(session.admin_stub.Status(pb.StatusRequest()).metrics_url)
-    assert m["fuyoud_optimizer_group_steps_total"] == 30
+    m = scrape(url)
+    assert m["fuyoud_optimizer_group_steps_total"] - steps_before == 30
     # Optimizer memory is bounded by its buffers, whatever the model size.
     assert 0 < m['fuyoud_pinned_bytes{state="optimizer"}'] <= 3 * (2 << 20)
 
@@ -90,7 +100,7 @@ def state_reads(m: dict) -> float:
     return sum(v for k, v in m.items() if k.startswith("fuyoud_io_bytes_total") and 'direction="read"' in k)
 
 
-@pytest.mark.parametrize("buffers, cached", [(4, 1), (6, 3)])
+@pytest.mark.parametrize("buffers, cached", [(4, 1), pytest.param(6, 3, marks=pytest.mark.slow)])
 def test_the_state_cache_serves_steps_from_memory(short_tmp, buffers, cached):
     """Buffers beyond three free ones keep the state of the groups stepped in them: from
     the second iteration on those groups' steps read nothing (counted), the others still
@@ -189,6 +199,7 @@ def test_bf16_gradients_and_weights_with_fp32_master(session):
     assert torch.equal(out.tensor(torch.bfloat16), ref.data.bfloat16())
 
 
+@pytest.mark.slow  # (two daemons: about 8 s; state across a restart also in test_checkpoint.py's snapshot resume)
 def test_state_survives_a_daemon_restart(short_tmp):
     cfg = merge(SMALL, {"storage": {"data_dirs": [str(short_tmp / "a"), str(short_tmp / "b")]}})
     spec = AdamW(betas=(0.85, 0.99), weight_decay=0.02)

@@ -77,7 +77,7 @@ def assert_bitwise(engine, ours, ref):
 
 
 @pytest.mark.parametrize("make_model", [gpt2, llama], ids=["gpt2", "llama"])
-@pytest.mark.parametrize("offload", [True, False], ids=["offload", "resident"])
+@pytest.mark.parametrize("offload", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["offload", "resident"])
 def test_groups_are_bitwise_torch(daemon, make_model, offload):
     engine, ours, ref = train(make_model, daemon, hf_groups, offload=offload)
     parts = [part for g in engine.groups for part in g.spec.parts]
@@ -86,7 +86,9 @@ def test_groups_are_bitwise_torch(daemon, make_model, offload):
     assert_bitwise(engine, ours, ref)
 
 
-@pytest.mark.parametrize("clip, accumulation", [(0.05, 1), (None, 2), (0.05, 2)], ids=["clip", "accum", "both"])
+@pytest.mark.parametrize("clip, accumulation", [(0.05, 1), pytest.param(None, 2, marks=pytest.mark.slow),
+                                                 pytest.param(0.05, 2, marks=pytest.mark.slow)],
+                         ids=["clip", "accum", "both"])
 def test_groups_with_clipping_and_accumulation(daemon, clip, accumulation):
     engine, ours, ref = train(gpt2, daemon, hf_groups, clip=clip, accumulation=accumulation)
     assert_bitwise(engine, ours, ref)

@@ -101,6 +101,7 @@ def run(daemon, seq, steps, **kwargs):
     return model, engine
 
 
+@pytest.mark.slow  # (profiles and plans a model under four budgets: about 25 s)
 def test_auto_on_a_real_model(short_tmp):
     d = fuyou_client.start_daemon(short_tmp / "state", config=SMALL)
     try:
@@ -149,6 +150,7 @@ def test_auto_trains_bitwise_like_keep(short_tmp):
         assert d.stop() == 0, d.log()
 
 
+@pytest.mark.slow  # (two planned runs under accumulation: about 15 s)
 def test_auto_profiles_one_micro_batch_under_accumulation(short_tmp):
     """With accumulation_steps=4 the plan comes from one micro-batch (the second), not from
     whole steps of four: its bytes per block are one micro-batch's, as without

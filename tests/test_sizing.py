@@ -206,18 +206,32 @@ def _ctl(*args, timeout=120):
                           timeout=timeout, env=env)
 
 
-def test_fuyouctl_plan_answers_for_a_described_host(tmp_path):
+def _ctl_here(capsys, *args):
+    """``fuyouctl plan`` as _ctl runs it, through fuyoud.ctl.main in this process (a Python
+    start with torch costs seconds per call): its exit status, stdout and stderr."""
+    from fuyoud import ctl
+
+    capsys.readouterr()
+    try:
+        code = ctl.main(["plan", *args])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["fuyouctl", "plan", *args], code, out, err)
+
+
+def test_fuyouctl_plan_answers_for_a_described_host(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(LLAMA2_7B))
     host = ["--gpu", "rtx4090", "--ram", "128GiB", "--ssd", "2x7GB/s", "--cores", "16", "--seq", "4096"]
-    run = _ctl(str(cfg), *host)
+    run = _ctl_here(capsys, str(cfg), *host)  # (python -m fuyoud.ctl plan: test_fuyouctl_plan_refuses_clearly)
     assert run.returncode == 0, run.stderr
     out = run.stdout
     for head in ("model", "host", "plan", "memory", "SSD", "time", "binds", "helps", "assumed"):
         assert any(line.startswith(head) for line in out.splitlines()), (head, out)
     assert "6.74B parameters" in out and "rtx4090" in out and "tokens/s" in out
     assert "assumed: the H100's measured" in out  # (the 4090's rate is not measured here: it says so)
-    js = _ctl(str(cfg), *host, "--json")
+    js = _ctl_here(capsys, str(cfg), *host, "--json")
     assert js.returncode == 0, js.stderr
     plan = json.loads(js.stdout)
     assert plan["fits"] and plan["plan"]["settings"]["seq"] == 4096
@@ -229,7 +243,9 @@ def test_fuyouctl_plan_answers_for_a_described_host(tmp_path):
     assert {a["change"] for a in plan["advice"]} >= {"another SSD", "twice the host memory"}
 
 
-def test_fuyouctl_plan_refuses_clearly(tmp_path):
+def test_fuyouctl_plan_refuses_clearly(tmp_path, capsys):
+    """The first refusal through ``python -m fuyoud.ctl``, the others through its main() in
+    this process (the same exit statuses and messages, without a Python start each)."""
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(LLAMA2_7B))
     bad = _ctl(str(cfg), "--gpu", "rtx5090", "--ram", "64GiB", "--ssd", "1x3GB/s")
@@ -240,14 +256,14 @@ def test_fuyouctl_plan_refuses_clearly(tmp_path):
                         (["--seq", "-1"], "--seq must be more than zero"),
                         (["--pcie", "0"], "PCIe rate must be"),
                         (["--gpu-efficiency", "1.5"], "share of the peak")):
-        run = _ctl(str(cfg), "--gpu", "h100", *(["--ram", "64GiB"] if "--ram" not in args else []),
-                   *(["--ssd", "1x3GB/s"] if "--ssd" not in args else []), *args)
+        run = _ctl_here(capsys, str(cfg), "--gpu", "h100", *(["--ram", "64GiB"] if "--ram" not in args else []),
+                        *(["--ssd", "1x3GB/s"] if "--ssd" not in args else []), *args)
         assert run.returncode == 1 and words in run.stderr, (args, run.stderr)
     missing = tmp_path / "broken.json"
     missing.write_text(json.dumps({k: v for k, v in LLAMA2_7B.items() if k != "hidden_size"}))
-    run = _ctl(str(missing), "--gpu", "h100", "--ram", "64GiB", "--ssd", "1x3GB/s")
+    run = _ctl_here(capsys, str(missing), "--gpu", "h100", "--ram", "64GiB", "--ssd", "1x3GB/s")
     assert run.returncode == 1 and "hidden_size" in run.stderr
-    tiny = _ctl(str(cfg), "--gpu", "rtx4090", "--ram", "16GiB", "--ssd", "1x2GB/s", "--ssd-size", "200GB")
+    tiny = _ctl_here(capsys, str(cfg), "--gpu", "rtx4090", "--ram", "16GiB", "--ssd", "1x2GB/s", "--ssd-size", "200GB")
     assert tiny.returncode == 3, tiny.stdout + tiny.stderr  # nothing fits: the least of each resource
     assert "DOES NOT FIT" in tiny.stdout and "SSD capacity" in tiny.stdout and "<- short" in tiny.stdout
 
@@ -322,6 +338,7 @@ def test_attach_plans_for_itself(small_daemon, caplog):
         engine.close()
 
 
+@pytest.mark.slow  # (plans every model on every host of the page: about 18 s)
 def test_the_sizing_page_holds_what_the_planner_prints():
     sys.path.insert(0, str(ROOT / "bench"))
     import sizing as examples  # bench/sizing.py

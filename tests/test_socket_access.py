@@ -57,6 +57,7 @@ def test_a_user_outside_the_sockets_group_is_told_at_once(short_tmp):
         assert d.stop() == 0, d.log()
 
 
+@pytest.mark.slow  # (a client as another uid: about 8 s)
 def test_a_runtime_directory_the_user_cannot_enter_is_named(short_tmp):
     os.chmod(short_tmp, 0o755)
     run = short_tmp / "closed" / "run"

@@ -131,8 +131,10 @@ def gradients(n: int, seed: int) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
-@pytest.mark.parametrize("n", [1000, 3 * 65536 + 300, N_BIG])  # one piece; pieces and a short block; chunks
+@pytest.mark.parametrize("n, state_dtype", [
+    pytest.param(n, dt, id=f"{n}-{dt}", marks=pytest.mark.slow if (n, dt) == (N_BIG, "bf16") else ())
+    for n in (1000, 3 * 65536 + 300, N_BIG)  # one piece; pieces and a short block; chunks (bf16's: `-m slow`)
+    for dt in ("bf16", "int8")])
 def test_steps_are_bitwise_the_reference(session, state_dtype, n):
     spec = AdamW(**HYPER, state_dtype=state_dtype)
     torch.manual_seed(n)

@@ -14,6 +14,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 DTYPES = ("fp32", "bf16", "int8")
 
 
+@pytest.mark.slow  # (bench/optimizer.py, three dtypes over three rounds: about 40 s)
 def test_optimizer_bench_reports_every_state_dtype(short_tmp):
     out = short_tmp / "opt.json"
     run = subprocess.run([sys.executable, str(BENCH / "optimizer.py"), "--json", str(out), "--params", "2M",
@@ -38,6 +39,7 @@ def test_optimizer_bench_reports_every_state_dtype(short_tmp):
     assert [p.name for p in short_tmp.iterdir()] == ["opt.json"]  # the work files are gone
 
 
+@pytest.mark.slow  # (bench/optimizer.py writes a 1 GiB file for its bound: about 22 s)
 def test_optimizer_bench_takes_fewer_state_dtypes(short_tmp):
     out = short_tmp / "opt.json"
     run = subprocess.run([sys.executable, str(BENCH / "optimizer.py"), "--json", str(out), "--params", "1M",
@@ -49,6 +51,7 @@ def test_optimizer_bench_takes_fewer_state_dtypes(short_tmp):
     assert r["by_state_dtype"]["int8"]["fuyou_step_s"] == r["fuyou_step_s"]
 
 
+@pytest.mark.slow  # (bench/train.py, three dtypes: about 30 s)
 def test_train_bench_reports_every_state_dtype(short_tmp):
     pytest.importorskip("transformers")
     out = short_tmp / "train.json"

@@ -78,6 +78,7 @@ def test_fuyou_trainer_is_bitwise_the_trainer(daemon, tmp_path, offload):
     ours.engine.close()
 
 
+@pytest.mark.slow  # (three Trainer runs: about 10 s)
 def test_a_resumed_run_equals_an_uninterrupted_one(daemon, tmp_path):
     """Checkpoints every 2 steps, at most 2 kept (the oldest deleted through fuyoud); a
     new trainer resumes from step 4 and ends where the uninterrupted one did."""
