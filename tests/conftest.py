@@ -72,10 +72,13 @@ def session(daemon):
 
 
 @contextlib.contextmanager
-def private_daemon(config: dict, prefix: str = "fy-"):
+def private_daemon(config: dict, prefix: str = "fy-", data_dirs: int = 0):
     """fuyoud as a child process in a new directory under /tmp (short socket paths), for a
-    module's tests to share; the directory goes when it has stopped."""
+    module's tests to share (``data_dirs``: that many data directories in it, as the
+    ``daemon`` fixture has); the directory goes when it has stopped."""
     root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    if data_dirs:
+        config = merge(config, {"storage": {"data_dirs": [str(root / f"ssd{i}") for i in range(data_dirs)]}})
     d = fuyou_client.start_daemon(root / "state", config=config)
     try:
         yield d

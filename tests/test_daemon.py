@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 import fuyou_client
-from conftest import SMALL, merge, random_bytes, scrape
+from conftest import SMALL, merge, private_daemon, random_bytes, scrape
 from fuyou_client import In, Out
 from fuyou_proto import pb
 
@@ -30,15 +29,8 @@ def shared():
     at their own sessions' objects (a session without a namespace gets one of its own): a
     daemon each cost 3-4 s a test. The tests that count the daemon's sessions, objects or
     bytes take a new one (fresh_session)."""
-    root = Path(tempfile.mkdtemp(prefix="fy-d-", dir="/tmp"))
-    dirs = [str(root / f"ssd{i}") for i in range(3)]
-    d = fuyou_client.start_daemon(root / "state", config=merge(SMALL, {"storage": {"data_dirs": dirs}}))
-    try:
+    with private_daemon(SMALL, prefix="fy-d-", data_dirs=3) as d:
         yield d
-    finally:
-        code = d.stop()
-        shutil.rmtree(root, ignore_errors=True)
-    assert code == 0, d.log()
 
 
 @pytest.fixture

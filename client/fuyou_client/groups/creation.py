@@ -105,7 +105,7 @@ def create(session: Session, device: Device, spec: GroupSpec, optimizers: list, 
         master.free()
     if frozen:
         sources.append(_store_frozen(session, spec.name, frozen, spec.frozen_numel, dtype, n * dtype.itemsize))
-    group = LayerGroup(spec, weights, grads, dtype, offload, strategy=strategy, shard_padded=padded if shards else 0,
+    group = LayerGroup(spec, weights, grads, dtype, strategy=strategy, shard_padded=padded if shards else 0,
                        chunked=frozenset(info.name for info in infos if info is not None and info.chunked),
                        created=created)
     _point_parameters(group, device, params, shapes, frozen, offload, padded)

@@ -39,7 +39,6 @@ class LayerGroup:
     weights: object  # SharedBuffer of compute-dtype weights the step writes (resident groups)
     grads: object  # SharedBuffer of gradients the daemon reads (None while pooled and idle)
     dtype: torch.dtype
-    offload: bool | str = False  # where its weights are between uses (placement.py)
     device_weights: torch.Tensor | None = None  # flat, on a device with its own memory (resident)
     device_grads: torch.Tensor | None = None  # flat, on a device with its own memory
     offloaded: OffloadedGroup | None = None
@@ -58,6 +57,14 @@ class LayerGroup:
     @property
     def numel(self) -> int:
         return self.spec.numel
+
+    @property
+    def offload(self) -> bool | str:
+        """Where its weights are between uses (placement.py): True on the SSD array, "host"
+        in a shared host buffer, False resident."""
+        if self.offloaded is None:
+            return False
+        return "host" if self.offloaded.host is not None else True
 
     def settle(self) -> None:
         """Once its state is created (``created``): which parts are stepped in chunks, and the

@@ -12,6 +12,8 @@ a third implementation of this interface.
 """
 from __future__ import annotations
 
+import torch
+
 from fuyou_client.checkpoints import client_state, export, load_client_state
 from fuyou_client.gradients import Clipper
 from fuyou_client.parallel import checkpoints as dp_checkpoints  # (sibling module, not the facade)
@@ -148,8 +150,6 @@ class DataParallel(SingleProcess):
     def restore(self, session, model, groups, opts) -> dict | None:
         """Rank 0's weights and buffers on every rank, or this rank's shards of a
         checkpoint; a failure anywhere is an error everywhere."""
-        import torch
-
         world = self.world
         error, state = None, None
         try:
