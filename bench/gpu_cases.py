@@ -336,6 +336,7 @@ class Fuyou(Case):
         batches = [self.batch() for _ in range(k)]
         store = getattr(self.engine, "_train_step_store", None)  # (its checkpoint traffic, if it says)
         moved = (store.bytes_down, store.bytes_up) if store is not None else None
+        status0 = self.engine.session.status()
         self.sync()
         t0 = time.perf_counter()
         with Busy(self.cuda) as busy:
@@ -355,6 +356,11 @@ class Fuyou(Case):
         if moved is not None:
             result["checkpoint_bytes_down"] = store.bytes_down - moved[0]
             result["checkpoint_bytes_up"] = store.bytes_up - moved[1]
+        times, status1 = getattr(self.engine, "train_step_times", None), self.engine.session.status()
+        if times is not None:  # (where the step's seconds went, the device synchronised at each boundary)
+            result["phases"] = {"forward": times.forward, "backward": times.backward, "step": times.step}
+        result["ssd_read_bytes"] = status1.bytes_read - status0.bytes_read  # (the daemon's, this step)
+        result["ssd_written_bytes"] = status1.bytes_written - status0.bytes_written
         if profiler is not None:
             result["profiled_micro_batches"] = k
         return result
@@ -406,6 +412,30 @@ class Fuyou(Case):
 _replies = None  # the worker's channel to the run: its original stdout
 
 
+def census(top: int = 12) -> str:
+    """What a case that failed held on the GPU: its live CUDA tensors by shape and dtype, the
+    largest totals first, and the allocator's figures (a step that ran out of memory names
+    what grew with the micro-batches)."""
+    import collections
+    import torch
+    if not torch.cuda.is_available():
+        return "census: no CUDA"
+    count, size = collections.Counter(), collections.Counter()
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.is_cuda:
+                key = (tuple(obj.shape), str(obj.dtype).removeprefix("torch."), obj.grad_fn is not None)
+                count[key] += 1
+                size[key] += obj.numel() * obj.element_size()
+        except Exception:  # noqa: BLE001 - objects that die or refuse inspection mid-scan
+            continue
+    lines = [f"census: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, "
+             f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB peak, {torch.cuda.memory_reserved() / 2**30:.2f} GiB "
+             f"reserved; live CUDA tensors (shape, dtype, has a graph): count, GiB"]
+    lines += [f"  {k}: {count[k]}, {size[k] / 2**30:.3f}" for k, _ in size.most_common(top)]
+    return "\n".join(lines)
+
+
 def reply(obj) -> None:
     _replies.write("@@ " + json.dumps(obj) + "\n")
     _replies.flush()
@@ -434,7 +464,14 @@ def worker(name: str, spec: dict) -> None:
     for line in sys.stdin:
         command = line.strip()
         if command == "iter":  # (the first one counts its FLOPs)
-            reply(case.iteration(count=case.hw_per_token is None))
+            try:
+                reply(case.iteration(count=case.hw_per_token is None))
+            except BaseException as exc:
+                import traceback
+                traceback.print_exc()
+                # (after the traceback: the run keeps the log's tail)
+                print(f"{census()}\nfailed: {type(exc).__name__}: {str(exc)[:400]}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
         elif command == "profile":
             reply(case.profile(Path(spec["profile_dir"])))
         else:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -146,6 +147,21 @@ class _Micro:
     last: int = -1  # the last block it ran
 
 
+@dataclass
+class StepTimes:
+    """Where one ``train_step``'s seconds went, the device synchronised at each boundary:
+    ``forward`` (every block over every micro-batch, the tail included), ``backward`` (the
+    blocks in reverse, then the rest's), ``step`` (the step's barrier after backward: the
+    optimizer's exposed time)."""
+    forward: float = 0.0
+    backward: float = 0.0
+    step: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.step
+
+
 class BlockMajor:
     """One ``train_step``: forward, backward and the rest's backward, in block-major order.
     ``blocks``: [(module, offloaded group or None, forward)], in forward order."""
@@ -158,6 +174,7 @@ class BlockMajor:
         self.calls: dict[tuple[int, int], _Call] = {}
         self.rng: dict[tuple[int, int], object] = {}
         self.out_specs: dict[int, tuple] = {}  # block -> (output spec, floating positions)
+        self.times = StepTimes()
 
     # -- the call -------------------------------------------------------------------------
     def run(self, micro_batches: list, loss_fn) -> torch.Tensor:
@@ -176,11 +193,16 @@ class BlockMajor:
                     micro.loss.backward()
                     micro.loss = micro.loss.detach()
                 return torch.stack([m.loss for m in micros])
+            t0 = time.perf_counter()
             with self._stand_ins(self._forward_turn):
                 self._forward(micro_batches, loss_fn, micros)
+            self.device.synchronize()
+            t1 = time.perf_counter()
             self._backward(k)
             if self._rest_trains():
                 self._rest_backward(micro_batches, loss_fn, micros)
+            self.device.synchronize()
+            self.times.forward, self.times.backward = t1 - t0, time.perf_counter() - t1
         return torch.stack([m.loss for m in micros])
 
     def _rest_trains(self) -> bool:
@@ -502,21 +524,24 @@ def check_micro_batches(micro_batches, loss_fn) -> None:
 
 
 def run(model, device, coordinator, offloader, store: Store, blocks: list, rest_trains: bool, micro_batches,
-        loss_fn, barrier, on_failure) -> torch.Tensor:
+        loss_fn, barrier, on_failure) -> tuple[torch.Tensor, StepTimes]:
     """Engine.train_step's work, once it has checked the micro-batches
     (``check_micro_batches``) and that no iteration is under way: BlockMajor, with the
     step coordinator counting each group's gradient once over the micro-batches, then
     ``barrier()`` (the engine's step). ``blocks``: [(module, offloaded group or None, its
     own forward)]. A failure leaves the steps already sent landed and the rest forgotten
-    (``on_failure()``: the engine's zero_grad)."""
+    (``on_failure()``: the engine's zero_grad). Returns the losses and where the seconds went."""
     try:
         with coordinator.block_major(len(micro_batches)):
-            losses = BlockMajor(model, device, offloader, blocks, rest_trains, store).run(micro_batches, loss_fn)
+            schedule = BlockMajor(model, device, offloader, blocks, rest_trains, store)
+            losses = schedule.run(micro_batches, loss_fn)
+            t0 = time.perf_counter()
             barrier()
+            schedule.times.step = time.perf_counter() - t0
     except BaseException:
         coordinator.abandon()
         on_failure()
         raise
     finally:
         store.discard()
-    return losses
+    return losses, schedule.times

@@ -30,7 +30,7 @@ import time
 import torch
 from torch import nn
 
-from fuyou_client.blockmajor import Store, check_micro_batches, run as run_block_major
+from fuyou_client.blockmajor import StepTimes, Store, check_micro_batches, run as run_block_major
 from fuyou_client.checkpoints import Trained, restore_groups
 from fuyou_client.engine.hooks import hf_checkpointing
 from fuyou_client.engine.torch_optimizer import TorchOptimizer
@@ -70,6 +70,7 @@ class Engine:
         self._owns_session = owns_session
         self._block_modules = block_modules  # every block, in forward order (frozen ones too)
         self._train_step_store: Store | None = None
+        self.train_step_times: StepTimes | None = None  # the last train_step's: forward, backward, step seconds
         self.peers: list | None = None  # data parallelism: each rank's (host, daemon)
         self.checkpoint_extra = None  # what save_checkpoint(extra=...) kept, after a resume
         self.checkpoint_groups: list[dict] = []  # each param group's hyperparameters at the checkpoint
@@ -175,9 +176,9 @@ class Engine:
             blocks.append((module, g.offloaded if g is not None else None,
                            self.activation_policy.forward_of(g.spec.name, module) if g is not None else module.forward))
         rest_trains = any(g.spec.module is None and g.spec.params for g in self.groups)
-        losses = run_block_major(self.model, self.device, self.coordinator, self.offloader, self._train_step_store,
-                                 blocks, rest_trains, micro_batches, loss_fn, barrier=self.step,
-                                 on_failure=self.zero_grad)
+        losses, self.train_step_times = run_block_major(
+            self.model, self.device, self.coordinator, self.offloader, self._train_step_store, blocks, rest_trains,
+            micro_batches, loss_fn, barrier=self.step, on_failure=self.zero_grad)
         self.zero_grad()
         return losses
 
