@@ -26,13 +26,22 @@ from fuyou_client.device.devices import Device, after
 from fuyou_client.connection.session import Session
 
 
+DEVICE_BUFFERS = 2  # on a device with its own memory: the group in backward, the one whose download runs
+
+
 class GradientPool:
+    """``count`` host buffers (the group in backward and the steps in flight); on a device
+    with its own memory at most ``DEVICE_BUFFERS`` device buffers, since a group's device
+    buffer is free again once its download has run (milliseconds), not when its step ends:
+    more would take the GPU memory a capped device computes with (two more only where
+    several groups are in backward at once)."""
+
     def __init__(self, session: Session, device: Device, count: int, nbytes: int):
         self._session, self._device, self._nbytes = session, device, nbytes
         self._free = [session.allocate(nbytes) for _ in range(count)]  # host (shared) buffers
         # (device buffer, its last download), on a device with its own memory
         self._device_free: list[tuple[torch.Tensor, object]] = \
-            [] if device.shares_host_memory else [(device.empty(nbytes), None) for _ in range(count)]
+            [] if device.shares_host_memory else [(device.empty(nbytes), None) for _ in range(min(count, DEVICE_BUFFERS))]
         self._inflight: deque[tuple[Future, object, object]] = deque()  # (future, host buffer, group)
         self.results: dict[str, object] = {}  # group name -> StepInfo, since the last barrier
         self.errors: list[Exception] = []  # of steps that failed, raised at the barrier

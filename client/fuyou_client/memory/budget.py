@@ -10,7 +10,7 @@ What a training process holds in shared memory:
   groups; ``offload="host"``), with data parallelism its shard buffers (parallel/sharded.py);
 * weight slots (offload/offloader.py), each as large as the largest offloaded block: the block
   computing, ``prefetch`` blocks fetched ahead, the ``keep`` blocks kept from forward to
-  backward, and a spare; where the steps of blocks stepped in chunks take their fp32
+  backward, and a spare where blocks are read from the SSD array (a slot is also GPU memory); where the steps of blocks stepped in chunks take their fp32
   master weights from the slot their block's backward used (``handoff``: 4 SSD bytes per
   parameter fewer), the slots of the steps in flight instead of the spare;
 * gradient buffers shared by the offloaded blocks (gradients/pool.py): the block in backward
@@ -263,7 +263,7 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted()) ->
 
     p0 = wanted.prefetch if wanted.prefetch is not None else depth(slot, MAX_PREFETCH)
     arena = wanted.host_budget if wanted.host_budget is not None else ARENA_DEFAULT
-    knobs = _Knobs(prefetch=p0, spare=1 if slot < WINDOW else 0, inflight=depth(grad, p0 + 2),
+    knobs = _Knobs(prefetch=p0, spare=1 if from_ssd and slot < WINDOW else 0, inflight=depth(grad, p0 + 2),
                    handoff=bool(chunked_fp32), arena=arena, staging=depth(staging, MAX_STAGING))
     shrunk: list[str] = []
     best = build(knobs)
