@@ -79,6 +79,7 @@ class LateCopyDevice(Device):
         self.uploads = self.downloads = 0
         self.bytes_up = self.bytes_down = 0  # per link, since construction (tests difference them per iteration)
         self.allocated: list[torch.Tensor] = []
+        self.turns_done: list[str] = []  # thread_turn_done's callers' names, in order
 
     def register(self, address: int, nbytes: int) -> None:
         assert address not in self.registered, "a segment registered twice"
@@ -91,6 +92,9 @@ class LateCopyDevice(Device):
     def is_registered(self, t: torch.Tensor) -> bool:
         ptr = t.data_ptr()
         return any(a <= ptr < a + n for a, n in self.registered.items())
+
+    def thread_turn_done(self) -> None:
+        self.turns_done.append(threading.current_thread().name)
 
     def empty(self, nbytes: int) -> torch.Tensor:
         t = torch.full((nbytes,), 0xA5, dtype=torch.uint8)  # garbage, as device memory would be

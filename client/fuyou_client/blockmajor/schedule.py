@@ -255,6 +255,7 @@ class BlockMajor:
                                                      for t in leaves])
                     micros[i].loss = loss.detach()
                     micros[i].rng = None
+                self.device.thread_turn_done()
                 self.turns.advance()
             except _Aborted:
                 pass
@@ -302,6 +303,7 @@ class BlockMajor:
         if early:  # (still its prologue's turn)
             call, carried = self._record(0, i, args, kwargs)
             self._park(carried, tree_flatten((args, kwargs))[0], i)
+        self.device.thread_turn_done()  # (each thread's cuBLAS workspace, one at a time: device.devices)
         self.turns.advance()  # (its prologue or previous block is done)
         self.turns.wait((l, i))
         _set_rng(micro.rng, self.cuda)

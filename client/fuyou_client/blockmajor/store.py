@@ -222,11 +222,12 @@ class Store:
 
     def _run_ahead(self, events: list) -> None:
         """Keep the host at most ``RUN_AHEAD`` puts ahead of the device. Nothing else in a
-        block's turn over many micro-batches waits for the device, so the host would queue
+        block's turn over many micro-batches waits for the device, so the host could queue
         turns as far as the launch queue lets it, and each queued turn holds its output
         until its download runs (a tensor freed with a copy pending on another stream is
-        not reused until then): on a 4 GiB GPU, 64 turns of 8 x 1024 tokens of width 2048
-        ran out of memory where 2 fitted."""
+        not reused until then): tens of turns of a hidden state each. (Added while a 4 GiB
+        H200 ran out of memory at 128 micro-batches; that was the threads' cuBLAS
+        workspaces, device.devices, and this bound did not change it.)"""
         if events:
             self._downloads.append(events[-1])
         while len(self._downloads) > RUN_AHEAD:
