@@ -420,16 +420,20 @@ def census(top: int = 12) -> str:
     import torch
     if not torch.cuda.is_available():
         return "census: no CUDA"
-    count, size = collections.Counter(), collections.Counter()
+    count, size, storages = collections.Counter(), collections.Counter(), {}
     for obj in gc.get_objects():
         try:
             if isinstance(obj, torch.Tensor) and obj.is_cuda:
                 key = (tuple(obj.shape), str(obj.dtype).removeprefix("torch."), obj.grad_fn is not None)
                 count[key] += 1
                 size[key] += obj.numel() * obj.element_size()
+                storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
         except Exception:  # noqa: BLE001 - objects that die or refuse inspection mid-scan
             continue
-    lines = [f"census: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, "
+    unheld = torch.cuda.memory_allocated() - sum(storages.values())
+    lines = [f"census: {unheld / 2**30:.2f} GiB allocated that no live tensor holds (per-thread cuBLAS workspaces, "
+             "copies pending on another stream, autograd's saved tensors)",
+             f"census: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, "
              f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB peak, {torch.cuda.memory_reserved() / 2**30:.2f} GiB "
              f"reserved; live CUDA tensors (shape, dtype, has a graph): count, GiB"]
     lines += [f"  {k}: {count[k]}, {size[k] / 2**30:.3f}" for k, _ in size.most_common(top)]

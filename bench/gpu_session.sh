@@ -76,8 +76,14 @@ bench() {
     rm -rf /tmp/bench
     # A case that died leaves its private fuyoud shutting down (SIGTERM from its parent's death)
     # with its deleted data files open: on the H200 the next stage found 28 GB less disk.
-    for _ in $(seq 60); do pgrep -f "fuyoud --config" >/dev/null || break; sleep 1; done
-    pgrep -f "fuyoud --config" >/dev/null && log "fuyoud processes still running after the bench"
+    # 60 s was not always enough (the second H200 session): after 30 s they are killed, which
+    # closes their files at once (the bench is over; nothing of theirs is kept).
+    for _ in $(seq 30); do pgrep -f "fuyoud --config" >/dev/null || break; sleep 1; done
+    if pgrep -f "fuyoud --config" >/dev/null; then
+        log "fuyoud processes still running 30 s after the bench: killed"
+        pkill -9 -f "fuyoud --config"
+        for _ in $(seq 10); do pgrep -f "fuyoud --config" >/dev/null || break; sleep 1; done
+    fi
     SUMMARY+=("bench: $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r.get(k) for k in ('fuyou_tflops','inmem_ceiling_tflops','inmem_same_model_tflops','fuyou_over_ceiling','fuyou_over_inmem_same_model','gpu_busy_fraction','errors')})" "$OUT/gpu-$GPU.json" 2>&1 | tail -3)")
 }
 
