@@ -63,6 +63,15 @@ COPY_CHUNK = 8 << 20
 SNAPSHOTS = SNAPSHOT_PREFIX
 
 
+def _has_manifest(d: CheckpointDir) -> bool:
+    """Whether the directory has a manifest entry at all (what it is, ``read`` checks)."""
+    try:
+        os.stat(MANIFEST, dir_fd=d.fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 @dataclass
 class CheckpointResult:
     directory: str
@@ -114,6 +123,15 @@ def recover(store) -> None:
                         "it had written", target, namespace)
         index.delete_meta(key)
 
+
+
+def _has_manifest(d: CheckpointDir) -> bool:
+    """Whether the directory has a manifest entry at all (what it is, ``read`` checks)."""
+    try:
+        os.stat(MANIFEST, dir_fd=d.fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 @dataclass
 class _Known:
@@ -309,6 +327,9 @@ class Checkpointer:
                              record.snapshot if record.mode == "snapshot" else None)
         d = where.open(owner=None if trusted else uid, single_links=not trusted)
         try:
+            if not _has_manifest(d):  # (not a damaged checkpoint: none was ever here, as far as this fuyoud knows)
+                raise NotFound(f"{where.path} holds no checkpoint: it has no {MANIFEST} and this fuyoud has no "
+                               "record of one there")
             manifest = parse_manifest(d.read(MANIFEST, MAX_MANIFEST))
             if manifest.mode == "snapshot" and not trusted:
                 raise PermissionDenied(f"checkpoint {where.path} is a snapshot this fuyoud has no record of (taken "

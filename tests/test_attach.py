@@ -287,6 +287,15 @@ def test_bad_models_and_daemons(daemon, short_tmp):
         fuyou_client.attach(shared, socket=daemon.socket)
     with pytest.raises(fuyou_client.DaemonUnavailable, match="no fuyoud answers"):
         fuyou_client.attach(MLP(), socket=str(short_tmp / "nobody.sock"))
+    # torch's habits, refused before anything starts, with the way to say them here
+    model = MLP()
+    with pytest.raises(TypeError, match=r"not parameter groups: pass torch-style groups as attach\(model, optimizer, "
+                                        r"param_groups=\[\.\.\.\]\)"):
+        fuyou_client.attach(model, [{"params": list(model.parameters())}], socket=daemon.socket)
+    with pytest.raises(TypeError, match="not torch.optim.adamw.AdamW: use fuyou_client.AdamW"):
+        fuyou_client.attach(model, torch.optim.AdamW(model.parameters()), socket=daemon.socket)
+    with pytest.raises(TypeError, match="not float"):
+        fuyou_client.attach(model, 1e-3, socket=daemon.socket)
     tiny = fuyou_client.start_daemon(short_tmp / "tiny", config=merge(SMALL, {"storage": {"capacity_per_device": "1MiB"}}))
     try:
         with pytest.raises(RuntimeError, match=r"SSD array of fuyoud has 1\.0 MiB free but this model needs 2\d\.\d MiB"):

@@ -142,6 +142,11 @@ def test_a_corrupt_copy_is_refused_and_nothing_is_restored(short_tmp):
             assert s.objects() == []  # all or nothing
             with pytest.raises(fuyou_client.ObjectNotFound, match="no checkpoint"):
                 s.restore(short_tmp / "nowhere")
+            (short_tmp / "empty").mkdir()  # a directory that never held one: not found, not a damaged checkpoint
+            for call in (s.restore, s.delete_checkpoint):
+                with pytest.raises(fuyou_client.ObjectNotFound, match="empty holds no checkpoint: it has no manifest"):
+                    call(short_tmp / "empty")
+            assert (short_tmp / "empty").is_dir() and s.objects() == []
     finally:
         assert d.stop() == 0, d.log()
 

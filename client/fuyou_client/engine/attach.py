@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch import nn
 
 from fuyou_client import parallel as parallelism
@@ -24,6 +25,22 @@ from fuyou_client.engine.options import AttachOptions
 from fuyou_client.model import block_list, prepare, split
 from fuyou_client.model import resolve as resolve_groups
 from fuyou_client.optim import SGD, AdamW
+
+
+def _check_optimizer(optimizer) -> None:
+    """attach's second argument is a fuyou_client optimizer: torch's habits (its parameter
+    groups, or a torch optimizer) are refused with the way to say them here."""
+    if optimizer is None or isinstance(optimizer, (AdamW, SGD)):
+        return
+    if isinstance(optimizer, (list, tuple, dict)):
+        raise TypeError("attach's second argument is the optimizer (fuyou_client.AdamW(...) or SGD(...)), not "
+                        "parameter groups: pass torch-style groups as attach(model, optimizer, param_groups=[...])")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"attach takes a fuyou_client optimizer, not {type(optimizer).__module__}."
+                        f"{type(optimizer).__name__}: use fuyou_client.AdamW(lr=..., ...) or SGD(...) (the daemon "
+                        "steps it), and its parameter groups as attach(..., param_groups=[...])")
+    raise TypeError(f"attach's second argument is the optimizer (fuyou_client.AdamW(...) or SGD(...)), not "
+                    f"{type(optimizer).__name__}")
 
 
 def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) -> Engine:
@@ -41,6 +58,7 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) ->
     ``plan=``: a ``fuyou_client.plan(...)`` result or ``"auto"`` (plan for this model on
     this host now): its settings become the options not given (sizing/apply.py);
     ``engine.sizing_plan`` keeps it (its ``settings``: the micro-batch shape it assumed)."""
+    _check_optimizer(optimizer)
     plan = options.pop("plan", None)  # a fuyou_client.plan(...) or "auto": its settings (sizing/apply.py)
     if plan is not None:
         from fuyou_client.sizing.apply import apply
