@@ -26,11 +26,13 @@ class ConfigError(ValueError):
 
 
 def _default_state_dir() -> Path:
+    """``$XDG_STATE_HOME/fuyoud``, else ``~/.local/state/fuyoud``."""
     base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
     return Path(base) / "fuyoud"
 
 
 def _default_runtime_dir() -> Path:
+    """``$XDG_RUNTIME_DIR/fuyoud-<uid>``, else ``/tmp/fuyoud-<uid>``."""
     base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
     return Path(base) / f"fuyoud-{os.getuid()}"
 
@@ -48,27 +50,46 @@ def _default_pinned_budget() -> int:
 
 @dataclass
 class DaemonSection:
+    """[daemon]: where the daemon keeps its state and sockets, who may connect, its logs.
+
+      ``state_dir``: the persistent index and, unless ``[storage] data_dirs`` says
+      otherwise, the data files.
+      ``runtime_dir``: the directory of the sockets.
+      ``control_socket``: the gRPC control socket; empty: ``<runtime_dir>/fuyoud.sock``.
+      ``session_socket``: the socket clients open sessions on; empty:
+      ``<runtime_dir>/session.sock``.
+      ``socket_mode``: the file mode of both sockets (``0o660``: the owner and its
+      group); a mode that gives others any access is refused.
+      ``socket_group``: the group owning both sockets (its members may become clients);
+      empty: the daemon's group.
+      ``tcp_listen``: "host:port" to also serve gRPC over TCP (sessions still need the
+      unix socket); empty: no TCP.
+      ``grpc_workers``: threads serving gRPC requests.
+      ``log_level``: "debug", "info", "warning" or "error".
+      ``log_format``: one line per event, key=value: "logfmt" (with timestamps),
+      "journald" (a syslog priority prefix, no timestamp), or "auto": the journald
+      format when stderr is the journal (under systemd), else logfmt.
+      ``checkpoint_dirs``: where clients of other uids may have the daemon write and read
+      checkpoints (it acts with its own permissions there); empty:
+      ``<state_dir>/checkpoints``. Clients of the daemon's own uid, root and operators
+      may name any directory.
+      ``allow_uids``: who may open a session beyond the daemon's own uid, root and the
+      members of ``allow_group``: these uids. Everyone else is refused even if the socket
+      mode lets them in.
+      ``allow_group``: the group whose members may open a session; empty: the sockets'
+      group (``socket_group``, else the daemon's own group).
+    """
     state_dir: Path = field(default_factory=_default_state_dir)
     runtime_dir: Path = field(default_factory=_default_runtime_dir)
-    # Empty means "<runtime_dir>/fuyoud.sock" and "<runtime_dir>/session.sock".
     control_socket: str = ""
     session_socket: str = ""
     socket_mode: int = 0o660
-    # Group owning both sockets (its members may become clients); empty: the daemon's group.
     socket_group: str = ""
-    # "host:port" to also serve gRPC over TCP (sessions still need the unix socket).
     tcp_listen: str = ""
     grpc_workers: int = 16
     log_level: str = "info"
-    # "auto": the journald format when stderr is the journal (under systemd), else logfmt.
     log_format: str = "auto"
-    # Where clients of other uids may have the daemon write and read checkpoints (it acts
-    # with its own permissions there); empty means "<state_dir>/checkpoints". Clients of
-    # the daemon's own uid, root and operators may name any directory.
     checkpoint_dirs: list[Path] = field(default_factory=list)
-    # Who may open a session, beyond the daemon's own uid and root: these uids, and the
-    # members of allow_group (empty: the sockets' group, i.e. socket_group or the
-    # daemon's own group). Everyone else is refused even if the socket mode lets them in.
     allow_uids: list[int] = field(default_factory=list)
     allow_group: str = ""
 
@@ -102,37 +123,69 @@ class DaemonSection:
 
 @dataclass
 class MemorySection:
+    """[memory]: the pool of pinned shared memory that clients' buffers come from.
+
+      ``pinned_budget``: bytes of pinned shared memory for all sessions together. A
+      ceiling, not a reservation: segments are made as sessions ask.
+      ``session_budget``: bytes one session (one training process) may hold; 0: the whole
+      ``pinned_budget``. A client whose smallest memory plan does not fit is refused at
+      attach.
+      ``segment_size``: shared memory is handed out in memfd segments of this many bytes
+      (a multiple of 2 MiB); a larger buffer gets a segment of its own.
+      ``lock``: mlock the shared segments: "yes", "no", or "auto" (try, and carry on
+      unlocked if refused).
+      ``huge_pages``: the pages behind shared segments: "hugetlb", "thp" (transparent
+      huge pages), "off" (4 KiB pages), or "auto": hugetlb if reserved, else transparent
+      huge pages, else 4 KiB (fuyoud/memory/hugepages.py).
+      ``staging_size``: bytes of daemon-private bounce buffers for the unaligned heads and
+      tails of transfers.
+    """
     pinned_budget: int = field(default_factory=_default_pinned_budget)
-    session_budget: int = 0  # 0 means: the whole pinned budget
+    session_budget: int = 0
     segment_size: int = 64 << 20
-    # mlock the shared segments: "auto" tries and carries on unlocked if refused.
     lock: str = "auto"
-    # Page kind of shared segments: "auto" (hugetlb if reserved, else transparent huge
-    # pages, else 4 KiB), "hugetlb", "thp", "off". See fuyoud/memory/hugepages.py.
     huge_pages: str = "auto"
-    # Daemon-private bounce buffers for unaligned heads and tails.
     staging_size: int = 16 << 20
 
 
 @dataclass
 class StorageSection:
-    # One directory per SSD; empty means "<state_dir>/data".
+    """[storage]: the SSD array: one data file per SSD, objects striped over them.
+
+      ``data_dirs``: one directory per SSD, each holding one data file; empty:
+      ``<state_dir>/data``.
+      ``capacity_per_device``: bytes of each device's data file, preallocated; 0 ("auto"):
+      the file grows on demand while its file system keeps ``keep_free`` bytes free
+      (storage/device.py).
+      ``keep_free``: with "auto" capacity, the bytes the data files leave free on their
+      file system for everything else; 0 ("auto"): 5% of it, at least 1 GiB and at most
+      16 GiB.
+      ``stripe_size``: objects larger than this many bytes are striped over the devices
+      in units of it.
+      ``direct_io``: use O_DIRECT (bypass the page cache); buffered I/O where the file
+      system refuses it.
+      ``namespace_quota``: bytes one namespace (one training run) may hold on the array;
+      0: no limit.
+    """
     data_dirs: list[Path] = field(default_factory=list)
-    # Size of each device's data file; 0 ("auto"): it grows on demand while the file
-    # system keeps `keep_free` bytes free (storage/device.py).
     capacity_per_device: int = 0
-    # With "auto" capacity: what the data files leave free for everything else on their
-    # file system; 0 ("auto"): 5% of it, at least 1 GiB and at most 16 GiB.
     keep_free: int = 0
     stripe_size: int = 4 << 20
     direct_io: bool = True
-    # Bytes one namespace (one training run) may hold on the array, 0 for no limit.
     namespace_quota: int = 0
 
 
 @dataclass
 class IOSection:
-    engine: str = "auto"  # "auto" | "io_uring" | "threadpool"
+    """[io]: the I/O engine that moves bytes between shared memory and the SSD array.
+
+      ``engine``: "io_uring", "threadpool", or "auto" (io_uring where it works, else the
+      thread pool).
+      ``queue_depth``: requests in flight per io_uring batch.
+      ``chunk_size``: transfers are cut into requests of at most this many bytes.
+      ``threads``: worker threads of the threadpool engine.
+    """
+    engine: str = "auto"
     queue_depth: int = 32
     chunk_size: int = 1 << 20
     threads: int = 16
@@ -140,27 +193,36 @@ class IOSection:
 
 @dataclass
 class OptimizerSection:
-    # Daemon-private memory holding optimizer state while it is read ahead, stepped and
-    # written back: `buffers` buffers within `buffer_budget` bytes. A group whose
-    # state plus weights (AdamW fp32: 16 bytes per parameter) fits one is stepped whole and
-    # read ahead; a larger one in chunks (fuyoud/optimizer/chunks.py). Six cover a client's
-    # backward read-ahead (2 groups deep), steps in flight and a spare. With
-    # `state_cache`, buffers beyond three free ones keep the state of the group just
-    # stepped until its next step, which then reads nothing from the SSD.
+    """[optimizer]: daemon-private memory holding optimizer state while it is read ahead,
+    stepped and written back: ``buffers`` buffers within ``buffer_budget`` bytes. A group
+    whose state plus weights (AdamW fp32: 16 bytes per parameter) fits one is stepped whole
+    and read ahead; a larger one in chunks (fuyoud/optimizer/chunks.py).
+
+      ``buffer_budget``: bytes of all the buffers together.
+      ``buffers``: how many buffers. Six cover a client's backward read-ahead (2 groups
+      deep), steps in flight and a spare.
+      ``state_cache``: buffers beyond three free ones keep the state of the group just
+      stepped until its next step, which then reads nothing from the SSD.
+      ``session_buffers``: the most of those buffers one session (a rank of a
+      data-parallel job) holds at once: its steps, read-aheads and cached states
+      together; a session at its budget waits even with buffers free. 0: no limit beyond
+      the pool. Steps of all sessions are served first come, first served either way.
+    """
     buffer_budget: int = 1 << 30
     buffers: int = 6
     state_cache: bool = True
-    # The most of those buffers one session (a rank of a data-parallel job) holds at once:
-    # its steps, read-aheads and cached states together; a session at its budget waits
-    # even with buffers free. 0: no limit beyond the pool. Steps of all sessions are
-    # served first come, first served either way.
     session_buffers: int = 0
 
 
 @dataclass
 class MetricsSection:
+    """[metrics]: the Prometheus endpoint.
+
+      ``enabled``: serve the metrics over HTTP.
+      ``listen``: "host:port" of the endpoint (port 0 picks a free port).
+    """
     enabled: bool = True
-    listen: str = "127.0.0.1:9464"  # port 0 picks a free port (tests)
+    listen: str = "127.0.0.1:9464"
 
 
 @dataclass

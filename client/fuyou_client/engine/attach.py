@@ -57,7 +57,10 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) ->
 
     ``plan=``: a ``fuyou_client.plan(...)`` result or ``"auto"`` (plan for this model on
     this host now): its settings become the options not given (sizing/apply.py);
-    ``engine.sizing_plan`` keeps it (its ``settings``: the micro-batch shape it assumed)."""
+    ``engine.sizing_plan`` keeps it (its ``settings``: the micro-batch shape it assumed).
+
+    ``options=``: an ``AttachOptions`` to start from; the other keyword options replace
+    its fields."""
     _check_optimizer(optimizer)
     plan = options.pop("plan", None)  # a fuyou_client.plan(...) or "auto": its settings (sizing/apply.py)
     if plan is not None:

@@ -47,6 +47,22 @@ class Engine:
       (engine/hooks.py): activations kept, swapped or recomputed, and every hook on the model;
     * ``parallel`` (parallel/seam.py): one process or data parallelism;
     * ``groups``: the layer groups (groups/), ``memory``: the memory plan (memory/).
+
+    What a training loop reads besides the methods:
+      ``optimizer``: a ``torch.optim.Optimizer`` whose ``param_groups`` are attach's
+      parameter groups; torch's LR schedulers, Hugging Face's Trainer and Accelerate
+      drive it (engine/torch_optimizer.py).
+      ``model``: the attached model.
+      ``session``: the ``fuyou_client.Session`` to the daemon.
+      ``options``: the ``AttachOptions`` in force, ``prefetch`` and ``host_budget`` as
+      the memory plan set them.
+      ``checkpoint_extra``: after ``attach(resume=...)``, the ``extra`` that
+      ``save_checkpoint`` kept; else None.
+      ``train_step_times``: the last ``train_step``'s forward, backward and step
+      seconds; None before the first.
+      ``sizing_plan``: the ``fuyou_client.plan(...)`` result that ``attach(plan=...)``
+      applied; else None.
+      ``peers``: with data parallelism, each rank's (host, daemon); else None.
     """
     sizing_plan = None  # the fuyou_client.plan(...) attach(plan=...) applied (sizing/), else None
 
@@ -84,10 +100,12 @@ class Engine:
 
     @property
     def max_grad_norm(self) -> float | None:
+        """attach's ``max_grad_norm``: the global gradient norm steps are clipped to, or None."""
         return self.coordinator.max_grad_norm
 
     @property
     def accumulation_steps(self) -> int:
+        """attach's ``accumulation_steps``: backward passes per ``step()``."""
         return self.coordinator.accumulation_steps
 
     @property
@@ -218,6 +236,8 @@ class Engine:
         self.coordinator.zero_grad()
 
     def require_idle(self, what: str) -> None:
+        """Raise RuntimeError naming ``what`` while an iteration is under way (gradients
+        counted, steps submitted or in flight): ``step()`` ends it."""
         self.coordinator.require_idle(what)
 
     # -- checkpoints and export ---------------------------------------------------------------
@@ -250,6 +270,8 @@ class Engine:
         return self.parallel.export(Trained(self.model, self.session, self.groups, self.world), directory, dtype)
 
     def state_dict(self) -> dict:
+        """The learning rate and the daemon's step count of each layer group this process
+        holds (for logs; a checkpoint is ``save_checkpoint``)."""
         return {"lr": self.lr, "group_steps": {part.name: self.session.group(part.name).step
                                                for part in self.parallel.held_parts(self.groups)}}
 

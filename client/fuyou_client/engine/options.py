@@ -20,12 +20,14 @@ def _count(name: str, value: Any, least: int) -> None:
 
 @dataclass(frozen=True)
 class AttachOptions:
-    """How ``attach`` hooks a model up to fuyoud.
+    """How ``attach`` hooks a model up to fuyoud: each field is an option of ``attach``.
+    docs/reference.md lists them, generated from the entries below (one per field).
 
     Where the daemon is:
-      ``session``: an open ``fuyou_client.Session`` to use (the engine leaves it open);
+      ``session``: an open ``fuyou_client.Session`` to use (the engine leaves it open).
       ``socket``: the daemon's control socket (default: ``$FUYOUD_SOCKET``, else the
-      current user's); ``namespace``: the session's namespace (default: a fresh one).
+      current user's).
+      ``namespace``: the session's namespace (default: a fresh one).
 
     The model:
       ``blocks``: the modules that become layer groups (default: the repeated blocks
@@ -68,26 +70,30 @@ class AttachOptions:
       (a device that shares host memory) both are the same: ``for_device`` makes it
       "device".
 
-    Memory (the shared buffers all these take are planned from the daemon's session
-    budget before anything is allocated: memory/plan.py, ``engine.memory_plan()``):
+    Memory: the shared buffers all these take are planned from the daemon's session
+    budget before anything is allocated (memory/budget.py, ``engine.memory_plan()``).
       ``offload``: True (the default): the blocks' weights are on the SSD array and in
-      memory only while they compute, fetched ``prefetch`` blocks ahead (default: chosen
-      by the memory plan: two for small blocks, one for blocks of 512 MiB or more, fewer
-      when the budget is tight); the last ``keep`` blocks stay from forward to backward
-      instead of being fetched twice. "host": the
+      memory only while they compute, fetched ``prefetch`` blocks ahead. "host": the
       blocks' weights stay in shared host memory (each step writes them there) and are
       uploaded to the device ahead of each use; on the CPU that is simply resident, so
       ``for_device`` makes it False there. False: every group resident.
+      ``prefetch``: with ``offload``, how many blocks ahead the weights are fetched
+      (default: chosen by the memory plan: two for small blocks, one for blocks of 512 MiB
+      or more, fewer when the budget is tight).
+      ``keep``: with ``offload``, how many of the last blocks stay in memory from forward
+      to backward instead of being fetched twice.
       ``activations``: what happens to the blocks' activations saved for backward: "keep",
       "swap" (to a host arena of ``host_budget`` bytes of shared memory, then to the SSD
-      array; default: 256 MiB, less when the budget is tight; ``train_step`` keeps its
-      blocks' inputs in such an arena too), "recompute" (only block inputs kept, the block
-      run again in backward), or a
+      array), "recompute" (only block inputs kept, the block run again in backward), or a
       dict of those by group name; or "auto": the planner chooses per block after
-      profiling the first iteration, fastest within ``device_budget`` bytes of
-      activations on the compute device (None: no limit).
+      profiling the first iteration, fastest within ``device_budget``.
+      ``host_budget``: bytes of shared host memory for the arena that swapped activations
+      and ``train_step``'s kept block inputs go to before the SSD array (default: 256 MiB,
+      less when the budget is tight).
+      ``device_budget``: with ``activations="auto"``, the bytes of activations the planner
+      may keep on the compute device (None: no limit).
 
-    Several processes (data parallelism, docs/guide/distributed.md): when
+    Several processes: data parallelism (docs/guide/distributed.md). When
     torch.distributed is initialised with more than one rank (or ``process_group`` is
     given), attach joins that group: each rank's daemon keeps its shard of every layer
     group's optimizer state, gradients are reduce-scattered and weights all-gathered.

@@ -84,9 +84,13 @@ def check_arguments(args: transformers.TrainingArguments) -> None:
 
 class FuyouTrainer(transformers.Trainer):
     """``transformers.Trainer`` whose optimizer is Fuyou's (see the module's docstring).
-    ``fuyou``: AttachOptions (or a dict of them) for everything the Trainer's arguments do
-    not decide (socket, offload, activations, ...); ``state_dtype``: of the AdamW moments.
-    ``self.engine`` is the attached Engine once training has begun."""
+    ``self.engine`` is the attached Engine once training has begun.
+
+    Its arguments are the Trainer's, and:
+      ``fuyou``: ``AttachOptions`` (or a dict of them) for everything the Trainer's
+      arguments do not decide (socket, offload, activations, ...).
+      ``state_dtype``: what the AdamW moments are kept in: "fp32", "bf16" or "int8".
+    """
 
     def __init__(self, *args, fuyou: AttachOptions | dict | None = None, state_dtype: str = "fp32", **kwargs):
         super().__init__(*args, **kwargs)
