@@ -52,14 +52,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fuyoud: {args.config or 'embedded defaults'}: OK")
         return 0
     logs.setup(args.log_level or config.daemon.log_level, args.log_format or config.daemon.log_format)
-    from fuyoud.server import Daemon  # heavy imports after argument checks
+    from fuyoud.server import Daemon, StartFailed  # heavy imports after argument checks
 
     try:
         daemon = Daemon(config)
     except Exception as exc:  # start-up failures: say what and stop
         logging.getLogger("fuyoud").error("cannot start: %s", exc)
         return 1
-    daemon.run_until_signalled()
+    try:
+        daemon.run_until_signalled()
+    except StartFailed as exc:
+        logging.getLogger("fuyoud").error("cannot start: %s", exc)
+        return 1
     return 0
 
 

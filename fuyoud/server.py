@@ -18,9 +18,11 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,6 +31,7 @@ from fuyou_proto import rpc
 from fuyoud import __version__
 from fuyoud.checkpoint import Checkpointer, recover
 from fuyoud.config import Config
+from fuyoud.errors import FailedPrecondition
 from fuyoud.handler import AdminAuth, Services
 from fuyoud.housekeeping import Housekeeping
 from fuyoud.io.engine import IOEngine
@@ -55,9 +58,32 @@ log = logging.getLogger("fuyoud")
 SERVICE_NAME = "fuyou.v1.Fuyou"
 
 
+
+class StartFailed(RuntimeError):
+    """The daemon could not start (the message says why)."""
+
+
+def _refuse_if_served(path: Path, kind: int) -> None:
+    """A socket at ``path`` that answers belongs to a running fuyoud (one whose
+    runtime_dir is this one's): taking it over would cut its clients off. A socket that
+    does not answer is a dead daemon's, replaced as before."""
+    if not path.is_socket():
+        return
+    probe = socket.socket(socket.AF_UNIX, kind | socket.SOCK_CLOEXEC)
+    try:
+        probe.settimeout(2.0)
+        probe.connect(str(path))
+    except OSError:
+        return
+    finally:
+        probe.close()
+    raise FailedPrecondition(f"another fuyoud is serving on {path}: stop it, or give this daemon another "
+                             "[daemon] runtime_dir")
+
 class Daemon:
     def __init__(self, config: Config, engine: IOEngine | None = None):
         self.config = config
+        self._owns_runtime_dir = False
         self.metrics = Metrics()
         self.metrics_url = ""
         self._stopped = threading.Event()
@@ -109,6 +135,9 @@ class Daemon:
     def start(self) -> "Daemon":
         cfg = self.config.daemon
         cfg.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+        for path, kind in ((cfg.control_path, socket.SOCK_STREAM), (cfg.session_path, socket.SOCK_SEQPACKET)):
+            _refuse_if_served(path, kind)
+        self._owns_runtime_dir = True  # (its sockets and admin token are this daemon's from here on)
         self._write_admin_token()
         for d in self.config.checkpoint_dirs:
             try:
@@ -174,7 +203,8 @@ class Daemon:
             self.store.close()
             self.engine.close()
             self.metrics.close()
-            self.admin_token_path.unlink(missing_ok=True)
+            if self._owns_runtime_dir:  # (not another daemon's, refused at start)
+                self.admin_token_path.unlink(missing_ok=True)
             self._stopped.set()
             log.info("stopped")
 
@@ -221,11 +251,16 @@ class Daemon:
         self._stopped.wait()
 
     def run_until_signalled(self) -> None:
-        """Serve until SIGTERM or SIGINT, then stop cleanly."""
+        """Serve until SIGTERM or SIGINT, then stop cleanly. A failure to start raises
+        ``StartFailed`` (what was started is stopped first)."""
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        self.start()
+        try:
+            self.start()
+        except Exception as exc:
+            self.stop()
+            raise StartFailed(str(exc)) from exc
         while not stop.wait(1.0):
             pass
         self.stop()

@@ -259,6 +259,18 @@ def test_a_full_disk_at_start_is_refused_clearly(short_tmp):
         fuyou_client.start_daemon(short_tmp / "state", config=merge(SMALL, {"storage": {"capacity_per_device": "1000TiB"}}))
 
 
+def test_a_second_daemon_on_a_live_daemons_sockets_is_refused_and_the_first_goes_on(short_tmp):
+    """Two fuyouds given the same runtime_dir: the second one stops, saying why, instead
+    of taking the first one's sockets and admin token over (which cut its clients off)."""
+    with fuyou_client.start_daemon(short_tmp / "one", config=SMALL) as first:
+        run = Path(first.socket).parent
+        with pytest.raises(fuyou_client.DaemonUnavailable, match=f"cannot start: another fuyoud is serving on {run}"):
+            fuyou_client.start_daemon(short_tmp / "two", config=merge(SMALL, {"daemon": {"runtime_dir": str(run)}}))
+        with fuyou_client.connect(first.socket) as s:  # (the first still serves, its token still there)
+            s.swap_out("x", s.allocate(4096))
+        assert (run / "admin.token").exists()
+
+
 @pytest.mark.slow  # (a daemon of its own; the engine itself is tested in test_io_engines.py and test_store.py)
 def test_the_threadpool_engine_end_to_end(short_tmp):
     cfg = merge(SMALL, {"io": {"engine": "threadpool"}})
