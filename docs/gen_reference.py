@@ -6,10 +6,12 @@ optimizers' arguments, fuyoud's config keys and the metrics it exports.
     python docs/gen_reference.py --check   # exits 1, with a diff, when the page is stale
 
 Descriptions come from docstrings. A class whose fields are documented in its docstring
-(``AttachOptions``, the config's sections) has one entry per field, an indented line
-starting ````name``: ``; a field without one is an error, so is a public Engine method
+(``AttachOptions``, the config's sections, FuyouTrainer's arguments) has one entry per
+field: a line that starts with the field's name in double backquotes and a colon, and the
+lines after it. A field without an entry is an error, so is a public Engine method
 without a docstring. FuyouTrainer is read from its source with ``ast`` (importing
-transformers takes seconds).
+transformers takes seconds); the metrics from a fresh registry and the collector run
+over an empty daemon's snapshot.
 """
 from __future__ import annotations
 
@@ -65,8 +67,8 @@ def first_paragraph(obj) -> str:
 
 def entries(doc: str, names) -> list[tuple[str, list[tuple[str, str]]]]:
     """A docstring that documents fields as (heading, [(field, text)]) per paragraph: an
-    entry is a line starting ````field``: `` and the lines after it; the lines before a
-    paragraph's first entry are its heading."""
+    entry is a line starting with a field's name in double backquotes and a colon, and
+    the lines after it; the lines before a paragraph's first entry are its heading."""
     groups: list[tuple[list[str], list[tuple[str, list[str]]]]] = []
     for para in paragraphs(doc):
         groups.append(([], []))
@@ -141,7 +143,8 @@ def attach_section() -> list[str]:
 
 def attach_own_options(attach) -> list[tuple[str, str, str]]:
     """The keyword options ``attach`` takes out of ``**options`` itself (``options.pop(name,
-    default)``), each with its ````name=``: `` paragraph of attach's docstring."""
+    default)``), each with the paragraph of attach's docstring that starts with its name
+    and ``=``."""
     found = []
     for node in ast.walk(ast.parse(inspect.getsource(attach).lstrip())):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "pop"
@@ -162,10 +165,13 @@ def engine_section() -> list[str]:
     from fuyou_client.engine.engine import Engine
     out = ["## `Engine`", "", "What `attach` returns. `with attach(...) as engine:` closes it at the end.", "",
            "### Attributes", ""]
-    names = [n for n in vars(Engine) if not n.startswith("_")] + ["optimizer", "model", "session", "options",
-                                                                   "checkpoint_extra", "train_step_times",
-                                                                   "peers"]
-    for _, es in entries(Engine.__doc__, names):
+    init = ast.parse(inspect.getsource(Engine.__init__).strip())  # (its self.name = ...)
+    names = [n for n in vars(Engine) if not n.startswith("_")]
+    targets = [t for node in ast.walk(init) if isinstance(node, (ast.Assign, ast.AnnAssign))
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]
+    names += [t.attr for target in targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])
+              if isinstance(t, ast.Attribute) and not t.attr.startswith("_")]
+    for _, es in entries(Engine.__doc__, names):  # (the attributes the docstring gives an entry)
         out += [bullet(f"engine.{name}", None, text) for name, text in es]
     out += ["", "### Methods and properties", ""]
     for name, member in vars(Engine).items():
