@@ -92,7 +92,7 @@ class Daemon:
         self.staging = StagingPool(config.memory.staging_size, config.io.chunk_size + 2 * 4096)
         self.huge_pages = HugePagePolicy(config.memory.huge_pages)
         self.pool = Pool(config.memory.pinned_budget, config.session_budget, config.memory.segment_size,
-                         lock=config.memory.lock != "no", pages=self.huge_pages.choose)
+                         lock=config.memory.lock, pages=self.huge_pages.choose)
         self.store = self._open_store()
         recover(self.store)
         buffers = StateBuffers(config.optimizer.buffers, config.optimizer.buffer_budget,

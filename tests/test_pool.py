@@ -67,3 +67,27 @@ def test_empty_segments_are_given_back(pool):
     assert pool.usage().segments == 0
     with pytest.raises(OSError):
         os.fstat(seg.fd)  # closed
+
+
+def test_a_refused_mlock_is_an_error_with_lock_yes_and_a_warning_once_with_auto(monkeypatch, caplog):
+    """[memory] lock = "yes" means locked or nothing: a refusal (RLIMIT_MEMLOCK) is refused
+    with the limit to raise; "auto" carries on unlocked and says so once, at warning."""
+    import errno
+    import logging
+
+    from fuyoud.errors import FailedPrecondition
+    from fuyoud.memory import segment
+
+    monkeypatch.setattr(segment, "mlock", lambda m: errno.ENOMEM)  # (as with a low memlock limit)
+    monkeypatch.setattr(segment, "_warned", False)
+    strict = Pool(budget=64 * MiB, session_budget=32 * MiB, segment_size=8 * MiB, lock="yes")
+    with pytest.raises(FailedPrecondition, match=r'lock = "yes" and mlock of a 8388608-byte segment was refused.*'
+                                                 r"LimitMEMLOCK="):
+        strict.allocate(1, 5000)
+    relaxed = Pool(budget=64 * MiB, session_budget=32 * MiB, segment_size=8 * MiB, lock="auto")
+    with caplog.at_level(logging.WARNING, logger="fuyoud.memory.segment"):
+        for session in (1, 2):
+            _, seg = relaxed.allocate(session, 5000)
+            assert seg is not None and not seg.locked
+    assert [r.levelno for r in caplog.records].count(logging.WARNING) == 1
+    assert "stay unlocked" in caplog.text

@@ -54,7 +54,7 @@ class PoolUsage:
 
 
 class Pool:
-    def __init__(self, budget: int, session_budget: int, segment_size: int, lock: bool,
+    def __init__(self, budget: int, session_budget: int, segment_size: int, lock: bool | str,
                  pages: Callable[[int], str] = lambda size: "none",
                  segment_factory: Callable[..., Segment] = Segment):
         self.budget = budget

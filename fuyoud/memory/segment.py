@@ -13,8 +13,22 @@ import logging
 import mmap
 import os
 
+from fuyoud.errors import FailedPrecondition
+
 
 log = logging.getLogger(__name__)
+_warned = False
+
+
+def _warn_unlocked(segment_id: int, err: int) -> None:
+    """lock = "auto" and mlock refused: said once (at warning), then per segment at debug."""
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning("mlock of shared segments is refused (%s): they stay unlocked and may be swapped out; raise "
+                    "fuyoud's memlock limit (LimitMEMLOCK=) or set [memory] lock = \"no\" to silence this",
+                    os.strerror(err))
+    log.debug("mlock of segment %d refused: %s", segment_id, os.strerror(err))
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
@@ -47,7 +61,7 @@ def mlock(buf: mmap.mmap) -> int:
 class Segment:
     """``pages`` is "hugetlb", "thp" or "none" (see hugepages.py)."""
 
-    def __init__(self, segment_id: int, size: int, session_id: int, lock: bool, pages: str = "none"):
+    def __init__(self, segment_id: int, size: int, session_id: int, lock: bool | str, pages: str = "none"):
         self.id = segment_id
         self.size = size
         self.session_id = session_id
@@ -70,11 +84,16 @@ class Segment:
             os.close(self.fd)
             raise
         self.locked = False
-        if lock:
+        if lock and lock != "no":  # (True or "auto": try; "yes": a refusal is an error)
             err = mlock(self.map)
             self.locked = err == 0
+            if err and lock == "yes":
+                self.close()
+                raise FailedPrecondition(
+                    f"[memory] lock = \"yes\" and mlock of a {size}-byte segment was refused ({os.strerror(err)}): "
+                    "raise fuyoud's memlock limit (LimitMEMLOCK= in fuyoud.service, ulimit -l) or set lock = \"auto\"")
             if err:
-                log.debug("mlock of segment %d refused: %s", segment_id, os.strerror(err))
+                _warn_unlocked(segment_id, err)
 
     def view(self, offset: int, length: int) -> memoryview:
         return memoryview(self.map)[offset:offset + length]
