@@ -168,3 +168,25 @@ def test_no_package_face_hides_one_of_its_modules():
                 hidden += [f"{package}: {a.asname or a.name}" for a in node.names
                            if (a.asname or a.name) in modules and (package, a.asname or a.name) != ("engine", "attach")]
     assert not hidden, f"names that hide a module of their package: {hidden}"
+
+
+def test_the_wheel_holds_every_package_and_deploy_file():
+    """pyproject.toml finds the packages: every directory of .py files in them is a package
+    (a folder without __init__.py would be left out of a wheel), and every file under
+    deploy/ that the docs tell operators to use is among the data files."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set()
+    for where in project["packages"]["find"]["where"]:
+        found |= set(find_packages(where=str(REPO / where), include=project["packages"]["find"]["include"]))
+    for root, package in ((REPO / "fuyoud", "fuyoud"), (REPO / "client" / "fuyou_client", "fuyou_client"),
+                          (REPO / "proto" / "fuyou_proto", "fuyou_proto")):
+        for d in {p.parent for p in root.rglob("*.py") if "__pycache__" not in p.parts}:
+            name = ".".join([package, *d.relative_to(root).parts])
+            assert name in found, f"{name} is not in the wheel (no __init__.py?)"
+    shipped = {f for files in project["data-files"].values() for f in files}
+    wanted = {str(p.relative_to(REPO)) for p in (REPO / "deploy").rglob("*") if p.is_file()}
+    assert wanted <= shipped, f"deploy files missing from the wheel: {sorted(wanted - shipped)}"
