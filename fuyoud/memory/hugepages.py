@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 
 from fuyou_proto.contract import HUGE, buffer_address
+from fuyoud.errors import OutOfMemoryBudget
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,8 @@ class HugePagePolicy:
         if self.mode in ("auto", "hugetlb") and hugetlb_free_bytes() >= size:
             return "hugetlb"
         if self.mode == "hugetlb":
-            raise MemoryError(f"[memory] huge_pages = \"hugetlb\" but fewer than {size // HUGE} free "
-                              "hugetlb pages are reserved (raise vm.nr_hugepages)")
+            raise OutOfMemoryBudget(f"[memory] huge_pages = \"hugetlb\" but fewer than {size // HUGE} free "
+                                    "hugetlb pages are reserved (raise vm.nr_hugepages)")
         return "thp" if self.thp_usable else "none"
 
     def describe(self) -> str:

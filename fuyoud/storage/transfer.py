@@ -217,8 +217,11 @@ class Transfers:
         verb = "reading" if op is Op.READ else "writing"
         where = f"device {dev} ({self.devices[dev].path}) {verb} object {item.namespace}/{item.name} at device offset {offset}"
         if res.errno:
-            cls = StorageFull if res.errno == 28 else DataLoss  # ENOSPC
-            err = cls(f"I/O error on {where}: {os.strerror(res.errno)} (errno {res.errno})")
+            if res.errno == 28:  # ENOSPC: the file system under the data file is full, not a failing disk
+                err = StorageFull(f"no space left on {where}: the file system holding the data file is full "
+                                  f"(free space there, or lower [storage] capacity_per_device)")
+            else:
+                err = DataLoss(f"I/O error on {where}: {os.strerror(res.errno)} (errno {res.errno})")
         else:
             err = DataLoss(f"short {op.name.lower()} on {where}: {res.nbytes} of {want} bytes")
         errors.setdefault(index, err)
