@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fuyou_proto import rpc
+from fuyou_proto.contract import SNAPSHOT_PREFIX
 from fuyoud import __version__
 from fuyoud.checkpoint import Checkpointer, recover
 from fuyoud.config import Config
@@ -126,6 +127,12 @@ class Daemon:
 
     def _session_closed(self, session: Session) -> None:
         self.optimizer.forget(session.namespace)
+        if session.ephemeral:  # (a namespace the daemon named: its state would be left on the SSDs for good)
+            left = [m for m in self.store.list(session.namespace) if not m.name.startswith(SNAPSHOT_PREFIX)]
+            self.store.delete(session.namespace, [m.name for m in left], missing_ok=True)
+            if left:
+                log.info("session %d: deleted the %d objects (%s) of its unnamed namespace %s", session.id,
+                         len(left), format_size(sum(m.size for m in left)), session.namespace)
         dropped = self.store.drop_transient(session.id)
         freed = self.pool.release_session(session.id)
         self.metrics.sessions_closed.labels("closed").inc()

@@ -3,7 +3,10 @@
 A session owns its shared-memory segments and its transient objects; persistent objects
 belong to its namespace, which is held by at most one live session at a time and
 belongs to the uid that first used it. Closing a session (CloseSession, or EOF on the
-session socket when the process dies) releases everything it held.
+session socket when the process dies) releases everything it held, and where the daemon
+named its namespace (the client named none) that namespace's persistent objects too:
+nobody could come back to them. Its snapshot checkpoints' objects stay until the
+checkpoint is deleted.
 """
 from __future__ import annotations
 
@@ -33,6 +36,9 @@ class Session:
     closed: bool = False
     # The namespace's owner is recorded (persistently) once it holds persistent objects.
     namespace_claimed: bool = False
+    # The daemon named the namespace (the client asked for none): nobody can come back to
+    # it, so its objects, persistent ones too, go when the session closes.
+    ephemeral: bool = False
     # Sends a segment's fd to the client (set by the session socket handler).
     send_segment: Callable | None = None
 
@@ -64,7 +70,8 @@ class SessionRegistry:
                 raise Unavailable("fuyoud is draining (fuyouctl drain) and accepts no new sessions; "
                                   "`fuyouctl drain --cancel` reopens it")
             sid = next(self._ids)
-            if namespace is None:
+            ephemeral = namespace is None
+            if ephemeral:
                 namespace = f"session-{sid}-{secrets.token_hex(4)}"
             else:
                 check_namespace(namespace)
@@ -76,7 +83,7 @@ class SessionRegistry:
                 raise AlreadyExists(
                     f"namespace {shown(namespace)} is held by live session {holder.id} (pid {holder.pid})")
             session = Session(sid, secrets.token_urlsafe(32), uid, pid, namespace,
-                              namespace_claimed=owner is not None)
+                              namespace_claimed=owner is not None, ephemeral=ephemeral)
             self._by_token[session.token] = session
             self._by_namespace[namespace] = session
         log.info("session %d opened: uid %d pid %d namespace %s", sid, uid, pid, namespace)

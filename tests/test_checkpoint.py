@@ -205,3 +205,33 @@ def test_a_daemon_killed_while_checkpointing_leaves_no_debris(short_tmp, point, 
             assert all(s.group(o.name[len("optim/"):]).step == 1 for o in s.objects("optim/"))
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_a_run_that_names_no_namespace_leaves_only_its_checkpoints_behind(short_tmp):
+    """The daemon named the namespace, so nobody can come back to it: when the session
+    closes its state goes, and the SSD array holds what it held before, but for the
+    snapshot checkpoint it took (which still restores, and deleting it frees the rest). A
+    named namespace keeps its state for the next run that names it."""
+    d = start(short_tmp)
+    try:
+        used = lambda: sum(dev.used_bytes for dev in d.status().devices)  # noqa: E731
+        empty = used()
+        model = gpt2()
+        engine = fuyou_client.attach(model, socket=d.socket)
+        sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule)
+        run(model, engine, sched, BATCHES[:1])
+        engine.save_checkpoint(short_tmp / "snap", mode="snapshot")
+        run(model, engine, sched, BATCHES[1:2])
+        engine.close()
+        assert empty < used() <= empty + sum(p.numel() * 12 for p in model.parameters()) + (1 << 20)
+        again = fuyou_client.attach(gpt2(), socket=d.socket, resume=short_tmp / "snap")
+        again.session.delete_checkpoint(short_tmp / "snap")
+        again.close()
+        assert used() == empty
+        named = fuyou_client.attach(gpt2(), socket=d.socket, namespace="kept")
+        named.close()
+        assert used() > empty
+        with fuyou_client.connect(d.socket, namespace="kept") as s:
+            assert s.objects("optim/")
+    finally:
+        assert d.stop() == 0, d.log()
