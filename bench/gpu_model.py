@@ -13,8 +13,8 @@ SSD read and write bandwidth; the cap and Fuyou's measured device peak; the host
 memory), and compares the schedules. Assumed, overridable by flags: PCIe 54 GB/s each way
 and 124 GB/s of memory traffic for an fp32 add on the host (measured in that session:
 docs/performance.md); AdamW at 1.14e9 parameters/s; an HBM copy at 2.6 TB/s.
-``breakdown(Config(...))`` returns it all as a dict; docs/guide/gpu.md ("The model of an
-iteration") describes the two schedules.
+``breakdown(Config(...))`` returns it all as a dict; docs/design/iteration-model.md
+describes the two schedules.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ one layer group at a time; `from_pretrained` loads the directory).
 
 --state-dtype is what the AdamW moments are kept in on the SSD (master weights stay fp32):
 fp32 (exact, 24 SSD bytes per parameter per step), bf16 (16) or block-wise int8 (about
-12.06); docs/state-dtype.md has the loss curves of each against fp32. --losses writes
+12.06); docs/guide/state-dtype.md has the loss curves of each against fp32. --losses writes
 every step's loss (and the settings) as JSON. --trainer trains the same model on the same
 corpus through Hugging Face's Trainer instead of the hand-written loop (FuyouTrainer:
 fuyou_client/integrations/transformers.py; the same schedule, warm-up then cosine).
@@ -88,7 +88,7 @@ def main() -> int:
     ap.add_argument("--bf16", action="store_true", help="bf16 compute (fp32 master weights and moments on SSD)")
     ap.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
                     help="what the AdamW moments are kept in on the SSD (default fp32, exact; bf16 and int8 "
-                         "move fewer bytes per step, see docs/state-dtype.md)")
+                         "move fewer bytes per step, see docs/guide/state-dtype.md)")
     ap.add_argument("--losses", help="write every step's loss to this JSON file")
     ap.add_argument("--socket", help="use the fuyoud at this control socket instead of a private one")
     ap.add_argument("--state-dir", default=str(ROOT / ".fuyou" / "finetune"))

@@ -41,7 +41,7 @@ class AdamW:
     always fp32): ``"fp32"``, exactly torch's fused AdamW, 24 bytes per parameter read
     and written per step; ``"bf16"``, 16 bytes; ``"int8"``, block-wise 8-bit moments,
     about 12 bytes (the arithmetic: fuyoud/optimizer/lowp.py; the quality measured:
-    docs/state-dtype.md)."""
+    docs/guide/state-dtype.md)."""
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8

@@ -7,7 +7,7 @@ daemon's SSD array and CPU): an operation starts once its resource is free and i
 are ready; buffer pools (staging buffers, the download queue, weight slots, checkpoint
 buffers, the daemon's optimizer buffers) hold work back as the client does. Each gap of
 the compute stream is charged to what it waited for; what follows its last work is the
-exposed step. Two schedules (docs/guide/gpu.md, "The model of an iteration"):
+exposed step. Two schedules (docs/design/iteration-model.md):
 
 * ``"block-major"``: ``engine.train_step``: forward block by block over all K
   micro-batches, each block's input kept in the host arena; backward block by block in
