@@ -256,7 +256,13 @@ def main(argv=None) -> int:
                                   for k, t in targets.items()))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        import datetime
+        import platform
         args.json.write_text(json.dumps({
+            "command": "python " + " ".join([os.path.relpath(sys.argv[0], HERE.parent), *sys.argv[1:]]),
+            "host": {"note": "a model, computed: no rate is measured on this host", "python": platform.python_version(),
+                     "machine": platform.machine()},
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "calibration_error": cal["calibration_error"], "calibration": cal, "schedule": "block-major",
             "targets": targets,
             "predicted_tflops": bm["model_tflops"], "predicted_over_ceiling": bm["over_ceiling"],
@@ -265,7 +271,7 @@ def main(argv=None) -> int:
             "ceiling_tflops": rates.ceiling_tflops, "calibrated_on": os.path.relpath(args.run, HERE.parent),
             "rates": dataclasses.asdict(rates),
             "schedules": rows, "wide": wide,
-            "note": "predictions of a model calibrated on one H100 run; block-major has not run on a GPU"},
+            "note": "predictions of a model calibrated on one H100 run; block-major has not finished a step of bench/gpu.py on a GPU"},
             indent=1) + "\n")
     return 0
 
