@@ -125,14 +125,6 @@ def recover(store) -> None:
 
 
 
-def _has_manifest(d: CheckpointDir) -> bool:
-    """Whether the directory has a manifest entry at all (what it is, ``read`` checks)."""
-    try:
-        os.stat(MANIFEST, dir_fd=d.fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return True
-
 @dataclass
 class _Known:
     """What restore and delete go by: the daemon's record, or for a checkpoint it has no

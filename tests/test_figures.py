@@ -116,7 +116,7 @@ WRITES = re.compile(r"(?:--json|--out|--output|-o)[ =]+(\S+)|>>?\s*(\S+)")
 
 def _quoted_commands(text: str):
     """Fenced blocks, indented blocks and inline code spans: what a reader copies."""
-    lines, fenced, block = [], False, []
+    lines, fenced = [], False
     for line in text.splitlines():
         if FENCE.match(line.strip()):
             fenced = not fenced
