@@ -113,7 +113,7 @@ def test_a_second_store_cannot_open_the_same_directory(tmp_path, engine):
 @pytest.mark.parametrize("kind, error, words", [
     ("eio", DataLoss, "Input/output error"),
     ("short", DataLoss, "short write"),
-    ("enospc", StorageFull, "No space left"),
+    ("enospc", StorageFull, "the file system holding the data file is full"),
 ])
 def test_failed_writes_are_never_committed(tmp_path, engine, kind, error, words):
     faulty = FaultyEngine(engine)
