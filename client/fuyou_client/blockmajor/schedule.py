@@ -96,10 +96,12 @@ class _Aborted(Exception):
 
 class _Turns:
     """Whose turn it is: one micro-batch's thread computes at a time, in a fixed order of
-    (block, micro-batch) turns ("prologue" turns first: each micro-batch up to block 0)."""
+    (block, micro-batch) turns ("prologue" turns first: each micro-batch up to block 0).
+    ``turn_done()`` runs on the thread that ends a turn, before the next one may start
+    (the device gives back what it keeps per computing thread: device.devices)."""
 
-    def __init__(self, order: list[tuple[int, int]], k: int):
-        self.order, self.i = order, 0
+    def __init__(self, order: list[tuple[int, int]], k: int, turn_done=lambda: None):
+        self.order, self.i, self.turn_done = order, 0, turn_done
         self.ready = [threading.Event() for _ in range(k)]
         self.error: BaseException | None = None
         self.ready[order[0][1]].set()
@@ -115,6 +117,7 @@ class _Turns:
                                f"{self.order[self.i]} was due: train_step needs blocks called once each, in order")
 
     def advance(self) -> None:
+        self.turn_done()
         self.i += 1
         if self.i < len(self.order):
             self.ready[self.order[self.i][1]].set()
@@ -231,7 +234,7 @@ class BlockMajor:
     def _forward(self, micro_batches, loss_fn, micros) -> None:
         k, n = len(micro_batches), len(self.blocks)
         order = [(-1, i) for i in range(k)] + [(l, i) for l in range(n) for i in range(k)]
-        self.turns = _Turns(order, k)
+        self.turns = _Turns(order, k, self.device.thread_turn_done)
         self.micros = micros
         context = self._context()
         errors: list[BaseException] = []
@@ -255,7 +258,6 @@ class BlockMajor:
                                                      for t in leaves])
                     micros[i].loss = loss.detach()
                     micros[i].rng = None
-                self.device.thread_turn_done()
                 self.turns.advance()
             except _Aborted:
                 pass
@@ -303,7 +305,6 @@ class BlockMajor:
         if early:  # (still its prologue's turn)
             call, carried = self._record(0, i, args, kwargs)
             self._park(carried, tree_flatten((args, kwargs))[0], i)
-        self.device.thread_turn_done()  # (each thread's cuBLAS workspace, one at a time: device.devices)
         self.turns.advance()  # (its prologue or previous block is done)
         self.turns.wait((l, i))
         _set_rng(micro.rng, self.cuda)

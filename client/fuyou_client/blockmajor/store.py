@@ -39,7 +39,6 @@ SSD array, and the seconds ``take`` waited for a read and ``put`` for a write (e
 from __future__ import annotations
 
 import time
-from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -51,7 +50,6 @@ from fuyou_client.connection.session import flatten
 from fuyou_client.activations.spill import Arena, Spilled, SsdTier, aligned
 
 STAGING = 2  # slots beyond the plan's: writes in flight in forward, reads in backward
-RUN_AHEAD = 3  # device: puts whose downloads may still be queued (Store._run_ahead)
 READ_AHEAD = 4  # reads from the SSD array in flight at once
 
 
@@ -189,7 +187,6 @@ class Store:
         self._read_next = 0  # plan.reads[:this] have been read ahead (or needed no read)
         self._read_index: dict = {}
         self.bytes_down = self.bytes_up = 0
-        self._downloads: deque = deque()  # device: the last puts' download events, oldest first
 
     # -- the step -------------------------------------------------------------------------
     def reserve(self, nbytes: int, blocks: int, micro_batches: int, last: bool = True) -> None:
@@ -219,19 +216,6 @@ class Store:
         self.stats = StoreStats()
         self._backward, self._read_next = False, 0
         self._read_index = {key: j for j, key in enumerate(plan.reads)}
-
-    def _run_ahead(self, events: list) -> None:
-        """Keep the host at most ``RUN_AHEAD`` puts ahead of the device. Nothing else in a
-        block's turn over many micro-batches waits for the device, so the host could queue
-        turns as far as the launch queue lets it, and each queued turn holds its output
-        until its download runs (a tensor freed with a copy pending on another stream is
-        not reused until then): tens of turns of a hidden state each. (Added while a 4 GiB
-        H200 ran out of memory at 128 micro-batches; that was the threads' cuBLAS
-        workspaces, device.devices, and this bound did not change it.)"""
-        if events:
-            self._downloads.append(events[-1])
-        while len(self._downloads) > RUN_AHEAD:
-            self._downloads.popleft().synchronize()
 
     def _check_room(self, nbytes: int) -> None:
         """Refuse, before anything is written, a step whose spilled inputs the SSD array
@@ -278,7 +262,6 @@ class Store:
                 if spec is not None:
                     e.events.append(self.device.download(self._view(e.offset, spec), t.detach(), after=after))
                     self.bytes_down += t.numel() * t.element_size()
-            self._run_ahead(e.events)
             if goes:
                 events, label = list(e.events), self.plan.label(key)
 
@@ -338,7 +321,6 @@ class Store:
     def discard(self) -> None:
         """End the step: wait for the transfers in flight, delete what is on the SSD
         array, give every slot back."""
-        self._downloads.clear()
         entries = list(self._entries.values()) + self._retiring
         for e in entries:
             for f in (e.write, e.fetch):
