@@ -160,10 +160,6 @@ class StepTimes:
     backward: float = 0.0
     step: float = 0.0
 
-    @property
-    def total(self) -> float:
-        return self.forward + self.backward + self.step
-
 
 class BlockMajor:
     """One ``train_step``: forward, backward and the rest's backward, in block-major order.
