@@ -48,6 +48,7 @@ def main(argv=None) -> int:
         ap.error("--state-dtypes: fp32 first (the others are compared with it)")
     runs = {}
     with tempfile.TemporaryDirectory(prefix="fuyou-quality-") as tmp:
+        host = host_info(Path(tmp))  # (the file system the runs' daemons write to)
         for dtype in dtypes:
             losses = Path(tmp) / f"{dtype}.json"
             cmd = [sys.executable, str(ROOT / "examples" / "finetune.py"), "--state-dtype", dtype, "--steps",
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
             print(f"{dtype}: final loss {runs[dtype]['final_loss']:.4f}, mean of the last 10 "
                   f"{runs[dtype]['mean_last_10']:.4f}, {runs[dtype]['seconds']:.0f} s", flush=True)
     out = {"command": "python " + " ".join(["bench/quality.py", *(argv if argv is not None else sys.argv[1:])]),
-           "host": host_info(ROOT),
+           "host": host,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "runs": runs,
            "vs_fp32": {d: compare(runs[d], runs["fp32"]) for d in dtypes[1:]}}
