@@ -43,9 +43,12 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=384)
     ap.add_argument("--state-dtypes", default="fp32,bf16,int8")
     args = ap.parse_args(argv)
+    for name in ("steps", "layers", "width"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be a positive integer, not {getattr(args, name)}")
     dtypes = args.state_dtypes.split(",")
-    if dtypes[0] != "fp32":
-        ap.error("--state-dtypes: fp32 first (the others are compared with it)")
+    if dtypes[0] != "fp32" or not set(dtypes) <= {"fp32", "bf16", "int8"} or len(set(dtypes)) != len(dtypes):
+        ap.error(f"--state-dtypes: fp32 first, then any of bf16 and int8 once each (not {args.state_dtypes!r})")
     runs = {}
     with tempfile.TemporaryDirectory(prefix="fuyou-quality-") as tmp:
         host = host_info(Path(tmp))  # (the file system the runs' daemons write to)

@@ -22,6 +22,15 @@ def test_the_comparison_is_relative_per_step_and_names_the_worst_step():
     assert c["mean_step_difference"] == pytest.approx((0 + 0.1 + 0.01) / 3)
 
 
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--width", "-1"], ["--state-dtypes", "bf16,fp32"],
+                                  ["--state-dtypes", "fp32,fp16"], ["--state-dtypes", "fp32,int8,int8"]])
+def test_bad_arguments_are_refused_before_any_run(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        quality.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and ("must be a positive integer" in err or "fp32 first" in err), err
+
+
 @pytest.mark.slow  # (three demo runs of two steps, each with its own fuyoud: about 45 s)
 def test_the_bench_runs_each_state_dtype_and_says_how_where_and_when(tmp_path):
     out = tmp_path / "q.json"
