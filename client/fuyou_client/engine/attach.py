@@ -68,7 +68,7 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) ->
         options, optimizer, plan = apply(plan, model, optimizer, options)
     base = options.pop("options", None)  # attach(model, opt, options=AttachOptions(...), **overrides) too
     opts = dataclasses.replace(base, **options) if base is not None else AttachOptions(**options)
-    par = parallelism.of(opts.process_group)
+    par = parallelism.of(opts.process_group, opts.optimizer_ranks)
     materializer, error, prepared = None, None, None
     try:
         par.check_options(opts)

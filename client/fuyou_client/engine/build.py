@@ -30,7 +30,6 @@ from fuyou_client.groups import LayerGroup, Scratch, create
 from fuyou_client.groups.placement import hands_over, placement, weights_rewritten
 from fuyou_client.model import GroupSpec, TorchGroups
 from fuyou_client.offload import Offloader
-from fuyou_client.parallel.world import Shards
 from fuyou_client.steps import StepCoordinator
 
 log = logging.getLogger("fuyou_client.engine")
@@ -47,17 +46,20 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
     pool_grads = bool(options.offload) and options.accumulation_steps == 1 and options.max_grad_norm is None
     layout = [(spec, *where) for spec in specs
               if (where := placement(spec, options.offload, pool_grads, options.grad_accumulation,
-                                     parallel.data_parallel)) is not None]
+                                     parallel.strategy_kind)) is not None]
     # Every shared buffer below, planned from the session's budget first (memory/budget.py):
     # a budget that cannot hold the smallest plan is refused before anything is allocated.
-    plan = plan_memory(session, layout, torch_groups, options, device, parallel.world)
+    plan = plan_memory(session, layout, torch_groups, options, device, parallel)
     (log.warning if plan.shrunk else log.info)("%s", plan.describe())
     options = dataclasses.replace(options, prefetch=plan.prefetch, host_budget=plan.host_budget)
-    check_capacity(session, specs, torch_groups, options.offload, resume, parallel.share)
+    if parallel.holds_state:  # (an optimizer-host worker keeps no state: its optimizer ranks check theirs)
+        check_capacity(session, specs, torch_groups, options.offload, resume, parallel.share)
     session.use_device(device)  # (CUDA: cudaHostRegister of every shared segment; the CPU: nothing to do)
     # Where each group's gradients live until its step (gradients/strategy.py).
-    strategies = {"resident": Resident(device), "pooled": Pooled(), "host": HostAccumulated(),
-                  "sharded": parallel.gradient_strategy(options, device)}
+    strategies = {"resident": Resident(device), "pooled": Pooled(), "host": HostAccumulated()}
+    if parallel.strategy_kind is not None:  # (its parameters' memory: the seam's; the engine is built last)
+        strategies[parallel.strategy_kind] = parallel.gradient_strategy(options, device,
+                                                                        lambda: engine.optimizer.param_groups)
     groups = _create_groups(session, device, layout, torch_groups, strategies, resume, materializer, parallel)
     offloaded = [g.offloaded for g in groups if g.offloaded is not None]
     for g in groups:  # (blocks stepped in chunks: their steps take the masters their backward read)
@@ -123,10 +125,10 @@ def _create_groups(session, device, layout, torch_groups, strategies, resume, ma
             shards = parallel.shards(spec.numel) if spec.params else None
             buf = scratch.take() if scratch is not None and spec.numel else None
             groups.append(create(session, device, spec, optimizers, mode, index, strategies[kind], resume, shards,
-                                 buf))
+                                 buf, stateless=not parallel.holds_state))
             if buf is not None:
                 scratch.lend(buf, groups[-1].created)
-            if shards is not None:
+            if spec.params:
                 parallel.bind(session, groups[-1])
         if scratch is not None:
             scratch.close()
@@ -149,7 +151,7 @@ def _create_groups(session, device, layout, torch_groups, strategies, resume, ma
 
 
 def plan_memory(session, layout, torch_groups: TorchGroups, options: AttachOptions, device: Device,
-                world) -> memory.MemoryPlan:
+                parallel) -> memory.MemoryPlan:
     """The shared buffers of an engine, planned from the session's budget and the groups'
     sizes (memory/budget.py); raises memory.DoesNotFit before any allocation."""
     limits = memory.limits_of(session)
@@ -157,8 +159,8 @@ def plan_memory(session, layout, torch_groups: TorchGroups, options: AttachOptio
     for spec, mode, kind in layout:
         dtype = (spec.params or spec.frozen)[0][1].dtype
         numel, shard = spec.numel, 0
-        if world is not None and spec.params:
-            shards = Shards(spec.numel, world.size, world.rank)
+        shards = parallel.shards(spec.numel) if spec.params else None
+        if shards is not None:
             numel, shard = shards.padded, shards.per
         chunked = any(stepped_in_chunks(torch_groups.spec(part.index).state_bytes(part.numel), part.numel,
                                         limits.optimizer_buffer_budget, limits.optimizer_buffers)

@@ -292,7 +292,7 @@ class Engine:
             self._train_step_store.close()
         try:
             for g in self.groups:  # steps in flight still write into shared buffers: let them land
-                if g.future is not None and g.future.exception() is None and g.shard is None:
+                if g.future is not None and g.future.exception() is None and not g.strategy.lands_weights:
                     land_new_weights(self.device, g)  # (GPU: into the parameters)
             for strategy in self.coordinator.strategies:
                 strategy.reclaim()

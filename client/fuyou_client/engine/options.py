@@ -18,6 +18,16 @@ def _count(name: str, value: Any, least: int) -> None:
         raise ValueError(f"{name} must be an integer >= {least}, not {value!r}")
 
 
+def check_optimizer_ranks(ranks) -> None:
+    """``optimizer_ranks``: a non-empty list of distinct ranks (ints >= 0)."""
+    if (not isinstance(ranks, (list, tuple)) or not ranks
+            or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks)):
+        raise ValueError(f"optimizer_ranks must be a non-empty list of ranks (ints >= 0), not {ranks!r}")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"optimizer_ranks names a rank twice ({list(ranks)!r}): each optimizer rank owns its own "
+                         "share of the layer groups")
+
+
 @dataclass(frozen=True)
 class AttachOptions:
     """How ``attach`` hooks a model up to fuyoud: each field is an option of ``attach``.
@@ -106,6 +116,11 @@ class AttachOptions:
       naming both instead of a hang (costs a small collective each).
       ``reshard``: with ``resume``, allow a checkpoint written at another world size (its
       shards are cut again; the checkpoint must be readable from every rank's daemon).
+      ``optimizer_ranks``: the ranks of the group that are optimizer hosts (they call
+      ``fuyou_client.serve_optimizer``): this rank is then a worker that holds no optimizer
+      state and no master weights; its gradients are reduced to the optimizer rank that
+      owns each layer group, which steps it out of core and broadcasts the new weights
+      (docs/guide/optimizer-host.md). Default None: the sharded mode above.
     """
     session: Any = None
     socket: str | None = None
@@ -129,6 +144,7 @@ class AttachOptions:
     reduce: str = "step"
     check_collectives: bool = False
     reshard: bool = False
+    optimizer_ranks: Any = None
 
     def __post_init__(self) -> None:
         _count("accumulation_steps", self.accumulation_steps, 1)
@@ -148,6 +164,8 @@ class AttachOptions:
         for name in ("check_collectives", "reshard"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}")
+        if self.optimizer_ranks is not None:
+            check_optimizer_ranks(self.optimizer_ranks)
         if self.reduce not in ("step", "backward"):
             raise ValueError(f"reduce must be 'step' or 'backward', not {self.reduce!r}")
         if self.grad_accumulation not in ("device", "host"):

@@ -24,7 +24,8 @@ from fuyou_client.gradients.pool import GradientPool
 from fuyou_client.gradients.host import HostAccumulation
 from fuyou_client.connection.session import Session
 
-# start(gradient buffer) -> the future of the step that reads it
+# start(gradient buffer) -> the future of the step that reads it; ``start.scale``: the
+# clipping coefficient it steps with (None: none)
 Start = Callable[[object], Future]
 
 
@@ -56,6 +57,7 @@ class GradientStrategy:
         """Before autograd adds a gradient to one of the group's parameters."""
 
     keeps_steps = False  # the strategy waits for its steps itself (``reclaim``), not the coordinator
+    lands_weights = False  # its ``landing`` puts the new weights in the parameters (on the device too)
 
     def submit(self, g, start: Start) -> Future:
         """Send the group's step: ``start(buffer)`` issues it once the gradients are

@@ -62,7 +62,7 @@ class Scratch:
 
 
 def create(session: Session, device: Device, spec: GroupSpec, optimizers: list, offload: bool | str, index: int,
-           strategy: GradientStrategy, resume: bool, shards=None, scratch=None) -> LayerGroup:
+           strategy: GradientStrategy, resume: bool, shards=None, scratch=None, stateless: bool = False) -> LayerGroup:
     """Create the group's optimizer state in the daemon from the parameters, one daemon
     group per part with ``optimizers[k]`` (its torch group's hyperparameters), or with
     ``resume`` take the restored groups' weights; then the parameters become views of
@@ -79,14 +79,21 @@ def create(session: Session, device: Device, spec: GroupSpec, optimizers: list, 
     ``scratch`` (a shared buffer of at least the group's fp32 bytes): the masters go there
     and the daemon creates the state without the call waiting (``group.created``, a future
     of the parts' GroupInfos: ``settle`` it before training); the caller leaves the buffer
-    alone until then."""
+    alone until then.
+
+    ``stateless`` (an optimizer-host worker, parallel/remote.py): no state in this
+    process's daemon; the weights stay resident, and the optimizer rank that owns the
+    group writes them."""
     frozen = [p for _, p in spec.frozen] if offload is True else []
     dtype = _one_dtype(spec, frozen)
     n = spec.numel
     params = [p for _, p in spec.params]
     shapes, frozen_shapes = [p.shape for p in params], [p.shape for p in frozen]  # (before they are emptied)
     created = None
-    if shards is None:
+    if stateless:
+        master, infos = None, [None] * len(spec.parts)
+        pieces = [(part, part.start, part.start + part.numel) for part in spec.parts]
+    elif shards is None:
         master, infos = _masters(session, spec, optimizers, resume, scratch)
         if isinstance(infos, Future):  # (created while the caller goes on: the masters' offset is the layout's)
             created, infos = infos, [None] * len(spec.parts)

@@ -45,19 +45,20 @@ def step_weights_object(offload: bool | str, dtype: torch.dtype, part: str) -> s
 
 
 def placement(spec, offload: bool | str, pool_grads: bool, grad_accumulation: str,
-              data_parallel: bool) -> tuple[bool | str, str] | None:
+              parallel_kind: str | None) -> tuple[bool | str, str] | None:
     """Where a layer group's weights and gradients live: (offload mode, strategy kind), or
     None for a frozen block left as it is. Blocks follow ``offload``, the rest group stays
     resident; offloaded groups borrow pooled gradient buffers when nothing keeps gradients
     until the step (``pool_grads``: no accumulation, no exact clipping), else each group
-    keeps its own (on the device, or summed on the host); data parallelism shards them."""
+    keeps its own (on the device, or summed on the host); with several processes the
+    parallelism seam's strategy moves them (``parallel_kind``: "sharded", "remote")."""
     mode = offload if spec.module is not None else False
     if not spec.params and mode is not True:
         return None
     if not spec.params:
         return mode, "resident"  # (a frozen offloaded block: no gradients)
-    if data_parallel:
-        return mode, "sharded"
+    if parallel_kind is not None:
+        return mode, parallel_kind
     if mode and pool_grads:
         return mode, "pooled"
     return mode, "host" if grad_accumulation == "host" else "resident"

@@ -68,7 +68,7 @@ class GroupShape:
     chunked: bool = False  # the daemon steps it in chunks (fuyou_proto.contract.stepped_in_chunks)
     frozen_bytes: int = 0  # an offloaded block's frozen parameters, fetched with its weights
     offload: bool | str = False  # True: weights on the SSD array; "host": in shared memory; False: resident
-    strategy: str = "resident"  # where its gradients live: resident | pooled | host | sharded (gradients/strategy.py)
+    strategy: str = "resident"  # where its gradients live: resident | pooled | host | sharded | remote (gradients/strategy.py)
     shard: int = 0  # data parallelism: this rank's shard, elements
 
     @property
@@ -326,6 +326,8 @@ def _fixed(groups: list[GroupShape], shares_host_memory: bool) -> list[Item]:
             items.append(Item(f"{g.name} gradients", 1, g.weight_bytes, "kept until its step"))
         elif g.strategy == "host":
             items.append(Item(f"{g.name} gradients (fp32)", 1, g.numel * 4, "accumulated on the host"))
+        elif g.strategy == "remote":
+            items.append(Item(f"{g.name} gradients", 1, g.weight_bytes, "reduced to its optimizer rank"))
         elif g.strategy == "sharded":
             items.append(Item(f"{g.name} gradients", 1, g.weight_bytes, "reduce-scattered at its step"))
             items.append(Item(f"{g.name} shard", 2, g.shard * max(g.itemsize, 4), "this rank's shard"))

@@ -7,8 +7,9 @@ model, and where its optimizer state lives", answered by one object per mode.
   are reduce-scattered to the shards and the new weights all-gathered; checkpoints are
   collective (checkpoints/). Every call below is made by every rank, in the same order.
 
-A dedicated optimizer host (one rank with the SSD array holding every group's state) is
-a third implementation of this interface.
+* ``OptimizerHostWorker`` (remote.py): a worker of a job whose optimizer state is on
+  dedicated optimizer ranks (engine/serve.py): gradients reduced to them, weights broadcast
+  back; it holds no state.
 """
 from __future__ import annotations
 
@@ -22,10 +23,20 @@ from fuyou_client.parallel.sharded import Sharded, ShardedClipper
 from fuyou_client.parallel.world import Collectives, Shards, World
 
 
-def of(process_group=None):
-    """The seam for attach(process_group=...): data parallelism in a world of more than
-    one rank, else a single process."""
+def of(process_group=None, optimizer_ranks=None):
+    """The seam for attach(process_group=..., optimizer_ranks=...): a worker of an
+    optimizer-host job, data parallelism in a world of more than one rank, else a single
+    process. (With ``optimizer_ranks``, collective: every rank of the job calls it.)"""
     world = World.of(process_group)
+    if optimizer_ranks is not None:
+        from fuyou_client.parallel.link import Layout
+        from fuyou_client.parallel.remote import OptimizerHostWorker
+        layout = Layout.of(world, optimizer_ranks)
+        if layout.is_optimizer:
+            layout.world.agree(ValueError(
+                f"rank {layout.world.rank} is one of optimizer_ranks {list(optimizer_ranks)}, but it called attach: "
+                "an optimizer rank calls fuyou_client.serve_optimizer(model, optimizer, optimizer_ranks=...)"), "attach")
+        return OptimizerHostWorker(layout)
     return SingleProcess() if world is None else DataParallel(world)
 
 
@@ -33,6 +44,8 @@ class SingleProcess:
     world = None
     data_parallel = False
     share = 1  # this process's part of each group's state
+    holds_state = True  # its daemon holds optimizer state (an optimizer-host worker's holds none)
+    strategy_kind = None  # the gradient strategy of every trained group, if the seam's (gradients/strategy.py)
 
     # -- attach ---------------------------------------------------------------------------
     def check_options(self, opts) -> None:
@@ -70,8 +83,9 @@ class SingleProcess:
         return None
 
     # -- the engine's parts ---------------------------------------------------------------
-    def gradient_strategy(self, options, device):
-        """The gradient strategy of every trained group, or None (each group's own: placement)."""
+    def gradient_strategy(self, options, device, param_groups):
+        """(with ``strategy_kind``) The gradient strategy of every trained group.
+        ``param_groups``: () -> the torch param groups, as schedulers left them."""
         return None
 
     def shards(self, numel: int) -> Shards | None:
@@ -79,7 +93,7 @@ class SingleProcess:
         return None
 
     def bind(self, session, group) -> None:
-        pass
+        """A trained layer group is created (in forward order)."""
 
     def fetch_gather(self, session, groups):
         """The offloader's ``gather`` (None: a fetch reads the whole group)."""
@@ -109,6 +123,7 @@ class SingleProcess:
 
 class DataParallel(SingleProcess):
     data_parallel = True
+    strategy_kind = "sharded"
 
     def __init__(self, world: World):
         self.world = world
@@ -170,13 +185,13 @@ class DataParallel(SingleProcess):
         return self.world.gather(distributed.daemon_identity(session))
 
     # -- the engine's parts ---------------------------------------------------------------
-    def gradient_strategy(self, options, device) -> Sharded:
+    def gradient_strategy(self, options, device, param_groups) -> Sharded:
         self.collectives = Collectives(self.world, options.check_collectives)
         self.sharding = Sharded(self.world, self.collectives, options.reduce, device)
         return self.sharding
 
     def shards(self, numel: int) -> Shards:
-        return self.sharding.shards(numel)
+        return Shards(numel, self.world.size, self.world.rank)
 
     def bind(self, session, group) -> None:
         self.sharding.bind(session, group)

@@ -63,6 +63,7 @@ class ShardState:
 
 class Sharded(GradientStrategy):
     name = "sharded"
+    lands_weights = True  # (the all-gather writes the parameters' memory)
 
     def __init__(self, world: World, collectives: Collectives, reduce: str, device):
         self.world = world

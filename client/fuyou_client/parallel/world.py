@@ -79,12 +79,17 @@ class World:
 
     def from_rank0(self, obj):
         """Rank 0's ``obj`` on every rank."""
-        box = [obj if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=self._global(0), group=self.group)
-        return box[0]
+        return self.from_rank(0, obj)
 
-    def _global(self, rank: int) -> int:
+    def global_rank(self, rank: int) -> int:
+        """The default group's rank of this group's ``rank`` (what dist's src and dst take)."""
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def from_rank(self, rank: int, obj):
+        """Rank ``rank``'s ``obj`` on every rank."""
+        box = [obj if self.rank == rank else None]
+        dist.broadcast_object_list(box, src=self.global_rank(rank), group=self.group)
+        return box[0]
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Raise on every rank if ``what`` failed on any: this rank's own error as it is,
@@ -110,7 +115,7 @@ class World:
     def broadcast(self, tensors) -> None:
         """Rank 0's values of ``tensors`` on every rank (in place)."""
         for t in tensors:
-            dist.broadcast(t, src=self._global(0), group=self.group)
+            dist.broadcast(t, src=self.global_rank(0), group=self.group)
 
 
 def job_id(world: World, namespace: str | None) -> str:
@@ -205,6 +210,11 @@ class Collectives:
             self._thread.start()
         self._queue.put((what, fn, after, fut))
         return fut
+
+    @property
+    def broken(self) -> BaseException | None:
+        """The error of the collective that failed (every later one fails fast), or None."""
+        return self._broken
 
     def run(self, what: str, fn):
         """``submit`` and wait."""

@@ -111,6 +111,7 @@ class StepCoordinator:
                 for part, lr, hyper in parts if id(part) in at],
                 combine=StepInfo.combine)
 
+        start.scale = scale  # (a strategy whose steps run elsewhere sends it: parallel/remote.py)
         g.submitted = True
         future = g.strategy.submit(g, start)
         if not g.strategy.keeps_steps:
@@ -166,7 +167,7 @@ class StepCoordinator:
             if g.future is not None:
                 try:
                     infos[g.spec.name] = g.future.result()
-                    if g.shard is None:  # (data parallel: the all-gather put them there)
+                    if not g.strategy.lands_weights:  # (data parallel: the all-gather put them there)
                         land_new_weights(self.device, g)  # (GPU: the new weights into the parameters)
                 except Exception as exc:  # noqa: BLE001 - the caller raises
                     errors.append(exc)

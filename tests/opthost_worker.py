@@ -1,0 +1,349 @@
+"""One rank of the optimizer-host tests (test_optimizer_host.py), run under torchrun or
+launched directly (RANK, WORLD_SIZE, MASTER_ADDR/PORT set).
+
+    opthost_worker.py CASE OUT_DIR [key=value ...]     (OPT_RANKS="2" or "2,3")
+
+The ranks named by $OPT_RANKS are optimizer ranks (``serve_optimizer`` against the daemon
+at $FUYOUD_SOCKET, $FUYOUD_SOCKET_<rank> where a test gives each its own host); the
+others are workers that train a tiny model through ``attach(optimizer_ranks=...)`` next
+to a reference: torch DDP + fused AdamW on the workers' own group (two workers), or the
+same collectives by hand around fused AdamW (a reduce to the optimizer rank on a group
+like its link, the sum sent back). Each rank writes ``OUT_DIR/<case>-rank<r>.json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import HYPER, tiny_gpt2, tiny_llama  # noqa: E402
+
+import fuyou_client  # noqa: E402
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+OPT_RANKS = [int(r) for r in os.environ.get("OPT_RANKS", str(WORLD - 1)).split(",")]
+WORKERS = [r for r in range(WORLD) if r not in OPT_RANKS]
+W = len(WORKERS)
+IS_OPT = RANK in OPT_RANKS
+SOCKET = os.environ.get(f"FUYOUD_SOCKET_{RANK}") or os.environ.get("FUYOUD_SOCKET")
+G_WORKERS = None  # the workers' own group (DDP's), made by every rank at start
+G_REFERENCE = None  # like the first optimizer rank's link: the reference's reduce
+
+
+def batch(step: int, micro: int, size: int = 2, seq: int = 16, vocab: int = 256) -> torch.Tensor:
+    """This worker's micro-batch ``micro`` of iteration ``step`` (the same on every run)."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + WORKERS.index(RANK))
+    return torch.randint(0, vocab, (size, seq), generator=g)
+
+
+def model_for(kind: str, dtype: torch.dtype, meta: bool = False):
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            m = tiny_llama(layers=2, width=32) if kind == "llama" else tiny_gpt2(layers=2, width=32)
+        return m.to(dtype)
+    m = tiny_llama(layers=2, width=32) if kind == "llama" else tiny_gpt2(layers=2, width=32)
+    return m.to(dtype)
+
+
+def differ(a, b) -> list[str]:
+    sb = dict(b.named_parameters())
+    return [n for n, p in a.named_parameters() if not torch.equal(p.detach(), sb[n].detach())]
+
+
+def max_diff(a, b) -> float:
+    sb = dict(b.named_parameters())
+    return max(float((p.detach().float() - sb[n].detach().float()).abs().max()) for n, p in a.named_parameters())
+
+
+def layer_groups(model) -> list[list[torch.nn.Parameter]]:
+    from fuyou_client.model.blocks import split
+    from fuyou_client.model.param_groups import resolve
+
+    tg = resolve(model, fuyou_client.AdamW(**HYPER), None, None)
+    return [[p for _, p in spec.params] for spec in split(model, None, tg.index) if spec.params]
+
+
+class Masters:
+    """The reference's fp32 masters stepped by torch's fused AdamW, copied into the model."""
+
+    def __init__(self, model):
+        self.params = list(model.parameters())
+        self.masters = [p.detach().float().clone().requires_grad_() for p in self.params]
+        self.opt = torch.optim.AdamW(self.masters, **HYPER, fused=True)
+
+    def step(self, clip: float | None) -> float | None:
+        norm = None
+        if clip is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        for m, p in zip(self.masters, self.params):
+            m.grad = p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for m, p in zip(self.masters, self.params):
+                p.copy_(m)
+                p.grad = None
+        return norm
+
+
+def config(**kw) -> dict:
+    cfg = {"model": "gpt2", "dtype": torch.float32, "accum": 1, "clip": None, "stand_in": False}
+    cfg.update(kw)
+    return cfg
+
+
+MATRIX = {
+    "plain": config(),
+    "llama": config(model="llama"),
+    "accum": config(accum=2),
+    "clip": config(clip=0.05),
+    "bf16": config(dtype=torch.bfloat16),
+    "stand-in": config(accum=2, stand_in=True),
+    "stand-in-clip": config(clip=0.05, stand_in=True),
+}
+
+
+def run_ddp(cfg: dict, steps: int):
+    """torch DDP on the workers' group around fused AdamW (two workers)."""
+    model = model_for(cfg["model"], cfg["dtype"])
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=G_WORKERS)
+    opt, losses, norms, k = Masters(model), [], [], cfg["accum"]
+    for step in range(steps):
+        for micro in range(k):
+            x = batch(step, micro)
+            if micro < k - 1:
+                with ddp.no_sync():
+                    loss = ddp(x, labels=x).loss / k
+                    loss.backward()
+            else:
+                loss = ddp(x, labels=x).loss / k
+                loss.backward()
+            losses.append(loss.item())
+        norms.append(opt.step(cfg["clip"]))
+    return model, losses, norms
+
+
+def run_manual(cfg: dict, steps: int):
+    """The engine's collectives around fused AdamW: each layer group's flat gradient reduced
+    to the optimizer rank (on a group of the link's members), which sends the sum back;
+    divided by the number of workers."""
+    model = model_for(cfg["model"], cfg["dtype"])
+    opt, groups, losses, norms, k = Masters(model), layer_groups(model), [], [], cfg["accum"]
+    for step in range(steps):
+        for micro in range(k):
+            x = batch(step, micro)
+            loss = model(x, labels=x).loss / k
+            loss.backward()
+            losses.append(loss.item())
+        for params in reversed(groups):
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.reduce(flat, dst=OPT_RANKS[0], group=G_REFERENCE)
+            dist.broadcast(flat, src=OPT_RANKS[0], group=G_REFERENCE)
+            flat.div_(W)
+            at = 0
+            for p in params:
+                p.grad.copy_(flat[at:at + p.numel()].view(p.shape))
+                at += p.numel()
+        norms.append(opt.step(cfg["clip"]))
+    return model, losses, norms
+
+
+def serve_manual(cfg: dict, steps: int) -> None:
+    """The optimizer rank's part of run_manual: zeros into each reduce, the sum sent back."""
+    model = model_for(cfg["model"], cfg["dtype"])
+    for _ in range(steps):
+        for params in reversed(layer_groups(model)):
+            flat = torch.zeros(sum(p.numel() for p in params), dtype=cfg["dtype"])
+            dist.reduce(flat, dst=OPT_RANKS[0], group=G_REFERENCE)
+            dist.broadcast(flat, src=OPT_RANKS[0], group=G_REFERENCE)
+
+
+def serve(cfg: dict | None = None, meta: bool = True, **options):
+    cfg = cfg or config()
+    model = model_for(cfg["model"], cfg["dtype"], meta=meta)
+    return fuyou_client.serve_optimizer(model, fuyou_client.AdamW(**HYPER), optimizer_ranks=OPT_RANKS,
+                                        socket=SOCKET, **options)
+
+
+def attach(model, cfg: dict, **extra):
+    if cfg.get("stand_in"):  # a device with its own memory and late copies (discrete_device.py)
+        from discrete_device import LateCopyDevice
+        extra["device"] = LateCopyDevice(seed=RANK)
+    return fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), optimizer_ranks=OPT_RANKS, offload=False,
+                               accumulation_steps=cfg["accum"], max_grad_norm=cfg["clip"], socket=SOCKET,
+                               host_budget=16 << 20, **extra)
+
+
+def run_ours(cfg: dict, steps: int, keep: list | None = None, first: int = 0, **extra):
+    model = model_for(cfg["model"], cfg["dtype"])
+    engine = attach(model, cfg, **extra)
+    losses, norms, k = [], [], cfg["accum"]
+    for step in range(first, first + steps):
+        for micro in range(k):
+            x = batch(step, micro)
+            loss = model(x, labels=x).loss / k
+            loss.backward()
+            losses.append(loss.item())
+        norms.append(engine.grad_norm())
+        engine.step()
+        engine.zero_grad()
+    if keep is not None:
+        keep.append(engine)
+    else:
+        engine.close()
+    return model, losses, norms
+
+
+def case_exact(out: Path, names: str = "plain") -> dict:
+    """Every name: the reference, then ours (the optimizer ranks serve both)."""
+    result = {}
+    for name in names.split(","):
+        cfg = MATRIX[name]
+        manual = W != 2
+        if IS_OPT:
+            if manual and RANK == OPT_RANKS[0]:
+                serve_manual(cfg, 3)
+            served = serve(cfg)
+            result[name] = {"served": served.commands, "steps": served.steps}
+            continue
+        ref, ref_losses, ref_norms = (run_manual if manual else run_ddp)(cfg, 3)
+        ours, losses, norms = run_ours(cfg, 3)
+        result[name] = {"differ": differ(ours, ref), "max_diff": max_diff(ours, ref), "losses": losses,
+                        "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
+                        "reference": "manual" if manual else "ddp"}
+    return result
+
+
+def _saved(out: Path, name: str):
+    ref = model_for("gpt2", torch.float32)
+    ref.load_state_dict(torch.load(out / name))
+    return ref
+
+
+def _train(model, engine, steps) -> None:
+    for step in steps:
+        x = batch(step, 0)
+        model(x, labels=x).loss.backward()
+        engine.step()
+        engine.zero_grad()
+
+
+def case_checkpoint(out: Path, phase: str = "save", ckpt: str = "", steps: str = "2") -> dict:
+    """save: 2 steps, checkpoint, the weights then (at_ckpt.pt), 2 more (continued.pt),
+    export. resume: attach(resume=ckpt), the weights at once against at_ckpt.pt, ``steps``
+    more steps (against continued.pt where the workers are as many as at the save)."""
+    cfg = config()
+    if IS_OPT:
+        served = serve(cfg, resume=ckpt if phase == "resume" else None)
+        return {"served": served.commands, "steps": served.steps}
+    model = model_for("gpt2", torch.float32)
+    if phase == "save":
+        engine = attach(model, cfg)
+        _train(model, engine, range(2))
+        engine.save_checkpoint(ckpt, extra={"data_position": 2})
+        if RANK == WORKERS[0]:
+            torch.save(model.state_dict(), out / "at_ckpt.pt")
+        _train(model, engine, range(2, 4))
+        if RANK == WORKERS[0]:
+            torch.save(model.state_dict(), out / "continued.pt")
+        engine.export(out / "export")
+        engine.close()
+        return {}
+    engine = attach(model, cfg, resume=ckpt)
+    result = {"at_resume": differ(model, _saved(out, "at_ckpt.pt")), "extra": engine.checkpoint_extra,
+              "lr": engine.optimizer.param_groups[0]["lr"]}
+    _train(model, engine, range(2, 2 + int(steps)))
+    result["differ"] = differ(model, _saved(out, "continued.pt"))
+    engine.close()
+    return result
+
+
+def case_kill(out: Path, who: str = "worker", ckpt: str = "") -> dict:
+    """2 steps and a checkpoint, then in step 3, after backward (its steps sent), the last
+    worker dies (SIGKILL), or the first worker kills the first optimizer rank; the others
+    report how they ended and how soon."""
+    cfg = config()
+    pids = [None] * WORLD
+    dist.all_gather_object(pids, os.getpid())
+    victim = WORKERS[-1] if who == "worker" else OPT_RANKS[0]
+    if IS_OPT:
+        try:
+            serve(cfg)
+            return {"error": None}
+        except Exception as exc:  # noqa: BLE001 - what the test reads
+            return {"error": f"{type(exc).__name__}: {exc}", "at": time.time()}
+    model = model_for("gpt2", torch.float32)
+    engine = attach(model, cfg)
+    _train(model, engine, range(2))
+    engine.save_checkpoint(ckpt)
+    x = batch(2, 0)
+    model(x, labels=x).loss.backward()
+    if RANK == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if who == "optimizer" and RANK == WORKERS[0]:
+        os.kill(pids[victim], signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        engine.step()
+        return {"error": None}
+    except Exception as exc:  # noqa: BLE001 - what the test reads
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+
+
+def case_bad(out: Path, what: str = "model") -> dict:
+    """Ranks that disagree: every rank gets an error, none hangs, the group stays usable."""
+    result = {}
+    for kind in what.split(","):
+        try:
+            if IS_OPT:
+                options = {}
+                if kind == "capacity":
+                    options["socket"] = os.environ["FUYOUD_SOCKET_SMALL"]
+                cfg = config(model="llama") if kind == "model" else config()
+                model = model_for(cfg["model"], cfg["dtype"], meta=True)
+                fuyou_client.serve_optimizer(model, fuyou_client.AdamW(**HYPER), optimizer_ranks=OPT_RANKS,
+                                             socket=options.get("socket", SOCKET))
+            else:
+                ranks = OPT_RANKS if not (kind == "ranks" and RANK == WORKERS[-1]) else [0]
+                model = model_for("gpt2", torch.float32)
+                engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), optimizer_ranks=ranks,
+                                             offload=False, socket=SOCKET)
+                engine.close()
+            result[kind] = None
+        except Exception as exc:  # noqa: BLE001
+            result[kind] = f"{type(exc).__name__}: {exc}"
+    dist.barrier()  # (still usable)
+    return result
+
+
+CASES = {"exact": case_exact, "checkpoint": case_checkpoint, "kill": case_kill, "bad": case_bad}
+
+
+def main() -> None:
+    """CASE may be several, joined by "+": they run in one launch (arguments "case.key=value")."""
+    global G_WORKERS, G_REFERENCE
+    cases, out = sys.argv[1].split("+"), Path(sys.argv[2])
+    args = dict(a.split("=", 1) for a in sys.argv[3:])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("FY_PG_TIMEOUT", "60"))))
+    G_WORKERS = dist.new_group(WORKERS)
+    G_REFERENCE = dist.new_group([*WORKERS, OPT_RANKS[0]])
+    for case in cases:
+        kwargs = {k.split(".", 1)[1] if "." in k else k: v for k, v in args.items()
+                  if "." not in k or k.split(".", 1)[0] == case}
+        result = CASES[case](out, **kwargs)
+        (out / f"{case}-rank{RANK}.json").write_text(json.dumps(result, default=str))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
