@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -80,3 +79,118 @@ def test_two_workers_bitwise_against_ddp(daemon, out):
     ranks = results(out, "exact", 3)
     assert all(r["reference"] == "ddp" for r in ranks[0].values())
     _assert_exact(ranks, 2)
+
+
+@pytest.mark.slow  # (four ranks on two cores: about a minute)
+def test_three_workers_bitwise_against_the_same_collectives(daemon, out):
+    """Three workers: bitwise against the same reduce to the optimizer rank around torch's
+    fused AdamW (the sum's order is gloo's; DDP's all-reduce adds in another)."""
+    torchrun(daemon, 4, "exact", out, "exact.names=plain,accum,clip")
+    ranks = results(out, "exact", 4)
+    assert all(r["reference"] == "manual" for r in ranks[0].values())
+    _assert_exact(ranks, 3)
+
+
+def test_two_optimizer_ranks_on_two_hosts_and_resume_at_other_worker_counts(out):
+    """Two workers and two optimizer ranks, each optimizer rank on its own simulated host
+    (its own daemon, socket and data directories), each owning a contiguous share of the
+    groups: bitwise against DDP; a checkpoint written by the two optimizer ranks alone
+    resumes at the same number of workers bitwise the run that never stopped, and at one
+    and three workers with the checkpoint's weights and step counts, no resharding."""
+    with private_daemon(CONFIG, prefix="fy-oh0-") as d0, private_daemon(CONFIG, prefix="fy-oh1-") as d1:
+        sockets = {2: d0.socket, 3: d1.socket}
+        procs = launch(d0, 4, "exact+checkpoint", out, "exact.names=plain", f"checkpoint.ckpt={out / 'ck'}",
+                       opt_ranks="2,3", sockets=sockets)
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0] * 4, "\n".join(log[-3000:] for log in logs)
+        _assert_exact(results(out, "exact", 4), 2)
+        for d in (d0, d1):  # (each daemon holds the state of its rank's groups)
+            with fuyou_client.connect(d.socket) as s:
+                assert s.status().bytes_written > 0
+        layout = json.loads((out / "ck" / "optimizer-host.json").read_text())
+        assert layout == {"format": 1, "optimizer_ranks": 2, "groups": [["block0000"], ["block0001", "rest"]]}
+        assert sorted(p.name for p in (out / "ck").iterdir()) == ["optimizer-00000", "optimizer-00001",
+                                                                 "optimizer-host.json"]
+        for workers in (2, 1, 3):
+            procs = launch(d0, workers + 2, "checkpoint", out, f"ckpt={out / 'ck'}", "phase=resume",
+                           opt_ranks=f"{workers},{workers + 1}", sockets={workers: d0.socket, workers + 1: d1.socket})
+            logs = [p.communicate(timeout=240)[0] for p in procs]
+            assert [p.returncode for p in procs] == [0] * (workers + 2), "\n".join(log[-3000:] for log in logs)
+            ranks = results(out, "checkpoint", workers + 2)
+            for rank in ranks[:workers]:
+                assert rank["at_resume"] == [] and rank["extra"] == {"data_position": 2}, rank
+                assert rank["daemon_steps"] == [4], rank  # (checkpointed at 2, two more)
+                if workers == 2:  # (the same data: the run that never stopped)
+                    assert rank["differ"] == [], rank
+            assert [r["steps"] for r in ranks[workers:]] == [2, 4], ranks  # (one group and two, stepped twice)
+
+
+@pytest.fixture(scope="module")
+def saved(daemon, tmp_path_factory):
+    """Two workers and an optimizer rank: checkpoint after 2 steps, 2 more steps, export
+    (opthost_worker.case_checkpoint)."""
+    out = tmp_path_factory.mktemp("oh-ckpt")
+    torchrun(daemon, 3, "checkpoint", out, f"ckpt={out / 'ck'}", "phase=save")
+    return out
+
+
+def test_exported_weights_load_with_from_pretrained(saved):
+    """The first worker exports, streaming the masters from the optimizer rank; the files
+    load with from_pretrained and hold the weights the workers trained."""
+    import torch
+    import transformers
+
+    exported = transformers.GPT2LMHeadModel.from_pretrained(saved / "export")
+    continued = torch.load(saved / "continued.pt")
+    for name, p in exported.named_parameters():
+        assert torch.equal(p.detach(), continued[name]), name
+
+
+@pytest.mark.parametrize("who", ["worker", "optimizer"])
+def test_a_killed_rank_is_named_on_the_others_and_resume_continues(daemon, saved, who):
+    """A worker, or the optimizer rank, SIGKILLed mid-step (after backward sent the
+    gradients): every other rank raises an error naming the lost rank within the group's
+    timeout plus 5 s, and the checkpoint before it resumes bitwise the run that never
+    stopped."""
+    out, ckpt = saved, saved / f"ck-{who}"
+    procs = launch(daemon, 3, "kill", out, f"who={who}", f"ckpt={ckpt}", opt_ranks="2")
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    victim = 1 if who == "worker" else 2
+    assert procs[victim].returncode == -9, logs[victim][-3000:]
+    for r in (r for r in range(3) if r != victim):
+        assert procs[r].returncode == 0, logs[r][-3000:]
+        rank = json.loads((out / f"kill-rank{r}.json").read_text())
+        assert rank["error"] and f"rank {victim} stopped answering (lost)" in rank["error"], rank
+        assert "resume from the last checkpoint" in rank["error"], rank
+        if "seconds" in rank:  # (a worker: from engine.step() to its error)
+            assert rank["seconds"] < 60 + 5, rank
+    torchrun(daemon, 3, "checkpoint", out, f"ckpt={ckpt}", "phase=resume", "steps=2")
+    for rank in results(out, "checkpoint", 3)[:2]:
+        assert rank["at_resume"] == [] and rank["differ"] == [] and rank["daemon_steps"] == [4], rank
+
+
+def test_ranks_that_disagree_are_refused_on_every_rank(daemon, out):
+    """Workers that disagree on the model or on the optimizer ranks, an optimizer rank
+    whose daemon cannot hold the state: an error on every rank, no hang, and the group
+    still usable after each."""
+    small = merge(SMALL, {"storage": {"capacity_per_device": "1MiB"}})
+    with private_daemon(small, prefix="fy-ohs-") as tiny:
+        torchrun(daemon, 3, "bad", out, "what=model,ranks,capacity", env={"FUYOUD_SOCKET_SMALL": str(tiny.socket)})
+    ranks = results(out, "bad", 3)
+    for rank in ranks:
+        assert all(v is not None for v in rank.values()), rank
+        assert "differs between ranks" in rank["model"], rank
+        assert "optimizer_ranks differs between ranks" in rank["ranks"], rank
+        assert "SSD array" in rank["capacity"], rank
+    assert "rank 2" in ranks[0]["capacity"] and "rank 2" in ranks[1]["capacity"]
+
+
+def test_bad_options_are_refused_before_anything_starts():
+    from fuyou_client import AttachOptions
+
+    with pytest.raises(ValueError, match="non-empty list of ranks"):
+        AttachOptions(optimizer_ranks=[])
+    with pytest.raises(ValueError, match="names a rank twice"):
+        AttachOptions(optimizer_ranks=[2, 2])
+    with pytest.raises(ValueError, match="no torch.distributed world"):
+        fuyou_client.attach(__import__("conftest").tiny_gpt2(layers=1, width=16), optimizer_ranks=[1], offload=False)

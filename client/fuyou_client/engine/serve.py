@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from fuyou_client.connection import connect
 from fuyou_client.device import resolve
@@ -44,7 +45,7 @@ from fuyou_client.parallel import world as distributed
 from fuyou_client.parallel.link import Layout, Link
 from fuyou_client.parallel.remote import agree_on_job
 from fuyou_client.parallel.seam import SingleProcess
-from fuyou_client.parallel.world import World
+from fuyou_client.parallel.world import CollectiveError, World
 
 log = logging.getLogger("fuyou_client.serve")
 
@@ -118,10 +119,9 @@ def _serve(model, session, layout: Layout, link: Link, assignments: list, torch_
     # -- attach, in step with the workers' (remote.py OptimizerHostWorker.restore and joined)
     error, state = None, None
     try:
+        _owned_on_cpu(owned)
         if opts.resume is not None:
             state = _restore(session, layout, index, owned, opts.resume)
-        else:
-            _owned_on_cpu(owned)
     except BaseException as exc:  # noqa: BLE001 - agreed below
         error = exc
     world.agree(error, "resume")
@@ -204,7 +204,19 @@ class Server:
         self.stepped = 0
 
     def run(self) -> Served:
-        link, coordinator = self.link, self.engine.coordinator
+        """Serve until the workers close; a failed collective (a lost rank) is a
+        CollectiveError naming it."""
+        try:
+            return self._run()
+        except CollectiveError:
+            raise
+        except (RuntimeError, dist.DistBackendError) as exc:
+            world = self.layout.world
+            raise CollectiveError(distributed.explain(f"optimizer rank {world.rank}: serving the workers failed",
+                                                      exc, world)) from exc
+
+    def _run(self) -> Served:
+        link = self.link
         by_name = {g.spec.name: g for g in self.engine.groups}
         while True:
             op, index, a, b = link.listen()

@@ -64,6 +64,8 @@ class Layout:
         if not workers:
             raise ValueError(f"every rank of the group is an optimizer rank ({list(ranks)}): at least one must be a "
                              "worker that trains the model")
+        from fuyou_client.parallel import liveness
+        liveness.start(dist.get_rank())  # (the errors of a lost rank name it)
         links = [dist.new_group([world.global_rank(r) for r in (*workers, o)], backend="gloo") for o in ranks]
         workers_group = dist.new_group([world.global_rank(r) for r in workers])
         return cls(world, ranks, workers, links, workers_group)

@@ -14,10 +14,12 @@ model, and where its optimizer state lives", answered by one object per mode.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from fuyou_client.checkpoints import client_state, export, load_client_state
 from fuyou_client.gradients import Clipper
 from fuyou_client.parallel import checkpoints as dp_checkpoints  # (sibling module, not the facade)
+from fuyou_client.parallel import liveness
 from fuyou_client.parallel import world as distributed
 from fuyou_client.parallel.sharded import Sharded, ShardedClipper
 from fuyou_client.parallel.world import Collectives, Shards, World
@@ -128,6 +130,7 @@ class DataParallel(SingleProcess):
     def __init__(self, world: World):
         self.world = world
         self.share = world.size
+        liveness.start(dist.get_rank())  # (the errors of a lost rank name it)
         self.collectives: Collectives | None = None
         self.sharding: Sharded | None = None
         self._job = None

@@ -267,10 +267,19 @@ class Collectives:
 def _explain(exc: BaseException, what: str, world: World) -> CollectiveError:
     if isinstance(exc, CollectiveError):
         return exc
-    return CollectiveError(
-        f"{what} failed on rank {world.rank} of {world.size} ({type(exc).__name__}: {exc}): another rank died, hung "
-        f"or left (the process group's timeout is {world.timeout:.0f} s); the optimizer state of every group is at "
-        "its last acknowledged step or the next: resume from the last checkpoint (attach(resume=...))")
+    return CollectiveError(explain(f"{what} failed on rank {world.rank} of {world.size}", exc, world))
+
+
+def explain(failed: str, exc: BaseException, world: World) -> str:
+    """``failed`` (what failed where) because of ``exc``, with the ranks that were lost
+    (liveness.py) and what to do."""
+    from fuyou_client.parallel import liveness
+
+    others = [world.global_rank(r) for r in range(world.size) if r != world.rank]
+    gone = liveness.lost(others)
+    return (f"{failed} ({type(exc).__name__}: {exc}): {gone or 'another rank died, hung or left'} (the process "
+            f"group's timeout is {world.timeout:.0f} s); the optimizer state of every group is at its last "
+            "acknowledged step or the next: resume from the last checkpoint (attach(resume=...))")
 
 
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group) -> None:
