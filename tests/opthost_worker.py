@@ -7,12 +7,13 @@ The ranks named by $OPT_RANKS are optimizer ranks (``serve_optimizer`` against t
 at $FUYOUD_SOCKET, $FUYOUD_SOCKET_<rank> where a test gives each its own host); the
 others are workers that train a tiny model through ``attach(optimizer_ranks=...)`` next
 to a reference: torch DDP + fused AdamW on the workers' own group (two workers), or the
-same collectives by hand around fused AdamW (a reduce to the optimizer rank on a group
-like its link, the sum sent back). Each rank writes ``OUT_DIR/<case>-rank<r>.json``.
+same collectives by hand around fused AdamW (the workers' reduce-scatter and all-gather
+of each group's padded gradient). Each rank writes ``OUT_DIR/<case>-rank<r>.json``.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -36,7 +37,6 @@ W = len(WORKERS)
 IS_OPT = RANK in OPT_RANKS
 SOCKET = os.environ.get(f"FUYOUD_SOCKET_{RANK}") or os.environ.get("FUYOUD_SOCKET")
 G_WORKERS = None  # the workers' own group (DDP's), made by every rank at start
-G_REFERENCE = None  # like the first optimizer rank's link: the reference's reduce
 
 
 def batch(step: int, micro: int, size: int = 2, seq: int = 16, vocab: int = 256) -> torch.Tensor:
@@ -46,13 +46,14 @@ def batch(step: int, micro: int, size: int = 2, seq: int = 16, vocab: int = 256)
 
 
 def model_for(kind: str, dtype: torch.dtype, meta: bool = False):
+    """GPT-2 or Llama, 2 layers of width 32 ("wide": GPT-2 of width 96, 1.4 MB of state)."""
     torch.manual_seed(0)
+    make = {"llama": lambda: tiny_llama(layers=2, width=32), "wide": lambda: tiny_gpt2(layers=2, width=96)}.get(
+        kind, lambda: tiny_gpt2(layers=2, width=32))
     if meta:
         with torch.device("meta"):
-            m = tiny_llama(layers=2, width=32) if kind == "llama" else tiny_gpt2(layers=2, width=32)
-        return m.to(dtype)
-    m = tiny_llama(layers=2, width=32) if kind == "llama" else tiny_gpt2(layers=2, width=32)
-    return m.to(dtype)
+            return make().to(dtype)
+    return make().to(dtype)
 
 
 def differ(a, b) -> list[str]:
@@ -96,7 +97,7 @@ class Masters:
 
 
 def config(**kw) -> dict:
-    cfg = {"model": "gpt2", "dtype": torch.float32, "accum": 1, "clip": None, "stand_in": False}
+    cfg = {"model": "gpt2", "dtype": torch.float32, "accum": 1, "clip": None, "stand_in": False, "offload": False}
     cfg.update(kw)
     return cfg
 
@@ -109,6 +110,11 @@ MATRIX = {
     "bf16": config(dtype=torch.bfloat16),
     "stand-in": config(accum=2, stand_in=True),
     "stand-in-clip": config(clip=0.05, stand_in=True),
+    "offload": config(offload=True),
+    "offload-accum": config(offload=True, accum=2),
+    "offload-bf16": config(offload=True, dtype=torch.bfloat16),
+    "offload-clip": config(offload=True, clip=0.05),
+    "stand-in-offload": config(offload=True, accum=2, stand_in=True),
 }
 
 
@@ -133,9 +139,11 @@ def run_ddp(cfg: dict, steps: int):
 
 
 def run_manual(cfg: dict, steps: int):
-    """The engine's collectives around fused AdamW: each layer group's flat gradient reduced
-    to the optimizer rank (on a group of the link's members), which sends the sum back;
-    divided by the number of workers."""
+    """The engine's collectives around fused AdamW: each layer group's flat gradient
+    (padded to the workers' shards) reduce-scattered among the workers (added in rank
+    order), the shards gathered again, divided by the number of workers."""
+    from fuyou_client.parallel import world as distributed
+
     model = model_for(cfg["model"], cfg["dtype"])
     opt, groups, losses, norms, k = Masters(model), layer_groups(model), [], [], cfg["accum"]
     for step in range(steps):
@@ -145,9 +153,13 @@ def run_manual(cfg: dict, steps: int):
             loss.backward()
             losses.append(loss.item())
         for params in reversed(groups):
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.reduce(flat, dst=OPT_RANKS[0], group=G_REFERENCE)
-            dist.broadcast(flat, src=OPT_RANKS[0], group=G_REFERENCE)
+            numel = sum(p.numel() for p in params)
+            shards = distributed.Shards(numel, W, WORKERS.index(RANK))
+            flat = torch.zeros(shards.padded, dtype=cfg["dtype"])
+            flat[:numel] = torch.cat([p.grad.reshape(-1) for p in params])
+            mine = torch.empty(shards.per, dtype=flat.dtype)
+            distributed.reduce_scatter(mine, flat, G_WORKERS)
+            distributed.all_gather(flat, mine, G_WORKERS)
             flat.div_(W)
             at = 0
             for p in params:
@@ -155,16 +167,6 @@ def run_manual(cfg: dict, steps: int):
                 at += p.numel()
         norms.append(opt.step(cfg["clip"]))
     return model, losses, norms
-
-
-def serve_manual(cfg: dict, steps: int) -> None:
-    """The optimizer rank's part of run_manual: zeros into each reduce, the sum sent back."""
-    model = model_for(cfg["model"], cfg["dtype"])
-    for _ in range(steps):
-        for params in reversed(layer_groups(model)):
-            flat = torch.zeros(sum(p.numel() for p in params), dtype=cfg["dtype"])
-            dist.reduce(flat, dst=OPT_RANKS[0], group=G_REFERENCE)
-            dist.broadcast(flat, src=OPT_RANKS[0], group=G_REFERENCE)
 
 
 def serve(cfg: dict | None = None, meta: bool = True, **options):
@@ -178,7 +180,7 @@ def attach(model, cfg: dict, **extra):
     if cfg.get("stand_in"):  # a device with its own memory and late copies (discrete_device.py)
         from discrete_device import LateCopyDevice
         extra["device"] = LateCopyDevice(seed=RANK)
-    return fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), optimizer_ranks=OPT_RANKS, offload=False,
+    return fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), optimizer_ranks=OPT_RANKS, offload=cfg["offload"],
                                accumulation_steps=cfg["accum"], max_grad_norm=cfg["clip"], socket=SOCKET,
                                host_budget=16 << 20, **extra)
 
@@ -210,8 +212,6 @@ def case_exact(out: Path, names: str = "plain") -> dict:
         cfg = MATRIX[name]
         manual = W != 2
         if IS_OPT:
-            if manual and RANK == OPT_RANKS[0]:
-                serve_manual(cfg, 3)
             served = serve(cfg)
             result[name] = {"served": served.commands, "steps": served.steps}
             continue
@@ -310,13 +310,13 @@ def case_bad(out: Path, what: str = "model") -> dict:
                 options = {}
                 if kind == "capacity":
                     options["socket"] = os.environ["FUYOUD_SOCKET_SMALL"]
-                cfg = config(model="llama") if kind == "model" else config()
+                cfg = config(model={"model": "llama", "capacity": "wide"}.get(kind, "gpt2"))
                 model = model_for(cfg["model"], cfg["dtype"], meta=True)
                 fuyou_client.serve_optimizer(model, fuyou_client.AdamW(**HYPER), optimizer_ranks=OPT_RANKS,
                                              socket=options.get("socket", SOCKET))
             else:
                 ranks = OPT_RANKS if not (kind == "ranks" and RANK == WORKERS[-1]) else [0]
-                model = model_for("gpt2", torch.float32)
+                model = model_for("wide" if kind == "capacity" else "gpt2", torch.float32)
                 engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), optimizer_ranks=ranks,
                                              offload=False, socket=SOCKET)
                 engine.close()
@@ -332,13 +332,13 @@ CASES = {"exact": case_exact, "checkpoint": case_checkpoint, "kill": case_kill, 
 
 def main() -> None:
     """CASE may be several, joined by "+": they run in one launch (arguments "case.key=value")."""
-    global G_WORKERS, G_REFERENCE
+    global G_WORKERS
     cases, out = sys.argv[1].split("+"), Path(sys.argv[2])
     args = dict(a.split("=", 1) for a in sys.argv[3:])
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format=f"rank {RANK}: %(name)s: %(message)s")
     dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("FY_PG_TIMEOUT", "60"))))
     G_WORKERS = dist.new_group(WORKERS)
-    G_REFERENCE = dist.new_group([*WORKERS, OPT_RANKS[0]])
     for case in cases:
         kwargs = {k.split(".", 1)[1] if "." in k else k: v for k, v in args.items()
                   if "." not in k or k.split(".", 1)[0] == case}

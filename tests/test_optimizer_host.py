@@ -72,10 +72,12 @@ def _assert_exact(ranks: list[dict], workers: int) -> None:
 
 def test_two_workers_bitwise_against_ddp(daemon, out):
     """Two workers and one optimizer rank (built on the meta device): bitwise against torch
-    DDP + fused AdamW for GPT-2 and Llama, accumulation, bf16, and on the stand-in for a
-    device with its own memory (gradients down, weights up through host memory); clipping
-    (the norm computed on the optimizer rank) within 1e-6."""
-    torchrun(daemon, 3, "exact", out, "exact.names=plain,llama,accum,clip,bf16,stand-in,stand-in-clip")
+    DDP + fused AdamW for GPT-2 and Llama, accumulation, bf16, offloaded weights (each fetch
+    brought from the optimizer rank), and on the stand-in for a device with its own memory
+    (gradients down, weights up through host memory); clipping (the norm computed on the
+    optimizer rank) within 1e-6."""
+    torchrun(daemon, 3, "exact", out, "exact.names=plain,llama,accum,clip,bf16,stand-in,stand-in-clip,offload,"
+             "offload-accum,offload-bf16,offload-clip,stand-in-offload")
     ranks = results(out, "exact", 3)
     assert all(r["reference"] == "ddp" for r in ranks[0].values())
     _assert_exact(ranks, 2)
@@ -83,14 +85,16 @@ def test_two_workers_bitwise_against_ddp(daemon, out):
 
 @pytest.mark.slow  # (four ranks on two cores: about a minute)
 def test_three_workers_bitwise_against_the_same_collectives(daemon, out):
-    """Three workers: bitwise against the same reduce to the optimizer rank around torch's
-    fused AdamW (the sum's order is gloo's; DDP's all-reduce adds in another)."""
-    torchrun(daemon, 4, "exact", out, "exact.names=plain,accum,clip")
+    """Three workers (the shards are padded): bitwise against the same collectives around
+    torch's fused AdamW (the workers' reduce-scatter adds in rank order; DDP's all-reduce in
+    another), offloaded weights too."""
+    torchrun(daemon, 4, "exact", out, "exact.names=plain,accum,clip,offload,stand-in-offload")
     ranks = results(out, "exact", 4)
     assert all(r["reference"] == "manual" for r in ranks[0].values())
     _assert_exact(ranks, 3)
 
 
+@pytest.mark.slow  # (four to five ranks and two daemons, four launches: about a minute)
 def test_two_optimizer_ranks_on_two_hosts_and_resume_at_other_worker_counts(out):
     """Two workers and two optimizer ranks, each optimizer rank on its own simulated host
     (its own daemon, socket and data directories), each owning a contiguous share of the
@@ -134,6 +138,7 @@ def saved(daemon, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # (the saved run: about 20 s)
 def test_exported_weights_load_with_from_pretrained(saved):
     """The first worker exports, streaming the masters from the optimizer rank; the files
     load with from_pretrained and hold the weights the workers trained."""
@@ -146,6 +151,7 @@ def test_exported_weights_load_with_from_pretrained(saved):
         assert torch.equal(p.detach(), continued[name]), name
 
 
+@pytest.mark.slow  # (a kill and a resume each: about 30 s)
 @pytest.mark.parametrize("who", ["worker", "optimizer"])
 def test_a_killed_rank_is_named_on_the_others_and_resume_continues(daemon, saved, who):
     """A worker, or the optimizer rank, SIGKILLed mid-step (after backward sent the
@@ -169,6 +175,7 @@ def test_a_killed_rank_is_named_on_the_others_and_resume_continues(daemon, saved
         assert rank["at_resume"] == [] and rank["differ"] == [] and rank["daemon_steps"] == [4], rank
 
 
+@pytest.mark.slow  # (three attach attempts in one launch: about 25 s)
 def test_ranks_that_disagree_are_refused_on_every_rank(daemon, out):
     """Workers that disagree on the model or on the optimizer ranks, an optimizer rank
     whose daemon cannot hold the state: an error on every rank, no hang, and the group

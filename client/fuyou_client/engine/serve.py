@@ -9,11 +9,15 @@ fuyoud (every master weight and moment of them on its SSD array, the compute-dty
 weights in shared memory), and then serves its link until the workers close: each
 command (link.py) is one of
 
-* reduce: the workers' gradients summed into the group's gradient buffer, divided by the
-  number of workers; with "step", the step submitted to the daemon at once;
+* reduce: the workers' shards of the sum of their gradients (they reduce-scattered them
+  among themselves) gathered into the group's gradient buffer, divided by the number of
+  workers; with "step", the step submitted to the daemon at once;
 * step: the step, with the workers' clipping coefficient;
 * norm: its share of the squared norm of the mean gradient;
-* weights: the step's outcome and, stepped, the new weights (a broadcast);
+* weights: the step's outcome and, stepped, the new weights, one shard to each worker (a
+  scatter: the workers all-gather them);
+* fetch: an offloaded block's weights, the same way, ahead of the workers' forward or
+  backward (they keep none between uses);
 * hyper: the workers' learning rates and hyperparameters, for the steps that follow;
 * checkpoint: its groups' state and the workers' client state, written under the
   directory on this host (``optimizer-<k>/``, beside ``optimizer-host.json``);
@@ -50,6 +54,7 @@ from fuyou_client.parallel.world import CollectiveError, World
 log = logging.getLogger("fuyou_client.serve")
 
 LAYOUT_FILE = "optimizer-host.json"
+ARENA = 1 << 20  # (its engine's activation arena: an optimizer rank runs no forward)
 LAYOUT_FORMAT = 1
 
 
@@ -82,7 +87,7 @@ def serve_optimizer(model: torch.nn.Module, optimizer=None, *, optimizer_ranks, 
     check_optimizer_ranks(optimizer_ranks)
     opts = AttachOptions(socket=socket, namespace=namespace, resume=resume, param_groups=param_groups,
                          no_decay=no_decay, blocks=blocks, process_group=process_group, offload=False, device="cpu",
-                         optimizer_ranks=optimizer_ranks)
+                         optimizer_ranks=optimizer_ranks, host_budget=ARENA)
     world = World.of(process_group)
     layout = Layout.of(world, optimizer_ranks)
     world = layout.world
@@ -224,12 +229,14 @@ class Server:
             self.commands[name] = self.commands.get(name, 0) + 1
             if op == wire.CLOSE:
                 break
-            g = self._group(index, by_name) if op in (wire.REDUCE, wire.STEP, wire.WEIGHTS, wire.MASTERS) else None
+            g = self._group(index, by_name) if op in (wire.REDUCE, wire.STEP, wire.WEIGHTS, wire.MASTERS,
+                                                      wire.FETCH) else None
             if op == wire.REDUCE:
+                shards = self.layout.shards(g.numel)
+                parts = [torch.empty(shards.per, dtype=g.dtype) for _ in range(self.workers + 1)]
+                link.gather(parts[-1], parts)  # (the last: its own, nothing)
                 grads = g.grads.tensor(g.dtype)[:g.numel]
-                grads.zero_()  # (this rank's part of the sum)
-                link.reduce(grads)
-                grads.div_(self.workers)
+                grads.copy_(torch.cat(parts[:-1])[:g.numel]).div_(self.workers)
                 self.reduced.add(index)
                 if a:
                     self._step(g, index, wire.scale_of(b))
@@ -242,7 +249,11 @@ class Server:
                     part += torch.linalg.vector_norm(h.grads.tensor(h.dtype)[:h.numel].float(), 2.0) ** 2
                 link.sum(part)
             elif op == wire.WEIGHTS:
-                self._weights(g, index)
+                self._weights(g, index, status_only=bool(a))
+            elif op == wire.FETCH:  # (an offloaded block's weights, ahead of a worker's forward or backward)
+                if index in self.steps:
+                    self.steps[index].exception()  # (its step in flight writes them: wait)
+                self._send(g)
             elif op == wire.HYPER:
                 for group, values in zip(self.engine.optimizer.param_groups, link.object_from_first_worker()):
                     group.update(values)
@@ -271,8 +282,9 @@ class Server:
         self.reduced.discard(index)
         self.steps[index] = self.engine.coordinator.submit(g, scale)
 
-    def _weights(self, g, index: int) -> None:
-        """The step's outcome (a small broadcast) and, stepped, the new weights."""
+    def _weights(self, g, index: int, status_only: bool = False) -> None:
+        """The step's outcome (a small broadcast) and, stepped, the new weights (not to
+        workers that keep no copy of them: ``status_only``)."""
         from fuyou_client.gradients import guard
 
         step = self.steps.pop(index, None)
@@ -280,6 +292,7 @@ class Server:
         message = None
         if step is None:
             status[0], message = wire.NOT_STEPPED, f"group {g.spec.name} was not stepped on its optimizer rank"
+            log.warning("%s", message)
         else:
             try:
                 info = step.result()
@@ -296,10 +309,18 @@ class Server:
                 g.future, g.submitted, g.backwards = None, False, 0
                 guard.release(g.spec.params)
         self.link.broadcast(status)
-        if message is None:
-            self.link.broadcast(g.weights.tensor(g.dtype)[:g.numel])
-        else:
+        if message is not None:
             self.link.object_from_optimizer(message)
+        elif not status_only:
+            self._send(g)
+
+    def _send(self, g) -> None:
+        """The group's weights, one shard to each worker."""
+        shards = self.layout.shards(g.numel)
+        padded = torch.zeros(shards.padded, dtype=g.dtype)
+        padded[:g.numel] = g.weights.tensor(g.dtype)[:g.numel]
+        parts = list(padded.view(self.workers, shards.per))
+        self.link.scatter(torch.empty(shards.per, dtype=g.dtype), [*parts, torch.empty(shards.per, dtype=g.dtype)])
 
     def _checkpoint(self, request) -> object:
         """Write this rank's share; returns a summary, or the error as a string."""

@@ -107,9 +107,13 @@ def create(session: Session, device: Device, spec: GroupSpec, optimizers: list, 
     grad_bytes = strategy.host_buffer_bytes(n, dtype) if n else 0
     grads = session.allocate(grad_bytes) if grad_bytes else None
     padded = shards.padded if shards is not None else n
-    weights, sources = _weights_home(session, device, params, dtype, offload, pieces, infos, padded)
+    weights, sources = (None, []) if stateless and offload else \
+        _weights_home(session, device, params, dtype, offload, pieces, infos, padded)
     if master is not None:
         master.free()
+    if frozen and stateless:
+        raise ValueError(f"block {spec.name} has frozen parameters: offloading them on an optimizer-host worker is "
+                         "not built yet; attach with offload=False")
     if frozen:
         sources.append(_store_frozen(session, spec.name, frozen, spec.frozen_numel, dtype, n * dtype.itemsize))
     group = LayerGroup(spec, weights, grads, dtype, strategy=strategy, shard_padded=padded if shards else 0,

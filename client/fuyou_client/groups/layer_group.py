@@ -144,5 +144,5 @@ def land_new_weights(device: Device, g: LayerGroup) -> None:
     later compute waits for the copy."""
     if g.device_weights is None:
         return
-    g.uploaded = device.upload(g.device_weights, g.weights.tensor(g.dtype)[:g.numel], after=device.record())
+    g.uploaded = device.upload(g.device_weights[:g.numel], g.weights.tensor(g.dtype)[:g.numel], after=device.record())
     device.wait(g.uploaded)

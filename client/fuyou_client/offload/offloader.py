@@ -218,9 +218,9 @@ class Offloader:
         self._deferred = [(d, b) for d, b in self._deferred if d is not g]
         via_state = backward and not g.hands_over
         g.fetch_slot, g.fetch_via_state, g.fetch_backward = slot, via_state, backward
-        if g.host is not None:  # nothing to read: the upload starts when the fetch lands
-            g.fetch = Future()
-            g.fetch.set_result(False)
+        if g.host is not None or not g.sources:  # nothing to read: the upload starts when the fetch lands
+            g.fetch = Future()  # (no sources: an optimizer-host worker's group, which the gather brings)
+            g.fetch.set_result(False if g.host is not None else [])
         elif via_state:  # (a list: per source, served (True), declined (False) or read (None))
             g.fetch = all_of([self.session.fetch_weights_async(s.part, slot.host, g.dtype, out_offset=s.offset)
                               if s.part else self._read([s], slot) for s in g.sources])

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fuyou_client.parallel.world import CollectiveError, World
+from fuyou_client.parallel.world import CollectiveError, Shards, World
 
 # The operations (header[0]); LISTEN is the optimizer rank's own header.
-LISTEN, REDUCE, STEP, NORM, WEIGHTS, HYPER, CHECKPOINT, MASTERS, CLOSE = range(9)
+LISTEN, REDUCE, STEP, NORM, WEIGHTS, HYPER, CHECKPOINT, MASTERS, CLOSE, FETCH = range(10)
 OP_NAMES = {LISTEN: "listen", REDUCE: "reduce", STEP: "step", NORM: "norm", WEIGHTS: "weights", HYPER: "hyper",
-            CHECKPOINT: "checkpoint", MASTERS: "masters", CLOSE: "close"}
+            CHECKPOINT: "checkpoint", MASTERS: "masters", CLOSE: "close", FETCH: "fetch"}
 
 # A WEIGHTS reply's status (the first number of its small tensor).
 OK, NONFINITE, FAILED, NOT_STEPPED = range(4)
@@ -44,7 +44,7 @@ class Layout:
     optimizer_ranks: tuple[int, ...]  # ranks of the group
     workers: tuple[int, ...]
     links: list  # per optimizer rank: its gloo process group with the workers (in optimizer_ranks' order)
-    workers_group: object  # the workers' own process group (the group's backend)
+    workers_group: object  # the workers' own gloo group (host memory: the shards' reduce-scatter and all-gather)
 
     @classmethod
     def of(cls, world: World | None, optimizer_ranks) -> "Layout":
@@ -67,7 +67,7 @@ class Layout:
         from fuyou_client.parallel import liveness
         liveness.start(dist.get_rank())  # (the errors of a lost rank name it)
         links = [dist.new_group([world.global_rank(r) for r in (*workers, o)], backend="gloo") for o in ranks]
-        workers_group = dist.new_group([world.global_rank(r) for r in workers])
+        workers_group = dist.new_group([world.global_rank(r) for r in workers], backend="gloo")
         return cls(world, ranks, workers, links, workers_group)
 
     @property
@@ -77,6 +77,12 @@ class Layout:
     @property
     def worker_count(self) -> int:
         return len(self.workers)
+
+    def shards(self, numel: int) -> Shards:
+        """How a layer group's flat vector is cut among the workers (this one's shard; the
+        optimizer ranks' view: the first worker's)."""
+        rank = self.workers.index(self.world.rank) if self.world.rank in self.workers else 0
+        return Shards(numel, self.worker_count, rank)
 
     def owners(self, sizes: list[int]) -> list[int]:
         """Which optimizer rank (its index in ``optimizer_ranks``) owns each layer group,
@@ -148,6 +154,15 @@ class Link:
     def broadcast(self, t: torch.Tensor) -> None:
         """The optimizer rank's ``t`` into every worker's."""
         dist.broadcast(t, src=self.optimizer, group=self.group)
+
+    def gather(self, shard: torch.Tensor, parts: list | None = None) -> None:
+        """Every member's ``shard`` into the optimizer rank's ``parts`` (one per member, in
+        the link's order: the workers', then its own)."""
+        dist.gather(shard, gather_list=parts, dst=self.optimizer, group=self.group)
+
+    def scatter(self, shard: torch.Tensor, parts: list | None = None) -> None:
+        """The optimizer rank's ``parts`` (one per member) into each member's ``shard``."""
+        dist.scatter(shard, scatter_list=parts, src=self.optimizer, group=self.group)
 
     def from_first_worker(self, t: torch.Tensor) -> None:
         """The first worker's ``t`` into the other members' (the initial weights)."""

@@ -8,6 +8,7 @@ of its own (the training thread's collectives never wait for it).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -23,6 +24,7 @@ WATCH = 4 * INTERVAL  # how long ``lost`` watches the counters
 
 _lock = threading.Lock()
 _beating: dict = {}  # (host, port, rank) -> the beat thread
+_stop = threading.Event()  # (at exit: no store call may be under way while the interpreter ends)
 
 
 def _key(rank: int) -> str:
@@ -34,7 +36,7 @@ def _store():
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port:
         return None
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2))
 
 
 def start(rank: int) -> None:
@@ -49,17 +51,25 @@ def start(rank: int) -> None:
             log.info("no heartbeat (the job's store is unreachable: %s)", exc)
             return
         thread = threading.Thread(target=_beat, args=(store, rank), name="fuyou-heartbeat", daemon=True)
+        if not _beating:
+            atexit.register(_stop_all)
         _beating[where] = thread
         thread.start()
 
 
 def _beat(store, rank: int) -> None:
-    while True:
+    while not _stop.is_set():
         try:
             store.add(_key(rank), 1)
         except Exception:  # noqa: BLE001 - the store's host is gone: nothing left to tell
             return
-        time.sleep(INTERVAL)
+        _stop.wait(INTERVAL)
+
+
+def _stop_all() -> None:
+    _stop.set()
+    for thread in list(_beating.values()):
+        thread.join(timeout=3)
 
 
 def lost(ranks, watch: float = WATCH) -> str:

@@ -6,15 +6,21 @@ A worker holds no optimizer state and no master weights: its daemon gives it sha
 memory only. Each layer group belongs to one optimizer rank (``Layout.owners``).
 
 * Gradients (``Remote``): when a group's gradients are final (its last backward, or at
-  ``step()`` with clipping), the workers *reduce* them to the owner over its link, in
-  the group's compute dtype (as DDP all-reduces them): the optimizer rank receives the
-  sum once, divides by the number of workers and submits the step to its daemon, while
-  the workers go on with backward. On a device with its own memory the gradients are
-  downloaded to host memory first (the link is gloo: the optimizer host has no GPU).
+  ``step()`` with clipping), the workers reduce-scatter them among themselves (each
+  gets its shard of the sum, in the group's compute dtype, as DDP sums them; added in
+  rank order: world.reduce_scatter) and each sends its shard to the owner (a gather on
+  the link): the optimizer rank receives the sum once, one vector whatever the number of
+  workers, divides it by that number and submits the step to its daemon while the
+  workers go on with backward. On a device with its own memory the gradients are
+  downloaded to host memory first (the links are gloo: the optimizer host has no GPU).
 * Weights: at the barrier, in group order, the owner sends each stepped group's new
-  weights (a broadcast on its link) straight into the parameters' memory (on a GPU, the
-  host buffer, then uploaded); a step the owner's daemon refused is NonFinite here too,
-  and the group keeps its weights everywhere.
+  weights cut in one shard per worker (a scatter on its link: one vector out of it), and
+  the workers all-gather them straight into the parameters' memory (on a GPU, the host
+  buffer, then uploaded). An offloaded block keeps no weights between uses: each fetch,
+  ahead of its forward and its backward, brings them the same way into a slot. A step
+  the owner's daemon refused is NonFinite here too, and the group keeps its weights
+  everywhere. Per worker and step: (N-1)/N + 1/N of a vector out and in each way for
+  the gradients and again for the weights, the sharded mode's 2 (N-1)/N at most.
 * Clipping is exact: the norm is computed where the gradients are summed (each owner's
   share of the squared norm of the mean gradient, summed over the links), the
   coefficient here, and every step is sent with it.
@@ -63,15 +69,16 @@ class OptimizerHostWorker(SingleProcess):
         self._owner: dict[str, Link] = {}  # layer group name -> its optimizer rank's link
         self._resume = False
         self._groups: list = []
+        self._serving = False  # the optimizer ranks serve this engine (attach succeeded everywhere)
 
     # -- attach ---------------------------------------------------------------------------
     def check_options(self, opts) -> None:
         if opts.session is not None:
             raise ValueError("an optimizer-host worker opens its session itself: pass socket= rather than session=")
-        if opts.offload is not False:
-            raise ValueError("attach(optimizer_ranks=...) keeps each worker's weights resident in this version "
-                             f"(offload={opts.offload!r}): pass offload=False. The optimizer state and the master "
-                             "weights are on the optimizer host whatever it is")
+        if opts.offload == "host":
+            raise ValueError("attach(optimizer_ranks=...) takes offload=True (each block's weights sent by the "
+                             "optimizer host ahead of its forward and backward, no copy kept between uses) or "
+                             "False (resident), not \"host\"")
         if opts.reduce != "step":
             raise ValueError("attach(optimizer_ranks=...) reduces each group's gradients once, after the last "
                              "backward of a step: reduce='backward' is the sharded mode's")
@@ -86,6 +93,11 @@ class OptimizerHostWorker(SingleProcess):
 
     def agree(self, error: BaseException | None, what: str) -> None:
         self.world.agree(error, what)
+
+    def shards(self, numel: int):
+        """This worker's shard of a group's flat vector (padded: the flat gradients and
+        weights are, so that the workers' reduce-scatter and all-gather cut them evenly)."""
+        return self.layout.shards(numel)
 
     def agree_on_model(self, groups, torch_groups) -> None:
         self._owner = {spec.name: self.links[k] for spec, k in agree_on_job(self.layout, groups, torch_groups)}
@@ -128,6 +140,7 @@ class OptimizerHostWorker(SingleProcess):
                 self._owner[g.spec.name].broadcast(g.weights.tensor(g.dtype)[:g.numel])
                 if g.device_weights is not None:
                     g.device_weights[:g.numel].copy_(g.weights.tensor(g.dtype)[:g.numel])
+        self._serving = True
         return peers
 
     # -- the engine's parts ---------------------------------------------------------------
@@ -138,8 +151,13 @@ class OptimizerHostWorker(SingleProcess):
 
     def bind(self, session, group) -> None:
         self._groups.append(group)
+        group.grads.tensor(torch.uint8).zero_()  # (the padding stays zero: the reduce-scatter reads it)
         self.remote.link_of[group.spec.name] = self._owner[group.spec.name]
         self.remote.index_of[group.spec.name] = len(self._groups) - 1
+
+    def fetch_gather(self, session, groups):
+        """The offloader's ``gather``: an offloaded block's weights from its owner."""
+        return self.remote.fetch_from_owner
 
     def clipper(self, model, groups):
         return RemoteClipper(self.remote, groups)
@@ -180,7 +198,7 @@ class OptimizerHostWorker(SingleProcess):
         rank stops serving when the workers have), unless the link is broken already."""
         if self.collectives is None:
             return
-        if self.collectives.broken is None:
+        if self._serving and self.collectives.broken is None:
             try:
                 self.collectives.run("close", lambda: [link.command(wire.CLOSE) for link in self.links])
             except Exception:  # noqa: BLE001 - closing: the error that broke the link was raised before
@@ -218,8 +236,24 @@ class Remote(GradientStrategy):
         self._sent_hyper: dict[int, list] = {}  # link index -> the hyperparameters it has
 
     # -- gradients ------------------------------------------------------------------------
+    def host_buffer_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        return self.seam.layout.shards(numel).padded * dtype.itemsize
+
     def _host_grads(self, g) -> torch.Tensor:
-        return g.grads.tensor(g.dtype)[:g.numel]
+        return g.grads.tensor(g.dtype)[:g.shard_padded]
+
+    def _send_shard(self, link: Link, full: torch.Tensor, shards) -> None:
+        """(collective thread) This worker's shard of the workers' sum of ``full``, to the owner."""
+        mine = torch.empty(shards.per, dtype=full.dtype)
+        distributed.reduce_scatter(mine, full, self.seam.layout.workers_group)
+        link.gather(mine)
+
+    def _receive(self, link: Link, full: torch.Tensor, shards) -> None:
+        """(collective thread) The owner's vector into ``full`` (padded): this worker's
+        shard from it, the rest from the other workers."""
+        mine = torch.empty(shards.per, dtype=full.dtype)
+        link.scatter(mine)
+        distributed.all_gather(full, mine, self.seam.layout.workers_group)
 
     def _send(self, g, op: int, steps: bool, scale, ready=None, after: Future | None = None) -> Future:
         """(training thread) One unit on the collective thread: the hyperparameters if they
@@ -231,13 +265,15 @@ class Remote(GradientStrategy):
             if hyper is not None:
                 link.command(wire.HYPER)
                 link.object_from_first_worker(hyper)
-            link.command(op, index, float(steps), wire.scale_arg(scale))
             if op == wire.REDUCE:
                 ready.synchronize()
                 host = self._host_grads(g)
                 if g.device_grads is not None:  # (the link is gloo: the gradients cross PCIe first)
-                    self.device.download(host, g.device_grads[:g.numel]).synchronize()
-                link.reduce(host)
+                    self.device.download(host[:g.numel], g.device_grads[:g.numel]).synchronize()
+                link.command(op, index, float(steps), wire.scale_arg(scale))
+                self._send_shard(link, host, self.seam.layout.shards(g.numel))
+            else:
+                link.command(op, index, float(steps), wire.scale_arg(scale))
         what = f"{wire.OP_NAMES[op]} {g.spec.name}"
         return self.collectives.submit(what, run, after=after)
 
@@ -272,13 +308,16 @@ class Remote(GradientStrategy):
         the new weights into the parameters' host memory."""
         link, index = self.link_of[g.spec.name], self.index_of[g.spec.name]
 
+        offloaded = g.offloaded is not None  # (no weights kept here: the next fetch brings the new ones)
+
         def pull():
-            link.command(wire.WEIGHTS, index)
+            link.command(wire.WEIGHTS, index, float(offloaded))
             status = torch.zeros(8, dtype=torch.float64)
             link.broadcast(status)
             code = int(status[0])
             if code == wire.OK:
-                link.broadcast(g.weights.tensor(g.dtype)[:g.numel])
+                if not offloaded:
+                    self._receive(link, g.weights.tensor(g.dtype)[:g.shard_padded], self.seam.layout.shards(g.numel))
                 step, read, compute, write, prefetched, cached, masters = status[1:].tolist()
                 return StepInfo(int(step), read, compute, write, bool(prefetched), int(cached), int(masters))
             message = link.object_from_optimizer()
@@ -321,6 +360,23 @@ class Remote(GradientStrategy):
     def reclaim(self) -> tuple[dict, list]:
         self._reduced.clear()  # (every step has landed: the barrier)
         return {}, []
+
+    def fetch_from_owner(self, og, slot, fetch: Future) -> Future:
+        """(the offloader's ``gather``) An offloaded block's weights into the slot, sent by
+        its owner (on a device with its own memory, then uploaded into the slot there)."""
+        link, index = self.link_of[og.name], self.index_of[og.name]
+
+        def run():
+            served = fetch.result()  # (nothing was read: [])
+            link.command(wire.FETCH, index)
+            shards = self.seam.layout.shards(og.numel)  # (og.numel: padded already)
+            flat = slot.host.tensor(og.dtype)[:shards.padded]
+            self._receive(link, flat, shards)
+            if not self.device.shares_host_memory:  # (the slot's last compute is done with it)
+                self.device.upload(slot.device.view(og.dtype)[:og.numel], flat[:og.numel],
+                                   after=slot.released).synchronize()
+            return served
+        return self.collectives.submit(f"fetch {og.name}", run, after=fetch)
 
     # -- the norm and the masters ------------------------------------------------------------
     def norm_squared(self) -> float:
