@@ -2,7 +2,8 @@
 
     python bench/scale.py [--json PATH] [--layers 8] [--width 768] [--vocab 50257] [--seq 128]
                           [--batch 2] [--iters 3] [--warmup 2] [--rounds 3]
-                          [--configs n1,n2,n2x2,n4,n1o,n2o,n2x2o] [--bf16-configs n2,n2x2,n2o]
+                          [--configs n1,n2,n2x2,n4,n1o,n2o,n2x2o,n2h,n4h,n2ho,n4ho]
+                          [--bf16-configs n2,n2x2,n2o]
                           [--dir DIR] [--budget-s 3600]
 
 GPT-2 (transformers ``GPT2Config``, built locally: nothing is downloaded; default 8 layers of
@@ -22,6 +23,13 @@ ranks) by bench/scale_worker.py, one process per rank, OMP_NUM_THREADS=1 each, `
         shard of the block's weights (fp32: the masters in place in the state object; backward's
         fetch served from the daemon's read-ahead of the state, which the step then uses) and
         all-gathers the rest.
+* n2h, n4h: N workers and one more rank, the optimizer host (``serve_optimizer``; the worker
+        script's ``--optimizer-rank``), all on daemon A: the workers hold no optimizer state
+        (``attach(optimizer_ranks=[N])``); n2ho, n4ho: with ``offload=True``, no weights between
+        uses either. The SSD figures are then all the optimizer host's (24 B/param whatever N:
+        24/N per worker), the TCP figure what each worker sends (formula: its reduce-scatter and
+        all-gathers as the sharded mode's, and its shard to the optimizer host, 1/N of a vector),
+        and ``optimizer_host_*`` / ``worker_max_rss_bytes`` the hosts' resident memory.
 
 A run that would end past ``--budget-s`` (judged by its configuration's last run) is skipped
 and said so; the medians are then over fewer rounds (``rounds_run``).
@@ -102,7 +110,12 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "scale_worker.py"
 # name: (ranks, daemons, offload): "<name>o" is "<name>" with attach(offload=True)
 CONFIGS = {"n1": (1, 1, False), "n2": (2, 1, False), "n2x2": (2, 2, False), "n4": (4, 1, False),
-           "n1o": (1, 1, True), "n2o": (2, 1, True), "n2x2o": (2, 2, True), "n4o": (4, 1, True)}
+           "n1o": (1, 1, True), "n2o": (2, 1, True), "n2x2o": (2, 2, True), "n4o": (4, 1, True),
+           "n2h": (2, 1, False), "n4h": (4, 1, False), "n2ho": (2, 1, True), "n4ho": (4, 1, True)}
+# N workers and one more rank, the optimizer host (serve_optimizer), on the same daemon: the
+# workers hold no optimizer state (with "o", no weights between uses either: each block's are
+# brought from the optimizer host at each fetch); ranks above counts the workers.
+OPTIMIZER_HOST = {"n2h", "n4h", "n2ho", "n4ho"}
 TARGET_SSD_TOL, TARGET_STEP_OVER_BOUND, TARGET_EXPOSED = 0.02, 1.15, 0.10
 FORMULAS = {
     "ssd_bytes_per_param_per_iter_per_rank": (
@@ -182,9 +195,12 @@ def commands(config: str, args, dtype: str, out: Path, namespace: str) -> list[l
               *(["--offload"] if offload else [])]
     if ranks == 1:
         return [[sys.executable, *worker]]
+    if config in OPTIMIZER_HOST:  # (the last rank is the optimizer host)
+        worker += ["--optimizer-rank", str(ranks)]
     port = free_port()
+    nproc = ranks // hosts + (config in OPTIMIZER_HOST)
     return [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts), "--node-rank", str(h),
-             "--nproc-per-node", str(ranks // hosts), "--master-addr", "127.0.0.1", "--master-port", str(port),
+             "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
              *worker] for h in range(hosts)]
 
 
@@ -219,7 +235,9 @@ def launch(config: str, args, dtype: str, daemons: list, workdir: Path, tag: str
         tails = "\n".join(f"--- host {h}:\n" + (workdir / f"{tag}-host{h}.log").read_text(errors="replace")[-3000:]
                           for h in range(len(procs)))
         raise RuntimeError(f"{tag}: exit codes {[p.returncode for p in procs]}\n{tails}")
-    return [json.loads((out / f"rank{r}.json").read_text()) | {"noise": noise} for r in range(ranks)]
+    host = json.loads((out / "optimizer.json").read_text()) if config in OPTIMIZER_HOST else None
+    return [json.loads((out / f"rank{r}.json").read_text()) | {"noise": noise, "optimizer_host": host}
+            for r in range(ranks)]
 
 
 def gathers_per_iter(g: dict, blocks: int, keep: int) -> int:
@@ -304,7 +322,8 @@ def figures(config: str, dtype: str, results: list[dict], disk: dict, tokens_per
         "step_s": mean(lambda r: per(r, 2, 3)), "zero_grad_s": mean(lambda r: per(r, 3, 4)),
         "exposed_optimizer_fraction": mean(lambda r: per(r, 2, 3) / per(r, 0, 4)),
         "ssd_bytes_per_param_per_iter_per_rank": (read + written) / params / n_ranks,
-        "ssd_expected_bytes_per_param_per_iter_per_rank": ssd_expected(n_ranks, formula["offloaded_fraction"]),
+        "ssd_expected_bytes_per_param_per_iter_per_rank": ssd_expected(
+            n_ranks, 0.0 if config in OPTIMIZER_HOST else formula["offloaded_fraction"]),  # (its weights: in memory)
         "offloaded_params": formula["offloaded_params"], "offloaded_fraction": formula["offloaded_fraction"],
         "offloaded_blocks": formula["offloaded_blocks"],
         "weights_fetched_bytes_per_param_per_iter_per_rank": sum(r["delta"]["fetched_bytes"] for r in results)
@@ -333,7 +352,35 @@ def figures(config: str, dtype: str, results: list[dict], disk: dict, tokens_per
         "per_daemon": daemons, "losses": [[i["loss"] for i in r["iterations"]] for r in results],
         "others_cpus": results[0]["noise"]["others_cpus"], "loadavg_1min": results[0]["noise"]["loadavg_1min"],
         "setup_s": [r["setup_s"] for r in results], "max_rss_bytes": max(r.get("max_rss_bytes", 0) for r in results),
+        **optimizer_host_figures(results, read + written, params),
     }
+
+
+def optimizer_host_figures(results: list[dict], ssd_bytes_per_iter: float, params: int) -> dict:
+    """An optimizer-host run's own figures: the SSD bytes all on the optimizer host (target
+    24 B/param whatever the number of workers), the resident memory of a worker and of the
+    optimizer host, and per worker the network formula of its collectives (what it sends):
+    the gradient reduce-scattered among the workers ((N-1)/N of a vector) and its shard to
+    the optimizer host (1/N), the weights' all-gather among the workers ((N-1)/N): 2 - 1/N
+    vectors resident, and offloaded the all-gather once per fetch instead of once per step
+    (the same count as the sharded mode's fetch gathers)."""
+    host = results[0].get("optimizer_host")
+    if host is None:
+        return {"optimizer_host": False}
+    itemsize = results[0]["groups"][0]["itemsize"] if results[0]["groups"] else 4
+    n = len(results)
+    formula = network_formula(results)  # (the sharded mode's: a reduce-scatter and its gathers, of the same groups)
+    shards = sum(g["padded"] for g in results[0]["groups"]) / params / n  # (one shard of each, to the host)
+    sent = itemsize * ((n - 1) / n * formula["vectors"] + shards)
+    return {"optimizer_host": True,
+            "optimizer_host_ssd_bytes_per_param_per_iter": ssd_bytes_per_iter / params,
+            "optimizer_host_max_rss_bytes": host["max_rss_bytes"],
+            # (loopback carries every rank's sends: what the workers' own sockets did not send, the host did)
+            "optimizer_host_sent_bytes_per_param_per_iter": (results[0]["delta"]["lo_tx"] - sum(
+                r["delta"]["tcp_sent"] for r in results)) / params / len(results[0]["iterations"]),
+            "worker_max_rss_bytes": max(r.get("max_rss_bytes", 0) for r in results),
+            "optimizer_host_commands": host["served"],
+            **{f"network_formula{k}_bytes_per_param_per_iter_per_rank": sent for k in ("", "_ring", "_gloo")}}
 
 
 def code_version() -> dict:

@@ -148,6 +148,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--namespace", default=None)
     ap.add_argument("--offload", action="store_true", help="attach(offload=True): the blocks' weights on the SSD")
+    ap.add_argument("--optimizer-rank", type=int, default=None,
+                    help="this rank is the optimizer host (serve_optimizer); the others are its workers "
+                         "(attach(optimizer_ranks=[it])), which write rank<r>.json; it writes optimizer.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     t_start = now()
@@ -156,13 +159,21 @@ def main(argv=None) -> int:
     if world > 1:
         dist.init_process_group("gloo")
     barrier = dist.barrier if world > 1 else (lambda: None)
+    host = args.optimizer_rank
+    if host is not None:  # (the workers' brackets are theirs: the optimizer rank serves its link meanwhile)
+        workers = dist.new_group([r for r in range(world) if r != host])
+        barrier = lambda: dist.barrier(group=workers)  # noqa: E731
+        if rank == host:
+            return serve(args, host)
+        rank = rank - (rank > host)  # (the workers' JSONs are rank0..rank<W-1>)
 
     model = build_model(args)
     params = sum(p.numel() for p in model.parameters())
     t_built = now()
     counter = CollectiveCounter()
+    extra = {"optimizer_ranks": [host]} if host is not None else {}
     engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=LR, weight_decay=WD), offload=args.offload,
-                                 namespace=args.namespace)
+                                 namespace=args.namespace, **extra)
     t_attached = now()
     session = engine.session
     status = session.status()
@@ -227,6 +238,28 @@ def main(argv=None) -> int:
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
     if world > 1:
         dist.destroy_process_group()
+    return 0
+
+
+def serve(args, host: int) -> int:
+    """The optimizer host's rank: serve the workers (a model built on the meta device:
+    only what it owns takes memory), then write optimizer.json: its resident memory, its
+    TCP bytes sent and the commands it served."""
+    with torch.device("meta"):
+        model = build_model(args)
+    t0 = now()
+    served = fuyou_client.serve_optimizer(model, fuyou_client.AdamW(lr=LR, weight_decay=WD), optimizer_ranks=[host],
+                                          namespace=args.namespace)
+    result = {"max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "tcp_sent": tcp_bytes_sent(os.getpid()), "served": served.commands, "steps": served.steps,
+              "serve_s": now() - t0}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "optimizer.json").write_text(json.dumps(result))
+    with fuyou_client.connect(namespace=f"{args.namespace}.opt0") as session:  # (leave the array as we found it)
+        names = [o.name for o in session.objects()]
+        if names:
+            session.delete(*names, missing_ok=True)
+    dist.destroy_process_group()
     return 0
 
 

@@ -28,7 +28,10 @@ examples/finetune.py``) every rank trains on its own batches, data parallel: eac
 its shard of the optimizer state in its host's daemon (local rank 0 starts a private one
 per host unless --socket or $FUYOUD_SOCKET names one), gradients are reduce-scattered and
 weights all-gathered (docs/guide/distributed.md); each block's weights are read (this
-rank's shard) and gathered as it computes.
+rank's shard) and gathered as it computes. With --optimizer-host (``./run.sh demo --nproc 3
+--optimizer-host``) the last rank is the optimizer host instead: it keeps every optimizer
+state and master weight in its daemon, the other ranks are workers that hold none
+(docs/guide/optimizer-host.md).
 """
 from __future__ import annotations
 
@@ -95,6 +98,9 @@ def main() -> int:
     ap.add_argument("--trainer", action="store_true", help="train through Hugging Face's Trainer (FuyouTrainer)")
     ap.add_argument("--block-major", type=int, default=0, metavar="K",
                     help="K micro-batches of --batch sequences per step through engine.train_step")
+    ap.add_argument("--optimizer-host", action="store_true",
+                    help="under torchrun: the last rank is the optimizer host (serve_optimizer: every optimizer state "
+                         "and master weight in its daemon), the others workers that hold none")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -110,6 +116,9 @@ def main() -> int:
             args.socket = os.environ.get("FUYOUD_SOCKET")
         if args.trainer or args.block_major:
             ap.error("--trainer and --block-major train one process; under torchrun use the plain loop")
+    if args.optimizer_host and world < 2:
+        ap.error("--optimizer-host needs torchrun with two ranks at least (workers, then the optimizer host)")
+    host = [world - 1] if args.optimizer_host else None  # (optimizer_ranks)
     quiet = rank != 0
 
     model, encode = load_model(args)
@@ -129,7 +138,14 @@ def main() -> int:
     try:
         if args.trainer:
             return with_trainer(args, model, tokens, args.socket)
-        engine = fuyou_client.attach(model, opt, socket=args.socket, namespace="finetune-demo", max_grad_norm=None)
+        if host is not None and rank in host:  # the optimizer host: steps the workers' gradients until they close
+            served = fuyou_client.serve_optimizer(model, opt, optimizer_ranks=host, socket=args.socket,
+                                                  namespace="finetune-demo")
+            print(f"optimizer host (rank {rank}): {served.steps} group steps served", flush=True)
+            return 0
+        extra = {"optimizer_ranks": host, "offload": False} if host is not None else {}
+        engine = fuyou_client.attach(model, opt, socket=args.socket, namespace="finetune-demo", max_grad_norm=None,
+                                     **extra)
         if not quiet:
             print(engine.memory_plan(), flush=True)  # (the shared buffers it took, planned from the daemon's budget)
         sched = torch.optim.lr_scheduler.LambdaLR(
@@ -177,7 +193,8 @@ def main() -> int:
         out = engine.export(Path(args.out))
         engine.close(materialize=False)
         how = f", {micro} micro-batches per step in block-major order" if args.block_major else ""
-        how += f", {world} ranks, data parallel" if world > 1 else ""
+        how += (f", {world - 1} workers and an optimizer host" if host is not None
+                else f", {world} ranks, data parallel" if world > 1 else "")
         if quiet:
             return 0
         print(f"loss {first:.3f} -> {last:.3f} in {args.steps} steps ({elapsed:.0f} s, {args.state_dtype} moments{how}); "

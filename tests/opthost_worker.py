@@ -327,7 +327,42 @@ def case_bad(out: Path, what: str = "model") -> dict:
     return result
 
 
-CASES = {"exact": case_exact, "checkpoint": case_checkpoint, "kill": case_kill, "bad": case_bad}
+def case_nonfinite(out: Path) -> dict:
+    """The last worker's gradient of block 0 holds NaN in step 2: without clipping the
+    optimizer rank's daemon refuses that group's step (NonFinite on every worker naming it,
+    the others stepped); with clipping the norm is NaN and no group steps. The workers'
+    weights stay equal, and training goes on."""
+    result = {}
+    for clip in (None, 0.05):
+        cfg = config(clip=clip)
+        if IS_OPT:
+            result[str(clip)] = serve(cfg).steps
+            continue
+        model = model_for("gpt2", torch.float32)
+        engine = attach(model, cfg)
+        _train(model, engine, range(1))
+        hook = model.transformer.h[0].mlp.c_fc.weight.register_hook(
+            lambda g: g.fill_(float("nan")) if RANK == WORKERS[-1] else g)
+        x = batch(1, 0)
+        model(x, labels=x).loss.backward()
+        hook.remove()
+        error = None
+        try:
+            engine.step()
+        except fuyou_client.NonFinite as exc:
+            error = str(exc)
+        engine.zero_grad()
+        stepped = sorted(info.step for info in engine.coordinator.infos)
+        _train(model, engine, range(2, 3))
+        digest = float(sum(p.detach().double().sum() for p in model.parameters()))
+        engine.close()
+        digests = [None] * W
+        dist.all_gather_object(digests, digest, group=G_WORKERS)
+        result[str(clip)] = {"error": error, "stepped": stepped, "same_weights": len(set(digests)) == 1}
+    return result
+
+
+CASES = {"nonfinite": case_nonfinite, "exact": case_exact, "checkpoint": case_checkpoint, "kill": case_kill, "bad": case_bad}
 
 
 def main() -> None:

@@ -5,7 +5,6 @@ JSON files the ranks write."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,12 +74,19 @@ def test_two_workers_bitwise_against_ddp(daemon, out):
     DDP + fused AdamW for GPT-2 and Llama, accumulation, bf16, offloaded weights (each fetch
     brought from the optimizer rank), and on the stand-in for a device with its own memory
     (gradients down, weights up through host memory); clipping (the norm computed on the
-    optimizer rank) within 1e-6."""
-    torchrun(daemon, 3, "exact", out, "exact.names=plain,llama,accum,clip,bf16,stand-in,stand-in-clip,offload,"
-             "offload-accum,offload-bf16,offload-clip,stand-in-offload")
+    optimizer rank) within 1e-6. Then a NaN in one worker's gradient: that group steps
+    nowhere (without clipping) or no group does (with), NonFinite on every worker, the
+    workers' weights still equal."""
+    torchrun(daemon, 3, "exact+nonfinite", out, "exact.names=plain,llama,accum,clip,bf16,stand-in,stand-in-clip,"
+             "offload,offload-accum,offload-bf16,offload-clip,stand-in-offload")
     ranks = results(out, "exact", 3)
     assert all(r["reference"] == "ddp" for r in ranks[0].values())
     _assert_exact(ranks, 2)
+    for rank in results(out, "nonfinite", 3)[:2]:  # (NaN in the last worker's gradient of block 0, step 2)
+        plain, clipped = rank["None"], rank["0.05"]
+        assert "block0000" in plain["error"] and plain["stepped"] == [2, 2], plain  # (the other two groups stepped)
+        assert "total gradient norm is nan" in clipped["error"] and clipped["stepped"] == [], clipped
+        assert plain["same_weights"] and clipped["same_weights"]
 
 
 @pytest.mark.slow  # (four ranks on two cores: about a minute)

@@ -204,7 +204,6 @@ class Server:
         self.all_names = [[spec.name for spec, k in assignments if k == m] for m in range(len(layout.optimizer_ranks))]
         self.workers = layout.worker_count
         self.steps: dict[int, object] = {}  # group -> its step's future
-        self.reduced: set[int] = set()  # groups reduced and not yet stepped
         self.commands: dict[str, int] = {}
         self.stepped = 0
 
@@ -237,14 +236,15 @@ class Server:
                 link.gather(parts[-1], parts)  # (the last: its own, nothing)
                 grads = g.grads.tensor(g.dtype)[:g.numel]
                 grads.copy_(torch.cat(parts[:-1])[:g.numel]).div_(self.workers)
-                self.reduced.add(index)
                 if a:
                     self._step(g, index, wire.scale_of(b))
             elif op == wire.STEP:
                 self._step(g, index, wire.scale_of(b))
-            elif op == wire.NORM:
+            elif op == wire.NORM:  # (the groups the workers touched this iteration: reduced here)
                 part = torch.zeros(1, dtype=torch.float32)
-                for i in sorted(self.reduced):
+                for i in link.object_from_first_worker():
+                    if self.names[i] not in by_name:
+                        continue  # (another optimizer rank's)
                     h = self._group(i, by_name)
                     part += torch.linalg.vector_norm(h.grads.tensor(h.dtype)[:h.numel].float(), 2.0) ** 2
                 link.sum(part)
@@ -279,7 +279,6 @@ class Server:
         return g
 
     def _step(self, g, index: int, scale) -> None:
-        self.reduced.discard(index)
         self.steps[index] = self.engine.coordinator.submit(g, scale)
 
     def _weights(self, g, index: int, status_only: bool = False) -> None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -216,14 +215,9 @@ def agree_on_job(layout: Layout, groups, torch_groups) -> list:
     return list(zip(trained, layout.owners([spec.numel for spec in trained])))
 
 
-@dataclass(eq=False)
-class _Reduced:
-    future: Future
-    steps: bool  # the reduce's command submitted the step too
-
-
 class Remote(GradientStrategy):
-    """Gradients reduced to the owning optimizer rank; weights broadcast from it."""
+    """Gradients reduce-scattered among the workers and their shards sent to the owning
+    optimizer rank; the new weights scattered from it and all-gathered."""
     name = "remote"
 
     def __init__(self, seam: OptimizerHostWorker, device, param_groups):
@@ -232,7 +226,7 @@ class Remote(GradientStrategy):
         self._param_groups = param_groups  # () -> the torch param groups (what schedulers change)
         self.link_of: dict[str, Link] = {}
         self.index_of: dict[str, int] = {}
-        self._reduced: dict[str, _Reduced] = {}
+        self._reduced: dict[str, Future] = {}  # group -> its reduce this iteration
         self._sent_hyper: dict[int, list] = {}  # link index -> the hyperparameters it has
 
     # -- gradients ------------------------------------------------------------------------
@@ -290,8 +284,8 @@ class Remote(GradientStrategy):
         first), once per iteration."""
         if g.spec.name not in self._reduced:
             g.adopt_grads()
-            self._reduced[g.spec.name] = _Reduced(self._send(g, wire.REDUCE, False, None, self.device.record()), False)
-        return self._reduced[g.spec.name].future
+            self._reduced[g.spec.name] = self._send(g, wire.REDUCE, False, None, self.device.record())
+        return self._reduced[g.spec.name]
 
     def submit(self, g, start: Start) -> Future:
         scale = getattr(start, "scale", None)
@@ -299,9 +293,9 @@ class Remote(GradientStrategy):
         if reduced is None:
             g.adopt_grads()
             future = self._send(g, wire.REDUCE, True, scale, self.device.record())
-            self._reduced[g.spec.name] = _Reduced(future, True)
+            self._reduced[g.spec.name] = future
             return future
-        return self._send(g, wire.STEP, True, scale, after=reduced.future)
+        return self._send(g, wire.STEP, True, scale, after=reduced)
 
     def landing(self, g, stepped: Future) -> Future:
         """At the barrier, in group order: the owner's outcome of the step and, stepped,
@@ -339,7 +333,7 @@ class Remote(GradientStrategy):
         reduced = self._reduced.pop(g.spec.name, None)
         if reduced is not None:
             try:
-                reduced.future.result()  # (it reads the gradients)
+                reduced.result()  # (it reads the gradients)
             except Exception:  # noqa: BLE001 - reported where the step waits for it
                 pass
         if g.device_grads is not None:
@@ -352,7 +346,7 @@ class Remote(GradientStrategy):
         """(after a barrier or zero_grad) The next iteration reduces afresh."""
         for reduced in self._reduced.values():
             try:
-                reduced.future.result()
+                reduced.result()
             except Exception:  # noqa: BLE001 - reported where the step waits for it
                 pass
         self._reduced.clear()
@@ -379,12 +373,16 @@ class Remote(GradientStrategy):
         return self.collectives.submit(f"fetch {og.name}", run, after=fetch)
 
     # -- the norm and the masters ------------------------------------------------------------
-    def norm_squared(self) -> float:
-        """(collective) The sum of the owners' shares of the squared norm of the mean gradient."""
+    def norm_squared(self, groups) -> float:
+        """(collective) The sum of the owners' shares of the squared norm of the mean
+        gradient of ``groups`` (those touched this iteration, reduced already)."""
+        indices = sorted(self.index_of[g.spec.name] for g in groups)
+
         def run():
             total = torch.zeros(1, dtype=torch.float32)
             for link in self.seam.links:
                 link.command(wire.NORM)
+                link.object_from_first_worker(indices)
                 part = torch.zeros(1, dtype=torch.float32)
                 link.sum(part)
                 total += part
@@ -416,7 +414,7 @@ class RemoteClipper:
             self.strategy.reduce(g)
         for g in touched:
             self.strategy.reduce(g).result()
-        return math.sqrt(self.strategy.norm_squared())
+        return math.sqrt(self.strategy.norm_squared(touched))
 
     def coefficient(self, max_norm: float) -> float:
         norm = self.total_norm()

@@ -25,23 +25,6 @@ from fuyou_client.parallel.sharded import Sharded, ShardedClipper
 from fuyou_client.parallel.world import Collectives, Shards, World
 
 
-def of(process_group=None, optimizer_ranks=None):
-    """The seam for attach(process_group=..., optimizer_ranks=...): a worker of an
-    optimizer-host job, data parallelism in a world of more than one rank, else a single
-    process. (With ``optimizer_ranks``, collective: every rank of the job calls it.)"""
-    world = World.of(process_group)
-    if optimizer_ranks is not None:
-        from fuyou_client.parallel.link import Layout
-        from fuyou_client.parallel.remote import OptimizerHostWorker
-        layout = Layout.of(world, optimizer_ranks)
-        if layout.is_optimizer:
-            layout.world.agree(ValueError(
-                f"rank {layout.world.rank} is one of optimizer_ranks {list(optimizer_ranks)}, but it called attach: "
-                "an optimizer rank calls fuyou_client.serve_optimizer(model, optimizer, optimizer_ranks=...)"), "attach")
-        return OptimizerHostWorker(layout)
-    return SingleProcess() if world is None else DataParallel(world)
-
-
 class SingleProcess:
     world = None
     data_parallel = False
