@@ -650,7 +650,7 @@ def main(argv=None) -> int:
 
     result = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "argv": sys.argv,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "date": time.strftime("%Y-%m-%d"),
         "host": host_info(parent),
         "model": {"layers": args.layers, "width": args.width, "vocab": args.vocab, "dtype": "fp32",
                   "params": next((m["params"] for m in results.values() if "params" in m), None)},

@@ -416,18 +416,23 @@ CASES = {"nonfinite": case_nonfinite, "exact": case_exact, "single": case_single
          "bad": case_bad}
 
 
-def main() -> None:
-    """CASE may be several, joined by "+": they run in one launch (arguments "case.key=value")."""
+def main(cases_table: dict | None = None, backend: str = BACKEND, setup=None) -> None:
+    """CASE may be several, joined by "+": they run in one launch (arguments "case.key=value").
+    (tests/opthost_worker.py runs its own ``cases_table`` through it; ``setup()`` once the
+    process group is up.)"""
+    table = cases_table or CASES
     cases, out = sys.argv[1].split("+"), Path(sys.argv[2])
     args = dict(a.split("=", 1) for a in sys.argv[3:])
     torch.set_num_threads(1)
-    if BACKEND == "nccl":
+    if backend == "nccl":
         torch.cuda.set_device(DEVICE)
-    dist.init_process_group(BACKEND, timeout=timedelta(seconds=float(os.environ.get("FY_PG_TIMEOUT", "60"))))
+    dist.init_process_group(backend, timeout=timedelta(seconds=float(os.environ.get("FY_PG_TIMEOUT", "60"))))
+    if setup is not None:
+        setup()
     for case in cases:
         kwargs = {k.split(".", 1)[1] if "." in k else k: v for k, v in args.items()
                   if "." not in k or k.split(".", 1)[0] == case}
-        result = CASES[case](out, **kwargs)
+        result = table[case](out, **kwargs)
         (out / f"{case}-rank{RANK}.json").write_text(json.dumps(result, default=str))
     dist.destroy_process_group()
 

@@ -12,13 +12,11 @@ of each group's padded gradient). Each rank writes ``OUT_DIR/<case>-rank<r>.json
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -198,11 +196,19 @@ def run_ours(cfg: dict, steps: int, keep: list | None = None, first: int = 0, **
         norms.append(engine.grad_norm())
         engine.step()
         engine.zero_grad()
+    # What the worker holds between steps: no object in its daemon (no optimizer state, no
+    # master weights), and with offload no block's weights (the parameters are empty).
+    HELD.update(objects=len(engine.session.objects()),
+                block_elements=sum(p.data.numel() for g in engine.groups if g.offloaded is not None
+                                   for _, p in g.spec.params))
     if keep is not None:
         keep.append(engine)
     else:
         engine.close()
     return model, losses, norms
+
+
+HELD: dict = {}  # the last run_ours's: what the worker held between steps
 
 
 def case_exact(out: Path, names: str = "plain") -> dict:
@@ -219,7 +225,7 @@ def case_exact(out: Path, names: str = "plain") -> dict:
         ours, losses, norms = run_ours(cfg, 3)
         result[name] = {"differ": differ(ours, ref), "max_diff": max_diff(ours, ref), "losses": losses,
                         "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
-                        "reference": "manual" if manual else "ddp"}
+                        "reference": "manual" if manual else "ddp", "held": dict(HELD)}
     return result
 
 
@@ -352,8 +358,8 @@ def case_nonfinite(out: Path) -> dict:
         except fuyou_client.NonFinite as exc:
             error = str(exc)
         engine.zero_grad()
-        stepped = sorted(info.step for info in engine.coordinator.infos)
         _train(model, engine, range(2, 3))
+        stepped = sorted(info.step for info in engine.coordinator.infos)  # (the daemon's step counts after step 3)
         digest = float(sum(p.detach().double().sum() for p in model.parameters()))
         engine.close()
         digests = [None] * W
@@ -365,22 +371,13 @@ def case_nonfinite(out: Path) -> dict:
 CASES = {"nonfinite": case_nonfinite, "exact": case_exact, "checkpoint": case_checkpoint, "kill": case_kill, "bad": case_bad}
 
 
-def main() -> None:
-    """CASE may be several, joined by "+": they run in one launch (arguments "case.key=value")."""
+def _setup() -> None:
     global G_WORKERS
-    cases, out = sys.argv[1].split("+"), Path(sys.argv[2])
-    args = dict(a.split("=", 1) for a in sys.argv[3:])
-    torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format=f"rank {RANK}: %(name)s: %(message)s")
-    dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("FY_PG_TIMEOUT", "60"))))
     G_WORKERS = dist.new_group(WORKERS)
-    for case in cases:
-        kwargs = {k.split(".", 1)[1] if "." in k else k: v for k, v in args.items()
-                  if "." not in k or k.split(".", 1)[0] == case}
-        result = CASES[case](out, **kwargs)
-        (out / f"{case}-rank{RANK}.json").write_text(json.dumps(result, default=str))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    import dp_worker
+
+    dp_worker.main(CASES, "gloo", _setup)

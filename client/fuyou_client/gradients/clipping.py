@@ -54,6 +54,24 @@ class Clipper:
         return coefficient_of(total, max_norm)
 
 
+class NormClipper:
+    """A clipper whose norm several processes make together (``total_norm``: data
+    parallelism's, parallel/sharded.py; an optimizer host's, parallel/remote.py):
+    ``coefficient`` clips with it; a non-finite norm raises NonFinite on every rank."""
+    made = ""  # how the norm is made, for the message
+
+    def total_norm(self) -> float:
+        raise NotImplementedError
+
+    def coefficient(self, max_norm: float) -> float:
+        norm = self.total_norm()
+        if not math.isfinite(norm):
+            raise NonFinite(f"the total gradient norm is {norm} ({self.made}): some gradient holds NaN or inf, or "
+                            "the norm overflows float32; no group was stepped on any rank (the optimizer state is "
+                            "unchanged): call engine.zero_grad() and go on with the next batch")
+        return coefficient_of(torch.tensor(norm, dtype=torch.float32), max_norm)
+
+
 def non_finite(groups, params: list, norms: list, total: float) -> NonFinite:
     bad = {id(p) for p, n in zip(params, torch.stack([n.float() for n in norms]).tolist()) if not math.isfinite(n)}
     names = [g.spec.name for g in groups if any(id(p) in bad for _, p in g.spec.params)]

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from fuyou_client.checkpoints import client_state, export, load_client_state
 from fuyou_client.errors import NonFinite
-from fuyou_client.gradients.clipping import coefficient_of
+from fuyou_client.gradients.clipping import NormClipper
 from fuyou_client.gradients.strategy import GradientStrategy, Start
 from fuyou_client.optim import StepInfo
 from fuyou_client.parallel import link as wire
@@ -401,9 +401,10 @@ class Remote(GradientStrategy):
         return self.collectives.run(f"masters {spec.name}", run)
 
 
-class RemoteClipper:
+class RemoteClipper(NormClipper):
     """The global gradient norm of the workers' mean gradient, computed by the optimizer
     ranks where the gradients are summed (every worker calls it)."""
+    made = "of the workers' mean gradient, on the optimizer ranks"
 
     def __init__(self, strategy: Remote, groups):
         self.strategy, self.groups = strategy, groups
@@ -415,11 +416,3 @@ class RemoteClipper:
         for g in touched:
             self.strategy.reduce(g).result()
         return math.sqrt(self.strategy.norm_squared(touched))
-
-    def coefficient(self, max_norm: float) -> float:
-        norm = self.total_norm()
-        if not math.isfinite(norm):
-            raise NonFinite(f"the total gradient norm is {norm} (of the workers' mean gradient): some gradient holds "
-                            "NaN or inf, or the norm overflows float32; no group was stepped (the optimizer state is "
-                            "unchanged): call engine.zero_grad() and go on with the next batch")
-        return coefficient_of(torch.tensor(norm, dtype=torch.float32), max_norm)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from fuyou_client.parallel import world as distributed
 from fuyou_client.parallel.world import Collectives, Shards, World
-from fuyou_client.gradients.clipping import coefficient_of
+from fuyou_client.gradients.clipping import NormClipper
 from fuyou_client.errors import NonFinite
 from fuyou_client.gradients.strategy import GradientStrategy, Start
 from fuyou_client.optim import StepInfo
@@ -247,8 +247,9 @@ class Sharded(GradientStrategy):
         return torch.linalg.vector_norm(self._shard_grads(g).float(), 2.0) ** 2
 
 
-class ShardedClipper:
+class ShardedClipper(NormClipper):
     """The global gradient norm across the ranks (collective: every rank calls it)."""
+    made = "across the ranks"
 
     def __init__(self, strategy: Sharded, groups):
         self.strategy, self.groups = strategy, groups
@@ -268,15 +269,6 @@ class ShardedClipper:
         for g in touched:
             local += strategy.sum_of_squares(g).to(local.device)
         return math.sqrt(strategy.collectives.run("gradient norm", lambda: _all_reduce(local, strategy.world)))
-
-    def coefficient(self, max_norm: float) -> float:
-        """Clipping across the ranks; a non-finite norm raises NonFinite on every rank."""
-        norm = self.total_norm()
-        if not math.isfinite(norm):
-            raise NonFinite(f"the total gradient norm is {norm} (across the ranks): some gradient holds NaN or inf, or "
-                            "the norm overflows float32; no group was stepped on any rank (the optimizer state is "
-                            "unchanged): call engine.zero_grad() and go on with the next batch")
-        return coefficient_of(torch.tensor(norm, dtype=torch.float32), max_norm)
 
 
 def _all_reduce(t: torch.Tensor, world: World) -> float:
