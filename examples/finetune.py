@@ -119,6 +119,7 @@ def main() -> int:
     if args.optimizer_host and world < 2:
         ap.error("--optimizer-host needs torchrun with two ranks at least (workers, then the optimizer host)")
     host = [world - 1] if args.optimizer_host else None  # (optimizer_ranks)
+    trainers = world - 1 if host else world  # (the ranks that train on batches)
     quiet = rank != 0
 
     model, encode = load_model(args)
@@ -127,9 +128,11 @@ def main() -> int:
     tokens = torch.tensor(encode(Path(args.corpus).read_text()), dtype=torch.long)
     opt = fuyou_client.AdamW(lr=args.lr, weight_decay=0.01, state_dtype=args.state_dtype)
     per_param = {"fp32": 12, "bf16": 8, "int8": 6 + 8 / 256}[args.state_dtype]  # fuyoud/optimizer/layout.py
+    how_many = (f" x {trainers} workers and an optimizer host" if host
+                else f" x {world} ranks (data parallel)" if world > 1 else "")
     if not quiet:
         print(f"model: {type(model).__name__}, {params / 1e6:.1f}M parameters on {args.device}"
-              f"{f' x {world} ranks (data parallel)' if world > 1 else ''}; corpus: {len(tokens)} tokens; optimizer "
+              f"{how_many}; corpus: {len(tokens)} tokens; optimizer "
               f"state on SSD ({args.state_dtype} moments): {params * per_param / 2**30:.2f} GiB", flush=True)
 
     daemon = None
@@ -178,7 +181,7 @@ def main() -> int:
             st = engine.session.status()
             elapsed = time.perf_counter() - t0
             bar.set_postfix(loss=f"{last:.3f}",
-                            tok_s=f"{(step + 1) * micro * args.batch * args.seq * world / elapsed:.0f}",
+                            tok_s=f"{(step + 1) * micro * args.batch * args.seq * trainers / elapsed:.0f}",
                             ssd_read=f"{(st.bytes_read - start.bytes_read) / 1e9:.2f}GB",
                             ssd_written=f"{(st.bytes_written - start.bytes_written) / 1e9:.2f}GB")
         bar.close()

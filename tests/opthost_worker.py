@@ -368,7 +368,8 @@ def case_nonfinite(out: Path) -> dict:
     return result
 
 
-CASES = {"nonfinite": case_nonfinite, "exact": case_exact, "checkpoint": case_checkpoint, "kill": case_kill, "bad": case_bad}
+CASES = {"nonfinite": case_nonfinite, "exact": case_exact, "checkpoint": case_checkpoint, "kill": case_kill,
+         "bad": case_bad}
 
 
 def _setup() -> None:

@@ -21,6 +21,7 @@ def of(process_group=None, optimizer_ranks=None):
         if layout.is_optimizer:
             layout.world.agree(ValueError(
                 f"rank {layout.world.rank} is one of optimizer_ranks {list(optimizer_ranks)}, but it called attach: "
-                "an optimizer rank calls fuyou_client.serve_optimizer(model, optimizer, optimizer_ranks=...)"), "attach")
+                "an optimizer rank calls fuyou_client.serve_optimizer(model, optimizer, optimizer_ranks=...)"),
+                "attach")
         return OptimizerHostWorker(layout)
     return SingleProcess() if world is None else DataParallel(world)
