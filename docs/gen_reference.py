@@ -227,6 +227,16 @@ def optimizer_section() -> list[str]:
     return out
 
 
+def serve_section() -> list[str]:
+    """serve_optimizer: the optimizer ranks' call (docs/guide/optimizer-host.md)."""
+    from fuyou_client.engine.serve import serve_optimizer
+    out = ["## `fuyou_client.serve_optimizer`", "", f"`{plain_signature(serve_optimizer, 'serve_optimizer')}` "
+           "returns a `Served` (the commands it served, by kind, and the group steps).", ""]
+    for para in paragraphs(serve_optimizer.__doc__):
+        out += [join(para), ""]
+    return out
+
+
 # -- fuyoud --------------------------------------------------------------------------------
 def toml_value(key: str, value, size_keys, auto_zero) -> str:
     """A default as it is written in fuyoud.toml: sizes with a unit, "auto" for 0 where
@@ -322,10 +332,11 @@ def render() -> str:
              "docstrings by `docs/gen_reference.py`, and a test fails when it differs from them: edit the "
              "docstring, then run `python docs/gen_reference.py`.", "",
              "[`attach`](#fuyou_clientattach) · [`Engine`](#engine) · [`FuyouTrainer`](#fuyoutrainer) · "
-             "[`AdamW` and `SGD`](#adamw-and-sgd) · [fuyoud's config](#fuyouds-config) · "
+             "[`AdamW` and `SGD`](#adamw-and-sgd) · [`serve_optimizer`](#fuyou_clientserve_optimizer) · "
+             "[fuyoud's config](#fuyouds-config) · "
              "[fuyoud's metrics](#fuyouds-metrics)", ""]
-    for section in (attach_section, engine_section, trainer_section, optimizer_section, config_section,
-                    metrics_section):
+    for section in (attach_section, engine_section, trainer_section, optimizer_section, serve_section,
+                    config_section, metrics_section):
         lines += section()
     return "\n".join(lines).rstrip("\n") + "\n"
 

@@ -118,8 +118,9 @@ class AttachOptions:
       shards are cut again; the checkpoint must be readable from every rank's daemon).
       ``optimizer_ranks``: the ranks of the group that are optimizer hosts (they call
       ``fuyou_client.serve_optimizer``): this rank is then a worker that holds no optimizer
-      state and no master weights; its gradients are reduced to the optimizer rank that
-      owns each layer group, which steps it out of core and broadcasts the new weights
+      state and no master weights (with ``offload=True`` no weights between uses either);
+      the workers' summed gradients go to the optimizer rank that owns each layer group,
+      which steps it out of core and sends the new weights back
       (docs/guide/optimizer-host.md). Default None: the sharded mode above.
     """
     session: Any = None
