@@ -34,13 +34,15 @@ WORKERS = [r for r in range(WORLD) if r not in OPT_RANKS]
 W = len(WORKERS)
 IS_OPT = RANK in OPT_RANKS
 SOCKET = os.environ.get(f"FUYOUD_SOCKET_{RANK}") or os.environ.get("FUYOUD_SOCKET")
+# FY_DEVICE=cuda: each worker computes on cuda:LOCAL_RANK (the links stay gloo: the optimizer rank has no GPU)
+DEVICE = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if os.environ.get("FY_DEVICE") == "cuda" and not IS_OPT else "cpu"
 G_WORKERS = None  # the workers' own group (DDP's), made by every rank at start
 
 
 def batch(step: int, micro: int, size: int = 2, seq: int = 16, vocab: int = 256) -> torch.Tensor:
     """This worker's micro-batch ``micro`` of iteration ``step`` (the same on every run)."""
     g = torch.Generator().manual_seed(1000 * step + 10 * micro + WORKERS.index(RANK))
-    return torch.randint(0, vocab, (size, seq), generator=g)
+    return torch.randint(0, vocab, (size, seq), generator=g).to(DEVICE)
 
 
 def model_for(kind: str, dtype: torch.dtype, meta: bool = False):
@@ -51,7 +53,7 @@ def model_for(kind: str, dtype: torch.dtype, meta: bool = False):
     if meta:
         with torch.device("meta"):
             return make().to(dtype)
-    return make().to(dtype)
+    return make().to(dtype).to(DEVICE)
 
 
 def differ(a, b) -> list[str]:
@@ -153,7 +155,7 @@ def run_manual(cfg: dict, steps: int):
         for params in reversed(groups):
             numel = sum(p.numel() for p in params)
             shards = distributed.Shards(numel, W, WORKERS.index(RANK))
-            flat = torch.zeros(shards.padded, dtype=cfg["dtype"])
+            flat = torch.zeros(shards.padded, dtype=cfg["dtype"], device=DEVICE)
             flat[:numel] = torch.cat([p.grad.reshape(-1) for p in params])
             mine = torch.empty(shards.per, dtype=flat.dtype)
             distributed.reduce_scatter(mine, flat, G_WORKERS)
@@ -231,7 +233,7 @@ def case_exact(out: Path, names: str = "plain") -> dict:
 
 def _saved(out: Path, name: str):
     ref = model_for("gpt2", torch.float32)
-    ref.load_state_dict(torch.load(out / name))
+    ref.load_state_dict(torch.load(out / name, map_location=DEVICE))
     return ref
 
 
@@ -374,6 +376,8 @@ CASES = {"nonfinite": case_nonfinite, "exact": case_exact, "checkpoint": case_ch
 
 def _setup() -> None:
     global G_WORKERS
+    if DEVICE != "cpu":
+        torch.cuda.set_device(DEVICE)
     logging.basicConfig(level=logging.WARNING, format=f"rank {RANK}: %(name)s: %(message)s")
     G_WORKERS = dist.new_group(WORKERS)
 

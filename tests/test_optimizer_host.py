@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import fuyou_client
 from conftest import SMALL, merge, private_daemon
@@ -88,6 +89,14 @@ def test_two_workers_bitwise_against_ddp(daemon, out):
         assert plain["same_weights"] and clipped["same_weights"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_gpu_workers_bitwise_against_ddp(daemon, out):
+    """Workers on two GPUs (gradients down to host memory, weights up; the links gloo) and
+    an optimizer rank on the CPU: bitwise against DDP on the same GPUs."""
+    torchrun(daemon, 3, "exact", out, "exact.names=plain,accum,bf16,offload", env={"FY_DEVICE": "cuda"})
+    _assert_exact(results(out, "exact", 3), 2)
+
+
 @pytest.mark.slow  # (four ranks on two cores: about a minute)
 def test_three_workers_bitwise_against_the_same_collectives(daemon, out):
     """Three workers (the shards are padded): bitwise against the same collectives around
@@ -147,7 +156,6 @@ def saved(daemon, tmp_path_factory):
 def test_exported_weights_load_with_from_pretrained(saved):
     """The first worker exports, streaming the masters from the optimizer rank; the files
     load with from_pretrained and hold the weights the workers trained."""
-    import torch
     import transformers
 
     exported = transformers.GPT2LMHeadModel.from_pretrained(saved / "export")
