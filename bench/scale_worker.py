@@ -148,6 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--namespace", default=None)
     ap.add_argument("--offload", action="store_true", help="attach(offload=True): the blocks' weights on the SSD")
+    ap.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
+                    help="AdamW's state dtype (the moments; the masters stay fp32)")
     ap.add_argument("--optimizer-rank", type=int, default=None,
                     help="this rank is the optimizer host (serve_optimizer); the others are its workers "
                          "(attach(optimizer_ranks=[it])), which write rank<r>.json; it writes optimizer.json")
@@ -172,7 +174,7 @@ def main(argv=None) -> int:
     t_built = now()
     counter = CollectiveCounter()
     extra = {"optimizer_ranks": [host]} if host is not None else {}
-    engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=LR, weight_decay=WD), offload=args.offload,
+    engine = fuyou_client.attach(model, optimizer(args), offload=args.offload,
                                  namespace=args.namespace, **extra)
     t_attached = now()
     session = engine.session
@@ -241,6 +243,10 @@ def main(argv=None) -> int:
     return 0
 
 
+def optimizer(args):
+    return fuyou_client.AdamW(lr=LR, weight_decay=WD, state_dtype=args.state_dtype)
+
+
 def serve(args, host: int) -> int:
     """The optimizer host's rank: serve the workers (a model built on the meta device:
     only what it owns takes memory), then write optimizer.json: its resident memory, its
@@ -248,7 +254,7 @@ def serve(args, host: int) -> int:
     with torch.device("meta"):
         model = build_model(args)
     t0 = now()
-    served = fuyou_client.serve_optimizer(model, fuyou_client.AdamW(lr=LR, weight_decay=WD), optimizer_ranks=[host],
+    served = fuyou_client.serve_optimizer(model, optimizer(args), optimizer_ranks=[host],
                                           namespace=args.namespace)
     result = {"max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "tcp_sent": tcp_bytes_sent(os.getpid()), "served": served.commands, "steps": served.steps,
