@@ -245,11 +245,12 @@ def _train(model, engine, steps) -> None:
         engine.zero_grad()
 
 
-def case_checkpoint(out: Path, phase: str = "save", ckpt: str = "", steps: str = "2") -> dict:
+def case_checkpoint(out: Path, phase: str = "save", ckpt: str = "", steps: str = "2", offload: str = "0") -> dict:
     """save: 2 steps, checkpoint, the weights then (at_ckpt.pt), 2 more (continued.pt),
-    export. resume: attach(resume=ckpt), the weights at once against at_ckpt.pt, ``steps``
-    more steps (against continued.pt where the workers are as many as at the save)."""
-    cfg = config()
+    export. resume: attach(resume=ckpt), the weights at once against at_ckpt.pt (resident;
+    ``offload=1``: the blocks' come with their fetches), ``steps`` more steps (against
+    continued.pt where the workers are as many as at the save)."""
+    cfg = config(offload=offload == "1")
     if IS_OPT:
         served = serve(cfg, resume=ckpt if phase == "resume" else None)
         return {"served": served.commands, "steps": served.steps}
@@ -267,13 +268,15 @@ def case_checkpoint(out: Path, phase: str = "save", ckpt: str = "", steps: str =
         engine.close()
         return {}
     engine = attach(model, cfg, resume=ckpt)
-    result = {"at_resume": differ(model, _saved(out, "at_ckpt.pt")), "extra": engine.checkpoint_extra,
-              "lr": engine.optimizer.param_groups[0]["lr"]}
+    at_ckpt = _saved(out, "at_ckpt.pt")
+    resident = [n for n, p in model.named_parameters() if p.numel()]  # (offloaded ones: empty until fetched)
+    result = {"at_resume": [n for n in differ(model, at_ckpt) if n in resident], "resident": len(resident),
+              "extra": engine.checkpoint_extra, "lr": engine.optimizer.param_groups[0]["lr"]}
     _train(model, engine, range(2, 2 + int(steps)))
     result["daemon_steps"] = sorted({info.step for info in engine.coordinator.infos})  # (the optimizer ranks')
+    engine.close()  # (the parameters materialized: offloaded ones fetched)
     if int(steps) == 2:
         result["differ"] = differ(model, _saved(out, "continued.pt"))
-    engine.close()
     return result
 
 

@@ -29,17 +29,31 @@ def torchrun(daemon, nproc: int, case: str, out: Path, *args: str, opt_ranks: st
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
 
-def launch(daemon, world: int, case: str, out: Path, *args: str, opt_ranks: str, sockets: dict | None = None):
+class launch:
     """The ranks started directly (no torchrun agent, which would stop the others when one
-    dies): returns the processes."""
-    port = free_port()
-    env = dict(env_for(daemon, out), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
-               OPT_RANKS=opt_ranks)
-    for rank, sock in (sockets or {}).items():
-        env[f"FUYOUD_SOCKET_{rank}"] = str(sock)
-    return [subprocess.Popen([sys.executable, WORKER, case, str(out), *args],
-                             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    dies), the job's store in this process as torchrun's agent holds it (so that a rank's
+    end does not take the store with it): ``with launch(...) as procs``."""
+
+    def __init__(self, daemon, world: int, case: str, out: Path, *args: str, opt_ranks: str,
+                 sockets: dict | None = None):
+        self.args = (daemon, world, case, out, args, opt_ranks, sockets or {})
+
+    def __enter__(self) -> list:
+        import torch.distributed as dist
+
+        daemon, world, case, out, args, opt_ranks, sockets = self.args
+        port = free_port()
+        self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        env = dict(env_for(daemon, out), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                   OPT_RANKS=opt_ranks, TORCHELASTIC_USE_AGENT_STORE="True")
+        for rank, sock in sockets.items():
+            env[f"FUYOUD_SOCKET_{rank}"] = str(sock)
+        return [subprocess.Popen([sys.executable, WORKER, case, str(out), *args],
+                                 env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True) for r in range(world)]
+
+    def __exit__(self, *exc) -> None:
+        del self.store
 
 
 @pytest.fixture(scope="module")
@@ -123,13 +137,14 @@ def test_two_optimizer_ranks_on_two_hosts_and_resume_at_other_worker_counts(out)
     """Two workers and two optimizer ranks, each optimizer rank on its own simulated host
     (its own daemon, socket and data directories), each owning a contiguous share of the
     groups: bitwise against DDP; a checkpoint written by the two optimizer ranks alone
-    resumes at the same number of workers bitwise the run that never stopped, and at one
-    and three workers with the checkpoint's weights and step counts, no resharding."""
+    resumes at the same number of workers bitwise the run that never stopped (offloaded
+    weights too), and at one and three workers with the checkpoint's weights and step
+    counts, no resharding."""
     with private_daemon(CONFIG, prefix="fy-oh0-") as d0, private_daemon(CONFIG, prefix="fy-oh1-") as d1:
         sockets = {2: d0.socket, 3: d1.socket}
-        procs = launch(d0, 4, "exact+checkpoint", out, "exact.names=plain", f"checkpoint.ckpt={out / 'ck'}",
-                       opt_ranks="2,3", sockets=sockets)
-        logs = [p.communicate(timeout=240)[0] for p in procs]
+        with launch(d0, 4, "exact+checkpoint", out, "exact.names=plain", f"checkpoint.ckpt={out / 'ck'}",
+                    opt_ranks="2,3", sockets=sockets) as procs:
+            logs = [p.communicate(timeout=240)[0] for p in procs]
         assert [p.returncode for p in procs] == [0] * 4, "\n".join(log[-3000:] for log in logs)
         _assert_exact(results(out, "exact", 4), 2)
         for d in (d0, d1):  # (each daemon holds the state of its rank's groups)
@@ -139,10 +154,11 @@ def test_two_optimizer_ranks_on_two_hosts_and_resume_at_other_worker_counts(out)
         assert layout == {"format": 1, "optimizer_ranks": 2, "groups": [["block0000"], ["block0001", "rest"]]}
         assert sorted(p.name for p in (out / "ck").iterdir()) == ["optimizer-00000", "optimizer-00001",
                                                                  "optimizer-host.json"]
-        for workers in (2, 1, 3):
-            procs = launch(d0, workers + 2, "checkpoint", out, f"ckpt={out / 'ck'}", "phase=resume",
-                           opt_ranks=f"{workers},{workers + 1}", sockets={workers: d0.socket, workers + 1: d1.socket})
-            logs = [p.communicate(timeout=240)[0] for p in procs]
+        for workers, offload in ((2, "0"), (1, "0"), (3, "0"), (2, "1")):
+            with launch(d0, workers + 2, "checkpoint", out, f"ckpt={out / 'ck'}", "phase=resume",
+                        f"offload={offload}", opt_ranks=f"{workers},{workers + 1}",
+                        sockets={workers: d0.socket, workers + 1: d1.socket}) as procs:
+                logs = [p.communicate(timeout=240)[0] for p in procs]
             assert [p.returncode for p in procs] == [0] * (workers + 2), "\n".join(log[-3000:] for log in logs)
             ranks = results(out, "checkpoint", workers + 2)
             for rank in ranks[:workers]:
@@ -182,8 +198,8 @@ def test_a_killed_rank_is_named_on_the_others_and_resume_continues(daemon, saved
     timeout plus 5 s, and the checkpoint before it resumes bitwise the run that never
     stopped."""
     out, ckpt = saved, saved / f"ck-{who}"
-    procs = launch(daemon, 3, "kill", out, f"who={who}", f"ckpt={ckpt}", opt_ranks="2")
-    logs = [p.communicate(timeout=240)[0] for p in procs]
+    with launch(daemon, 3, "kill", out, f"who={who}", f"ckpt={ckpt}", opt_ranks="2") as procs:
+        logs = [p.communicate(timeout=240)[0] for p in procs]
     victim = 1 if who == "worker" else 2
     assert procs[victim].returncode == -9, logs[victim][-3000:]
     for r in (r for r in range(3) if r != victim):

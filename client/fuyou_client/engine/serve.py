@@ -150,10 +150,7 @@ def _serve(model, session, layout: Layout, link: Link, assignments: list, torch_
         error = exc
     world.agree(error, "attach")
     world.gather(distributed.daemon_identity(session))
-    try:
-        if opts.resume is not None:
-            for g in engine.groups:
-                link.broadcast(g.weights.tensor(g.dtype)[:g.numel])
+    try:  # (after a resume the workers fetch their resident groups' weights first)
         return Server(engine, layout, link, assignments).run()
     finally:
         engine.close(materialize=False)

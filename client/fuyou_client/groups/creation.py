@@ -82,9 +82,12 @@ def create(session: Session, device: Device, spec: GroupSpec, optimizers: list, 
     alone until then.
 
     ``stateless`` (an optimizer-host worker, parallel/remote.py): no state in this
-    process's daemon; the weights stay resident, and the optimizer rank that owns the
-    group writes them."""
+    process's daemon; resident weights are kept here, offloaded ones are nowhere between
+    uses (each fetch brings them from the optimizer rank that owns the group)."""
     frozen = [p for _, p in spec.frozen] if offload is True else []
+    if frozen and stateless:
+        raise ValueError(f"block {spec.name} has frozen parameters: offloading them on an optimizer-host worker is "
+                         "not built yet; attach with offload=False")
     dtype = _one_dtype(spec, frozen)
     n = spec.numel
     params = [p for _, p in spec.params]
@@ -111,9 +114,6 @@ def create(session: Session, device: Device, spec: GroupSpec, optimizers: list, 
         _weights_home(session, device, params, dtype, offload, pieces, infos, padded)
     if master is not None:
         master.free()
-    if frozen and stateless:
-        raise ValueError(f"block {spec.name} has frozen parameters: offloading them on an optimizer-host worker is "
-                         "not built yet; attach with offload=False")
     if frozen:
         sources.append(_store_frozen(session, spec.name, frozen, spec.frozen_numel, dtype, n * dtype.itemsize))
     group = LayerGroup(spec, weights, grads, dtype, strategy=strategy, shard_padded=padded if shards else 0,

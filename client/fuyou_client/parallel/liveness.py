@@ -31,6 +31,10 @@ def _key(rank: int) -> str:
     return f"fuyou/alive/{rank}"
 
 
+def _left(rank: int) -> str:
+    return f"fuyou/left/{rank}"  # (set by a process that ends normally: gone, not lost)
+
+
 def _store():
     """A client of the job's store of its own, or None (a group made without one)."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -64,6 +68,10 @@ def _beat(store, rank: int) -> None:
         except Exception:  # noqa: BLE001 - the store's host is gone: nothing left to tell
             return
         _stop.wait(INTERVAL)
+    try:
+        store.set(_left(rank), "1")
+    except Exception:  # noqa: BLE001 - as above
+        pass
 
 
 def _stop_all() -> None:
@@ -85,6 +93,10 @@ def lost(ranks, watch: float = WATCH) -> str:
     except Exception:  # noqa: BLE001 - the store's host is the one lost
         return "the job's store is unreachable: the rank that hosts it (rank 0, or torchrun's agent) is lost"
     gone = [r for r in ranks if before[r] and after[r] == before[r]]  # (0: a rank that never beat)
+    try:
+        gone = [r for r in gone if not store.check([_left(r)])]  # (ended normally since: not lost)
+    except Exception:  # noqa: BLE001 - the store went meanwhile: what was seen stands
+        pass
     if not gone:
         return ""
     return f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} stopped answering (lost)"

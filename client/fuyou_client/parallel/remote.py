@@ -131,15 +131,15 @@ class OptimizerHostWorker(SingleProcess):
         return load_client_state(state)
 
     def joined(self, session) -> list:
-        """(every rank) Each rank's daemon; after a resume, each group's weights from its owner."""
+        """(every rank) Each rank's daemon; after a resume, each resident group's weights
+        from its owner (offloaded ones come with their first fetch)."""
         self.world.agree(None, "attach")
         peers = self.world.gather(distributed.daemon_identity(session))
+        self._serving = True
         if self._resume:
             for g in self._groups:
-                self._owner[g.spec.name].broadcast(g.weights.tensor(g.dtype)[:g.numel])
-                if g.device_weights is not None:
-                    g.device_weights[:g.numel].copy_(g.weights.tensor(g.dtype)[:g.numel])
-        self._serving = True
+                if g.offloaded is None:
+                    self.remote.pull(g)
         return peers
 
     # -- the engine's parts ---------------------------------------------------------------
@@ -354,6 +354,18 @@ class Remote(GradientStrategy):
     def reclaim(self) -> tuple[dict, list]:
         self._reduced.clear()  # (every step has landed: the barrier)
         return {}, []
+
+    def pull(self, g) -> None:
+        """(collective) A resident group's weights from its owner, as they are there."""
+        link, index = self.link_of[g.spec.name], self.index_of[g.spec.name]
+        host = g.weights.tensor(g.dtype)
+
+        def run():
+            link.command(wire.FETCH, index)
+            self._receive(link, host[:g.shard_padded], self.seam.layout.shards(g.numel))
+        self.collectives.run(f"weights {g.spec.name}", run)
+        if g.device_weights is not None:
+            g.device_weights[:g.numel].copy_(host[:g.numel])
 
     def fetch_from_owner(self, og, slot, fetch: Future) -> Future:
         """(the offloader's ``gather``) An offloaded block's weights into the slot, sent by

@@ -8,8 +8,8 @@ model, and where its optimizer state lives", answered by one object per mode.
   collective (checkpoints/). Every call below is made by every rank, in the same order.
 
 * ``OptimizerHostWorker`` (remote.py): a worker of a job whose optimizer state is on
-  dedicated optimizer ranks (engine/serve.py): gradients reduced to them, weights broadcast
-  back; it holds no state.
+  dedicated optimizer ranks (engine/serve.py): the workers' summed gradients go to them
+  shard by shard, the new weights come back the same way; it holds no state.
 """
 from __future__ import annotations
 
