@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import HYPER, tiny_gpt2, tiny_llama  # noqa: E402
+from dp_worker import differ, max_diff  # noqa: E402
 
 import fuyou_client  # noqa: E402
 
@@ -54,16 +55,6 @@ def model_for(kind: str, dtype: torch.dtype, meta: bool = False):
         with torch.device("meta"):
             return make().to(dtype)
     return make().to(dtype).to(DEVICE)
-
-
-def differ(a, b) -> list[str]:
-    sb = dict(b.named_parameters())
-    return [n for n, p in a.named_parameters() if not torch.equal(p.detach(), sb[n].detach())]
-
-
-def max_diff(a, b) -> float:
-    sb = dict(b.named_parameters())
-    return max(float((p.detach().float() - sb[n].detach().float()).abs().max()) for n, p in a.named_parameters())
 
 
 def layer_groups(model) -> list[list[torch.nn.Parameter]]:
