@@ -116,15 +116,18 @@ class OptimizerHostWorker(SingleProcess):
                     if spec.params:
                         params = [p for _, p in spec.params]
                         grouped.update(id(p) for p in params)
-                        flat = torch.cat([p.detach().reshape(-1) for p in params])
+                        flat = torch.cat([p.detach().reshape(-1).cpu() for p in params])  # (the links are gloo)
                         self._owner[spec.name].from_first_worker(flat)
                         at = 0
                         for p in params:
                             p.copy_(flat[at:at + p.numel()].view(p.shape))
                             at += p.numel()
-            rest = [t.data for t in (*model.parameters(), *model.buffers()) if id(t) not in grouped]
+            rest = [t for t in (*model.parameters(), *model.buffers()) if id(t) not in grouped]
             for t in rest:  # (frozen parameters and buffers: the workers' own, the first one's)
-                dist.broadcast(t, src=self.world.global_rank(self.layout.workers[0]), group=self.layout.workers_group)
+                host = t.detach().cpu()
+                first = self.world.global_rank(self.layout.workers[0])
+                dist.broadcast(host, src=first, group=self.layout.workers_group)
+                t.data.copy_(host)
         if not self._resume:
             return None
         state = self.world.from_rank(self.layout.optimizer_ranks[0], None)
