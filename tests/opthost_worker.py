@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import HYPER, tiny_gpt2, tiny_llama  # noqa: E402
-from dp_worker import differ, max_diff  # noqa: E402
+from dp_worker import NORMS, Masters, differ, max_diff  # noqa: E402
+from dp_worker import _layer_groups as layer_groups  # noqa: E402
 
 import fuyou_client  # noqa: E402
 
@@ -57,36 +58,6 @@ def model_for(kind: str, dtype: torch.dtype, meta: bool = False):
     return make().to(dtype).to(DEVICE)
 
 
-def layer_groups(model) -> list[list[torch.nn.Parameter]]:
-    from fuyou_client.model.blocks import split
-    from fuyou_client.model.param_groups import resolve
-
-    tg = resolve(model, fuyou_client.AdamW(**HYPER), None, None)
-    return [[p for _, p in spec.params] for spec in split(model, None, tg.index) if spec.params]
-
-
-class Masters:
-    """The reference's fp32 masters stepped by torch's fused AdamW, copied into the model."""
-
-    def __init__(self, model):
-        self.params = list(model.parameters())
-        self.masters = [p.detach().float().clone().requires_grad_() for p in self.params]
-        self.opt = torch.optim.AdamW(self.masters, **HYPER, fused=True)
-
-    def step(self, clip: float | None) -> float | None:
-        norm = None
-        if clip is not None:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
-        for m, p in zip(self.masters, self.params):
-            m.grad = p.grad.float()
-        self.opt.step()
-        with torch.no_grad():
-            for m, p in zip(self.masters, self.params):
-                p.copy_(m)
-                p.grad = None
-        return norm
-
-
 def config(**kw) -> dict:
     cfg = {"model": "gpt2", "dtype": torch.float32, "accum": 1, "clip": None, "stand_in": False, "offload": False}
     cfg.update(kw)
@@ -113,7 +84,8 @@ def run_ddp(cfg: dict, steps: int):
     """torch DDP on the workers' group around fused AdamW (two workers)."""
     model = model_for(cfg["model"], cfg["dtype"])
     ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=G_WORKERS)
-    opt, losses, norms, k = Masters(model), [], [], cfg["accum"]
+    opt, losses, k = Masters(model), [], cfg["accum"]
+    NORMS.clear()  # (Masters.step appends each clipped step's norm)
     for step in range(steps):
         for micro in range(k):
             x = batch(step, micro)
@@ -125,8 +97,8 @@ def run_ddp(cfg: dict, steps: int):
                 loss = ddp(x, labels=x).loss / k
                 loss.backward()
             losses.append(loss.item())
-        norms.append(opt.step(cfg["clip"]))
-    return model, losses, norms
+        opt.step(cfg["clip"])
+    return model, losses, list(NORMS)
 
 
 def run_manual(cfg: dict, steps: int):
@@ -136,7 +108,8 @@ def run_manual(cfg: dict, steps: int):
     from fuyou_client.parallel import world as distributed
 
     model = model_for(cfg["model"], cfg["dtype"])
-    opt, groups, losses, norms, k = Masters(model), layer_groups(model), [], [], cfg["accum"]
+    opt, groups, losses, k = Masters(model), layer_groups(model), [], cfg["accum"]
+    NORMS.clear()
     for step in range(steps):
         for micro in range(k):
             x = batch(step, micro)
@@ -156,8 +129,8 @@ def run_manual(cfg: dict, steps: int):
             for p in params:
                 p.grad.copy_(flat[at:at + p.numel()].view(p.shape))
                 at += p.numel()
-        norms.append(opt.step(cfg["clip"]))
-    return model, losses, norms
+        opt.step(cfg["clip"])
+    return model, losses, list(NORMS)
 
 
 def serve(cfg: dict | None = None, meta: bool = True, **options):

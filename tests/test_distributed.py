@@ -38,9 +38,12 @@ def env_for(daemon, tmp: Path) -> dict:
     return env
 
 
-def torchrun(daemon, nproc: int, case: str, out: Path, *args: str, timeout: float = 240) -> None:
-    cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", WORKER, case, str(out), *args]
-    done = subprocess.run(cmd, env=env_for(daemon, out), capture_output=True, text=True, timeout=timeout)
+def torchrun(daemon, nproc: int, case: str, out: Path, *args: str, timeout: float = 240, worker: str = WORKER,
+             env: dict | None = None) -> None:
+    """``worker`` CASE OUT ARGS under torchrun on one host (``env``: more of the ranks' environment)."""
+    cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", worker, case, str(out), *args]
+    done = subprocess.run(cmd, env=dict(env_for(daemon, out), **(env or {})), capture_output=True, text=True,
+                          timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
 

@@ -14,19 +14,18 @@ import torch
 
 import fuyou_client
 from conftest import SMALL, merge, private_daemon
-from test_distributed import TORCHRUN, env_for, free_port, results
+import test_distributed as distributed
+from test_distributed import env_for, free_port, results
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "tests" / "opthost_worker.py")
 CONFIG = merge(SMALL, {"storage": {"capacity_per_device": "1GiB"}})
 
 
-def torchrun(daemon, nproc: int, case: str, out: Path, *args: str, opt_ranks: str | None = None,
-             timeout: float = 240, env: dict | None = None) -> None:
-    cmd = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", WORKER, case, str(out), *args]
-    run_env = dict(env_for(daemon, out), OPT_RANKS=opt_ranks or str(nproc - 1), **(env or {}))
-    done = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+def torchrun(daemon, nproc: int, case: str, out: Path, *args: str, env: dict | None = None) -> None:
+    """opthost_worker.py under torchrun; the last rank is the optimizer rank."""
+    distributed.torchrun(daemon, nproc, case, out, *args, worker=WORKER,
+                         env=dict(OPT_RANKS=str(nproc - 1), **(env or {})))
 
 
 class launch:

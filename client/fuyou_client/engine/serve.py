@@ -40,8 +40,10 @@ from fuyou_client.device import resolve
 from fuyou_client.engine.build import build
 from fuyou_client.engine.options import AttachOptions, check_optimizer_ranks
 from fuyou_client.errors import NonFinite
+from fuyou_client.gradients import guard
 from fuyou_client.groups.masters import read_masters
 from fuyou_client.model import split
+from fuyou_client.model.blocks import flat_parts
 from fuyou_client.model import resolve as resolve_groups
 from fuyou_client.optim import AdamW
 from fuyou_client.parallel import link as wire
@@ -138,22 +140,21 @@ def _serve(model, session, layout: Layout, link: Link, assignments: list, torch_
                 params = [p for _, p in spec.params]
                 flat = torch.empty(spec.numel, dtype=params[0].dtype)
                 link.from_first_worker(flat)
-                at = 0
-                for p in params:
-                    p.copy_(flat[at:at + p.numel()].view(p.shape))
-                    at += p.numel()
+                for p, part in zip(params, flat_parts(flat, [p.shape for p in params])):
+                    p.copy_(part.view(p.shape))
     engine = None
     try:
         engine = build(model, session, torch_groups, owned, opts, resolve("cpu", model), False,
                        opts.resume is not None, None, SingleProcess())
     except BaseException as exc:  # noqa: BLE001 - agreed below
         error = exc
-    world.agree(error, "attach")
-    world.gather(distributed.daemon_identity(session))
     try:  # (after a resume the workers fetch their resident groups' weights first)
+        world.agree(error, "attach")
+        world.gather(distributed.daemon_identity(session))
         return Server(engine, layout, link, assignments).run()
     finally:
-        engine.close(materialize=False)
+        if engine is not None:  # (also when another rank's attach failed)
+            engine.close(materialize=False)
 
 
 def _owned_on_cpu(owned: list) -> None:
@@ -184,10 +185,13 @@ def _restore(session, layout: Layout, index: int, owned: list, directory) -> byt
         raise ValueError(f"{directory} was written by {written.get('optimizer_ranks')} optimizer ranks and this job "
                          f"has {len(layout.optimizer_ranks)}: resume with as many optimizer ranks (any number of "
                          "workers)")
+    groups = written.get("groups")
+    if not isinstance(groups, list) or len(groups) != len(layout.optimizer_ranks):
+        raise ValueError(f"{directory / LAYOUT_FILE} does not list each optimizer rank's groups: it is damaged")
     names = [spec.name for spec in owned]
-    if written.get("groups", [None] * (index + 1))[index] != names:
+    if groups[index] != names:
         raise ValueError(f"{directory}: optimizer rank {index} owned other layer groups when it was written "
-                         f"({written['groups'][index]} now {names}): the checkpoint is of another model")
+                         f"({groups[index]} now {names}): the checkpoint is of another model")
     restored = session.restore(checkpoint_part(directory, index))
     return restored.client_state
 
@@ -200,6 +204,12 @@ class Server:
         self.names = [spec.name for spec, _ in assignments]  # the workers' group index -> name
         self.all_names = [[spec.name for spec, k in assignments if k == m] for m in range(len(layout.optimizer_ranks))]
         self.workers = layout.worker_count
+        self.by_name = {g.spec.name: g for g in engine.groups}
+        # One buffer for every gather and scatter, the largest owned group's padded vector
+        # and a row for this rank's own part: the loop runs one exchange at a time.
+        per = max(layout.shards(g.numel).per for g in engine.groups)
+        self._staging = torch.zeros((self.workers + 1) * per, dtype=max((g.dtype for g in engine.groups),
+                                                                        key=lambda d: d.itemsize))
         self.steps: dict[int, object] = {}  # group -> its step's future
         self.commands: dict[str, int] = {}
         self.stepped = 0
@@ -216,23 +226,27 @@ class Server:
             raise CollectiveError(distributed.explain(f"optimizer rank {world.rank}: serving the workers failed",
                                                       exc, world)) from exc
 
+    def _rows(self, g) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The staging buffer as the group's padded vector and its rows: one shard per
+        worker, then this rank's own (the link's order)."""
+        per = self.layout.shards(g.numel).per
+        flat = self._staging.view(torch.uint8)[:(self.workers + 1) * per * g.dtype.itemsize].view(g.dtype)
+        return flat, list(flat.view(self.workers + 1, per))
+
     def _run(self) -> Served:
         link = self.link
-        by_name = {g.spec.name: g for g in self.engine.groups}
         while True:
             op, index, a, b = link.listen()
             name = wire.OP_NAMES.get(op, str(op))
             self.commands[name] = self.commands.get(name, 0) + 1
             if op == wire.CLOSE:
                 break
-            g = self._group(index, by_name) if op in (wire.REDUCE, wire.STEP, wire.WEIGHTS, wire.MASTERS,
-                                                      wire.FETCH) else None
+            g = self._group(index) if op in (wire.REDUCE, wire.STEP, wire.WEIGHTS, wire.MASTERS,
+                                             wire.FETCH) else None
             if op == wire.REDUCE:
-                shards = self.layout.shards(g.numel)
-                parts = [torch.empty(shards.per, dtype=g.dtype) for _ in range(self.workers + 1)]
-                link.gather(parts[-1], parts)  # (the last: its own, nothing)
-                grads = g.grads.tensor(g.dtype)[:g.numel]
-                grads.copy_(torch.cat(parts[:-1])[:g.numel]).div_(self.workers)
+                flat, rows = self._rows(g)
+                link.gather(rows[-1], rows)  # (the last: its own, nothing)
+                g.grads.tensor(g.dtype)[:g.numel].copy_(flat[:g.numel]).div_(self.workers)
                 if a:
                     self._step(g, index, wire.scale_of(b))
             elif op == wire.STEP:
@@ -240,9 +254,9 @@ class Server:
             elif op == wire.NORM:  # (the groups the workers touched this iteration: reduced here)
                 part = torch.zeros(1, dtype=torch.float32)
                 for i in link.object_from_first_worker():
-                    if self.names[i] not in by_name:
+                    if self.names[i] not in self.by_name:
                         continue  # (another optimizer rank's)
-                    h = self._group(i, by_name)
+                    h = self._group(i)
                     part += torch.linalg.vector_norm(h.grads.tensor(h.dtype)[:h.numel].float(), 2.0) ** 2
                 link.sum(part)
             elif op == wire.WEIGHTS:
@@ -267,9 +281,9 @@ class Server:
                                    "(a worker of another version?)")
         return Served(self.commands, self.stepped)
 
-    def _group(self, index: int, by_name: dict):
+    def _group(self, index: int):
         name = self.names[index] if 0 <= index < len(self.names) else None
-        g = by_name.get(name)
+        g = self.by_name.get(name)
         if g is None:
             raise RuntimeError(f"the workers sent group #{index} ({name}) to optimizer rank {self.layout.world.rank}, "
                                "which does not own it: the ranks disagree on the layout")
@@ -281,8 +295,6 @@ class Server:
     def _weights(self, g, index: int, status_only: bool = False) -> None:
         """The step's outcome (a small broadcast) and, stepped, the new weights (not to
         workers that keep no copy of them: ``status_only``)."""
-        from fuyou_client.gradients import guard
-
         step = self.steps.pop(index, None)
         status = torch.zeros(8, dtype=torch.float64)
         message = None
@@ -312,11 +324,10 @@ class Server:
 
     def _send(self, g) -> None:
         """The group's weights, one shard to each worker."""
-        shards = self.layout.shards(g.numel)
-        padded = torch.zeros(shards.padded, dtype=g.dtype)
-        padded[:g.numel] = g.weights.tensor(g.dtype)[:g.numel]
-        parts = list(padded.view(self.workers, shards.per))
-        self.link.scatter(torch.empty(shards.per, dtype=g.dtype), [*parts, torch.empty(shards.per, dtype=g.dtype)])
+        flat, rows = self._rows(g)
+        flat[:g.numel].copy_(g.weights.tensor(g.dtype)[:g.numel])
+        flat[g.numel:].zero_()  # (the padding: what a gather left there)
+        self.link.scatter(rows[-1], rows)
 
     def _checkpoint(self, request) -> object:
         """Write this rank's share; returns a summary, or the error as a string."""

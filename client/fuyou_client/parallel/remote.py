@@ -43,6 +43,8 @@ from fuyou_client.checkpoints import client_state, export, load_client_state
 from fuyou_client.errors import NonFinite
 from fuyou_client.gradients.clipping import NormClipper
 from fuyou_client.gradients.strategy import GradientStrategy, Start
+from fuyou_client.groups.layer_group import flat_copy
+from fuyou_client.model.blocks import flat_parts
 from fuyou_client.optim import StepInfo
 from fuyou_client.parallel import link as wire
 from fuyou_client.parallel import world as distributed
@@ -116,12 +118,11 @@ class OptimizerHostWorker(SingleProcess):
                     if spec.params:
                         params = [p for _, p in spec.params]
                         grouped.update(id(p) for p in params)
-                        flat = torch.cat([p.detach().reshape(-1).cpu() for p in params])  # (the links are gloo)
+                        flat = torch.empty(spec.numel, dtype=params[0].dtype)  # (host memory: the links are gloo)
+                        flat_copy(params, flat)
                         self._owner[spec.name].from_first_worker(flat)
-                        at = 0
-                        for p in params:
-                            p.copy_(flat[at:at + p.numel()].view(p.shape))
-                            at += p.numel()
+                        for p, part in zip(params, flat_parts(flat, [p.shape for p in params])):
+                            p.copy_(part.view(p.shape))
             rest = [t for t in (*model.parameters(), *model.buffers()) if id(t) not in grouped]
             for t in rest:  # (frozen parameters and buffers: the workers' own, the first one's)
                 host = t.detach().cpu()
@@ -358,32 +359,29 @@ class Remote(GradientStrategy):
         self._reduced.clear()  # (every step has landed: the barrier)
         return {}, []
 
+    def _fetch(self, name: str, full: torch.Tensor) -> None:
+        """(collective thread) Group ``name``'s weights as its owner has them into ``full``
+        (host memory, padded to the workers' shards)."""
+        link = self.link_of[name]
+        link.command(wire.FETCH, self.index_of[name])
+        self._receive(link, full, self.seam.layout.shards(full.numel()))
+
     def pull(self, g) -> None:
         """(collective) A resident group's weights from its owner, as they are there."""
-        link, index = self.link_of[g.spec.name], self.index_of[g.spec.name]
         host = g.weights.tensor(g.dtype)
-
-        def run():
-            link.command(wire.FETCH, index)
-            self._receive(link, host[:g.shard_padded], self.seam.layout.shards(g.numel))
-        self.collectives.run(f"weights {g.spec.name}", run)
+        self.collectives.run(f"weights {g.spec.name}", lambda: self._fetch(g.spec.name, host[:g.shard_padded]))
         if g.device_weights is not None:
             g.device_weights[:g.numel].copy_(host[:g.numel])
 
     def fetch_from_owner(self, og, slot, fetch: Future) -> Future:
         """(the offloader's ``gather``) An offloaded block's weights into the slot, sent by
         its owner (on a device with its own memory, then uploaded into the slot there)."""
-        link, index = self.link_of[og.name], self.index_of[og.name]
-
         def run():
             served = fetch.result()  # (nothing was read: [])
-            link.command(wire.FETCH, index)
-            shards = self.seam.layout.shards(og.numel)  # (og.numel: padded already)
-            flat = slot.host.tensor(og.dtype)[:shards.padded]
-            self._receive(link, flat, shards)
+            flat = slot.host.tensor(og.dtype)[:og.numel]  # (og.numel: padded already)
+            self._fetch(og.name, flat)
             if not self.device.shares_host_memory:  # (the slot's last compute is done with it)
-                self.device.upload(slot.device.view(og.dtype)[:og.numel], flat[:og.numel],
-                                   after=slot.released).synchronize()
+                self.device.upload(slot.device.view(og.dtype)[:og.numel], flat, after=slot.released).synchronize()
             return served
         return self.collectives.submit(f"fetch {og.name}", run, after=fetch)
 
