@@ -259,7 +259,8 @@ def main(argv=None) -> int:
         import datetime
         import platform
         args.json.write_text(json.dumps({
-            "command": "python " + " ".join([os.path.relpath(sys.argv[0], HERE.parent), *sys.argv[1:]]),
+            "command": "python " + " ".join([os.path.relpath(__file__, HERE.parent),
+                                             *(argv if argv is not None else sys.argv[1:])]),
             "host": {"note": "a model, computed: no rate is measured on this host", "python": platform.python_version(),
                      "machine": platform.machine()},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

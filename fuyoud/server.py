@@ -133,6 +133,8 @@ class Daemon:
             if left:
                 log.info("session %d: deleted the %d objects (%s) of its unnamed namespace %s", session.id,
                          len(left), format_size(sum(m.size for m in left)), session.namespace)
+            if not self.store.list(session.namespace):  # (no snapshot either: nothing of it stays, not its owner)
+                self.store.index_db.release_namespace(session.namespace)
         dropped = self.store.drop_transient(session.id)
         freed = self.pool.release_session(session.id)
         self.metrics.sessions_closed.labels("closed").inc()

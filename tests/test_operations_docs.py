@@ -25,7 +25,7 @@ CODE_BLOCK = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", re.S | re.M)
 INLINE = re.compile(r"`([^`]+)`")
 FUYOUCTL = re.compile(r"(?:^|[\s/'])fuyouctl((?:[ \t]+[^\s`'|;&#]+)*)")
 # fuyouctl's own options that take a value (the word after them is not the subcommand)
-GLOBAL_WITH_VALUE = {o for a in ctl.parser()._actions if a.option_strings and a.nargs != 0 for o in a.option_strings}
+GLOBAL_WITH_VALUE = {o for a in ctl.parser(plan=False)._actions if a.option_strings and a.nargs != 0 for o in a.option_strings}
 
 
 def slug(heading: str) -> str:

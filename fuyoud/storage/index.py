@@ -115,6 +115,11 @@ class IndexDB:
         with self._lock, self._db:
             self._db.execute("INSERT OR IGNORE INTO namespaces VALUES (?, ?)", (namespace, uid))
 
+    def release_namespace(self, namespace: str) -> None:
+        """Forget a namespace's owner (it holds no object any more)."""
+        with self._lock, self._db:
+            self._db.execute("DELETE FROM namespaces WHERE name = ?", (namespace,))
+
     def get_meta(self, key: str) -> str | None:
         with self._lock:
             row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
