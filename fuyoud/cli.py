@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
+from pathlib import Path
 
 from fuyoud import __version__, logs
 from fuyoud.config import ConfigError, load
@@ -38,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exit-with-parent", action="store_true",
                         help="stop (as on SIGTERM) when the process that started this one dies "
                              "(private daemons of fuyou_client.start_daemon)")
+    parser.add_argument("--remove-when-stopped", metavar="DIR", action="append", default=[],
+                        help="remove DIR, data files and all, once stopped, however the daemon was stopped "
+                             "(private daemons' temporary directories; DIR must be the config's state_dir or "
+                             "runtime_dir)")
     parser.add_argument("--log-format", choices=["auto", "logfmt", "journald"], help="override [daemon.log_format]")
     parser.add_argument("--version", action="version", version=f"fuyoud {__version__}")
     args = parser.parse_args(argv)
@@ -48,22 +54,39 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"fuyoud: bad config: {exc}", file=sys.stderr)
         return 2
+    ours = {config.daemon.state_dir.resolve(), config.daemon.runtime_dir.resolve()}
+    removals = [Path(d).resolve() for d in args.remove_when_stopped]
+    for d in removals:
+        if d not in ours:
+            print(f"fuyoud: --remove-when-stopped {d}: only the config's state_dir ({config.daemon.state_dir}) or "
+                  f"runtime_dir ({config.daemon.runtime_dir}) may be removed", file=sys.stderr)
+            return 2
     if args.check_config:
         print(f"fuyoud: {args.config or 'embedded defaults'}: OK")
         return 0
     logs.setup(args.log_level or config.daemon.log_level, args.log_format or config.daemon.log_format)
+    return _serve(config, removals)
+
+
+def _serve(config, removals: list[Path]) -> int:
     from fuyoud.server import Daemon, StartFailed  # heavy imports after argument checks
 
+    log = logging.getLogger("fuyoud")
     try:
         daemon = Daemon(config)
-    except Exception as exc:  # start-up failures: say what and stop
-        logging.getLogger("fuyoud").error("cannot start: %s", exc)
+    except Exception as exc:  # start-up failures: say what and stop (removing nothing: the directory
+        log.error("cannot start: %s", exc)  # may be another daemon's, which refused us)
         return 1
     try:
         daemon.run_until_signalled()
     except StartFailed as exc:
-        logging.getLogger("fuyoud").error("cannot start: %s", exc)
+        log.error("cannot start: %s", exc)
         return 1
+    finally:  # (stopped: the store closed its data files, so their space is free at once)
+        for d in removals:
+            if d == config.daemon.state_dir.resolve() or daemon.owns_runtime_dir:
+                log.info("removing %s (--remove-when-stopped)", d)
+                shutil.rmtree(d, ignore_errors=True)
     return 0
 
 

@@ -84,7 +84,7 @@ def _refuse_if_served(path: Path, kind: int) -> None:
 class Daemon:
     def __init__(self, config: Config, engine: IOEngine | None = None):
         self.config = config
-        self._owns_runtime_dir = False
+        self.owns_runtime_dir = False
         self.metrics = Metrics()
         self.metrics_url = ""
         self._stopped = threading.Event()
@@ -146,7 +146,7 @@ class Daemon:
         cfg.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
         for path, kind in ((cfg.control_path, socket.SOCK_STREAM), (cfg.session_path, socket.SOCK_SEQPACKET)):
             _refuse_if_served(path, kind)
-        self._owns_runtime_dir = True  # (its sockets and admin token are this daemon's from here on)
+        self.owns_runtime_dir = True  # (its sockets and admin token are this daemon's from here on)
         self._write_admin_token()
         for d in self.config.checkpoint_dirs:
             try:
@@ -212,7 +212,7 @@ class Daemon:
             self.store.close()
             self.engine.close()
             self.metrics.close()
-            if self._owns_runtime_dir:  # (not another daemon's, refused at start)
+            if self.owns_runtime_dir:  # (not another daemon's, refused at start)
                 self.admin_token_path.unlink(missing_ok=True)
             self._stopped.set()
             log.info("stopped")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -312,14 +313,22 @@ def test_sigterm_lets_in_flight_swaps_finish(short_tmp):
 
 
 @pytest.mark.slow  # (a parent process that starts a daemon, killed: about 8 s)
-def test_a_private_daemon_stops_when_its_parent_dies(short_tmp):
+def test_a_private_daemon_stops_when_its_parent_dies_and_takes_its_temporary_directory(short_tmp):
+    """A script that dies without stop() (SIGKILLed here; an exception is the same) leaves
+    no daemon and no temporary state directory: the data files' space is free again (each
+    crashed run left its whole state in /tmp before the daemon removed it itself)."""
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import fuyou_client, time
-        d = fuyou_client.start_daemon({str(short_tmp / 'state')!r}, config={SMALL!r})
-        print(d.pid, flush=True)
+        d = fuyou_client.start_daemon(config={SMALL!r})
+        with fuyou_client.connect(d.socket) as s:
+            buf = s.allocate(1 << 20)
+            s.swap_out("w", buf)
+        print(d.pid, d.state_dir, flush=True)
         time.sleep(600)
     """)], stdout=subprocess.PIPE, text=True)
-    pid = int(parent.stdout.readline())
+    pid, state = parent.stdout.readline().split(maxsplit=1)
+    pid, state = int(pid), Path(state.strip())
+    assert (state / "data").is_dir()
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + 20
@@ -331,7 +340,24 @@ def test_a_private_daemon_stops_when_its_parent_dies(short_tmp):
         time.sleep(0.1)
     else:
         os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(state, ignore_errors=True)
         pytest.fail("the private daemon outlived its parent")
+    assert not state.exists(), "the temporary state directory outlived its daemon"
+
+
+def test_remove_when_stopped_takes_only_the_daemons_own_directories(tmp_path):
+    """fuyoud --remove-when-stopped (start_daemon's, for its temporary directories) refuses
+    any directory but the config's state_dir and runtime_dir, before it starts."""
+    config = tmp_path / "fuyoud.toml"
+    config.write_text(f'[daemon]\nstate_dir = "{tmp_path / "state"}"\nruntime_dir = "{tmp_path / "run"}"\n')
+    other = tmp_path / "precious"
+    other.mkdir()
+    r = subprocess.run([sys.executable, "-m", "fuyoud", "--config", str(config), "--remove-when-stopped", str(other),
+                        "--check-config"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "only the config's state_dir" in r.stderr and other.is_dir()
+    r = subprocess.run([sys.executable, "-m", "fuyoud", "--config", str(config), "--remove-when-stopped",
+                        str(tmp_path / "state"), "--check-config"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.slow  # (two daemons started and stopped: about 8 s)

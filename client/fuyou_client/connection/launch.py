@@ -40,14 +40,15 @@ def to_toml(config: dict[str, dict[str, Any]]) -> str:
 
 class DaemonProcess:
     def __init__(self, process: subprocess.Popen, state_dir: Path, socket: str, config_path: Path, log_path: Path,
-                 temporary: list[Path] | None = None):
+                 temporary: list[Path] | None = None, log_reader=None):
         self.process = process
         self.state_dir = state_dir
         self.socket = socket
         self.config_path = config_path
         self.log_path = log_path
-        self.temporary = list(temporary or [])  # directories start_daemon made: removed by stop()
-        self._log: str | None = None  # the log, kept when its directory went
+        self.temporary = list(temporary or [])  # directories start_daemon made: the daemon removes them
+        self._log_reader = log_reader  # (open: the log stays readable when the daemon removed its directory)
+        self._log: str | None = None  # the log, kept once the daemon stopped
 
     @property
     def pid(self) -> int:
@@ -56,6 +57,8 @@ class DaemonProcess:
     def log(self) -> str:
         if self._log is not None:
             return self._log
+        if self._log_reader is not None:
+            return _read_all(self._log_reader)
         return self.log_path.read_text(errors="replace")
 
     def status(self, timeout: float = 10.0):
@@ -70,7 +73,8 @@ class DaemonProcess:
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, wait; returns the exit code (SIGKILL after ``timeout``). A temporary
         state directory (start_daemon without one) goes with the daemon, its data files
-        too; ``log()`` still gives the log."""
+        too (the daemon removes it as it stops; this makes sure after a SIGKILL); ``log()``
+        still gives the log."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -78,11 +82,16 @@ class DaemonProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self._log_reader is not None:
+            self._log = _read_all(self._log_reader)
+            self._log_reader.close()
+            self._log_reader = None
         if self.temporary:
-            try:
-                self._log = self.log_path.read_text(errors="replace")
-            except OSError:
-                self._log = ""
+            if self._log is None:
+                try:
+                    self._log = self.log_path.read_text(errors="replace")
+                except OSError:
+                    self._log = ""
             for path in self.temporary:
                 shutil.rmtree(path, ignore_errors=True)
             self.temporary = []
@@ -99,6 +108,11 @@ class DaemonProcess:
         self.stop()
 
 
+def _read_all(f) -> str:
+    f.seek(0)
+    return f.read().decode(errors="replace")
+
+
 def _write_private(path: Path, data: bytes) -> None:
     """A file only this user may read, whatever the umask."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -113,8 +127,9 @@ def start_daemon(state_dir: str | os.PathLike | None = None, config: dict[str, d
     index, sockets) under ``state_dir`` (a new temporary directory by default), plus any
     ``config`` overrides ({"section": {"key": value}}). Returns once it serves. The daemon
     stops by itself if this process dies without stopping it. A temporary state directory
-    is removed, data files and all, when the daemon is stopped (``stop()``, or the end of
-    a ``with`` block); one you name is kept."""
+    is removed, data files and all, when the daemon stops (``stop()``, the end of a
+    ``with`` block, or this process's end, an exception or a kill included: the daemon
+    removes it itself); one you name is kept."""
     temporary = []
     state = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="fuyoud-"))
     if not state_dir:
@@ -141,8 +156,11 @@ def start_daemon(state_dir: str | os.PathLike | None = None, config: dict[str, d
         notify.bind(str(notify_path))
         child_env = dict(os.environ if env is None else env, NOTIFY_SOCKET=str(notify_path))
         with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600), "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "fuyoud", "--config", str(config_path), "--exit-with-parent"],
-                                    stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+            log_reader = open(log_path, "rb")
+            removals = [a for path in temporary for a in ("--remove-when-stopped", str(path))]
+            proc = subprocess.Popen([sys.executable, "-m", "fuyoud", "--config", str(config_path), "--exit-with-parent",
+                                     *removals], stdout=log, stderr=subprocess.STDOUT, env=child_env,
+                                    start_new_session=True)
         deadline = time.monotonic() + timeout
         while True:
             notify.settimeout(0.2)
@@ -155,10 +173,11 @@ def start_daemon(state_dir: str | os.PathLike | None = None, config: dict[str, d
                 if proc.poll() is None:
                     proc.kill()
                 proc.wait()
-                tail = log_path.read_text(errors="replace")[-2000:]
+                tail = _read_all(log_reader)[-2000:]
+                log_reader.close()
                 shutil.rmtree(notify_dir, ignore_errors=True)
                 for path in temporary:
                     shutil.rmtree(path, ignore_errors=True)
                 raise DaemonUnavailable(f"fuyoud did not become ready (exit code {proc.returncode}); log:\n{tail}")
     shutil.rmtree(notify_dir, ignore_errors=True)
-    return DaemonProcess(proc, state, sock, config_path, log_path, temporary)
+    return DaemonProcess(proc, state, sock, config_path, log_path, temporary, log_reader)
