@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fuyou_proto.contract import SNAPSHOT_PREFIX, group_of
-from fuyoud import __version__, failpoints
+from fuyoud import __version__, failpoints, unnamed
 from fuyoud.checkpoint_files import (CLIENT_STATE, FORMAT, MANIFEST, MAX_CLIENT_STATE, MAX_MANIFEST,
                                      CheckpointDir, Location, Manifest, NewCheckpoint, object_file,
                                      parse_manifest, refuse_existing, require_room, write_failure)
@@ -401,3 +401,5 @@ class Checkpointer:
         where.remove()
         store.index_db.forget_checkpoint(str(where.path))
         log.info("checkpoint %s deleted", where.path)
+        if unnamed.is_unnamed(known.namespace) and not self.sessions.holds(known.namespace):
+            unnamed.reclaim(store, known.namespace)  # (its session is over: its owner goes with its last object)

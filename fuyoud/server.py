@@ -28,7 +28,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fuyou_proto import rpc
-from fuyou_proto.contract import SNAPSHOT_PREFIX
 from fuyoud import __version__
 from fuyoud.checkpoint import Checkpointer, recover
 from fuyoud.config import Config
@@ -53,6 +52,7 @@ from fuyoud.storage.device import Device
 from fuyoud.storage.index import IndexDB
 from fuyoud.storage.store import Store
 from fuyoud.units import format_size
+from fuyoud import unnamed
 from fuyoud.watchdog import Watchdog, interval_from_env
 
 log = logging.getLogger("fuyoud")
@@ -96,6 +96,7 @@ class Daemon:
                          lock=config.memory.lock, pages=self.huge_pages.choose)
         self.store = self._open_store()
         recover(self.store)
+        unnamed.reclaim_left_behind(self.store)
         buffers = StateBuffers(config.optimizer.buffers, config.optimizer.buffer_budget,
                                config.optimizer.session_buffers)
         self.optimizer = Optimizer(self.store, buffers, config.optimizer.state_cache)
@@ -128,13 +129,10 @@ class Daemon:
     def _session_closed(self, session: Session) -> None:
         self.optimizer.forget(session.namespace)
         if session.ephemeral:  # (a namespace the daemon named: its state would be left on the SSDs for good)
-            left = [m for m in self.store.list(session.namespace) if not m.name.startswith(SNAPSHOT_PREFIX)]
-            self.store.delete(session.namespace, [m.name for m in left], missing_ok=True)
-            if left:
+            count, size = unnamed.reclaim(self.store, session.namespace)
+            if count:
                 log.info("session %d: deleted the %d objects (%s) of its unnamed namespace %s", session.id,
-                         len(left), format_size(sum(m.size for m in left)), session.namespace)
-            if not self.store.list(session.namespace):  # (no snapshot either: nothing of it stays, not its owner)
-                self.store.index_db.release_namespace(session.namespace)
+                         count, format_size(size), session.namespace)
         dropped = self.store.drop_transient(session.id)
         freed = self.pool.release_session(session.id)
         self.metrics.sessions_closed.labels("closed").inc()

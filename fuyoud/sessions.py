@@ -5,8 +5,8 @@ belong to its namespace, which is held by at most one live session at a time and
 belongs to the uid that first used it. Closing a session (CloseSession, or EOF on the
 session socket when the process dies) releases everything it held, and where the daemon
 named its namespace (the client named none) that namespace's persistent objects too:
-nobody could come back to them. Its snapshot checkpoints' objects stay until the
-checkpoint is deleted.
+nobody could come back to them (fuyoud/unnamed.py). Its snapshot checkpoints' objects
+stay until the checkpoint is deleted.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from typing import Callable
 
 from fuyoud.errors import AlreadyExists, NotFound, PermissionDenied, Unauthenticated, Unavailable
 from fuyoud.names import check_namespace, shown
+from fuyoud.unnamed import refuse_unnamed, unnamed_namespace
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +73,9 @@ class SessionRegistry:
             sid = next(self._ids)
             ephemeral = namespace is None
             if ephemeral:
-                namespace = f"session-{sid}-{secrets.token_hex(4)}"
+                namespace = unnamed_namespace(sid)
             else:
-                check_namespace(namespace)
+                refuse_unnamed(check_namespace(namespace))
             owner = self._namespace_owner(namespace)
             if owner is not None and owner != uid and uid != 0:
                 raise PermissionDenied(f"namespace {shown(namespace)} belongs to uid {owner}")
@@ -118,6 +119,11 @@ class SessionRegistry:
             if s.id == session_id:
                 return s
         raise NotFound(f"no live session {session_id} (fuyouctl sessions lists them)")
+
+    def holds(self, namespace: str) -> bool:
+        """Whether a live session holds ``namespace``."""
+        with self._lock:
+            return namespace in self._by_namespace
 
     def all(self) -> list[Session]:
         with self._lock:

@@ -223,18 +223,16 @@ def test_a_run_that_names_no_namespace_leaves_only_its_checkpoints_behind(short_
         run(model, engine, sched, BATCHES[:1])
         engine.save_checkpoint(short_tmp / "snap", mode="snapshot")
         run(model, engine, sched, BATCHES[1:2])
-        first = engine.session.namespace
         engine.close()
         assert empty < used() <= empty + sum(p.numel() * 12 for p in model.parameters()) + (1 << 20)
         again = fuyou_client.attach(gpt2(), socket=d.socket, resume=short_tmp / "snap")
         again.session.delete_checkpoint(short_tmp / "snap")
         again.close()
         assert used() == empty
-        # The second run's namespace held nothing when it closed: not even its owner stays. (The
-        # first's owner stays: its snapshot outlived its session, and the daemon no longer knew
-        # the namespace was its own when that was deleted.)
+        # Neither namespace's owner stays: the second's held nothing when it closed, the first's
+        # last object (its snapshot) went with the checkpoint, its session being over.
         owners = sqlite3.connect(f"file:{short_tmp / 'state' / 'index.sqlite'}?mode=ro", uri=True)
-        assert owners.execute("SELECT name FROM namespaces").fetchall() == [(first,)]
+        assert owners.execute("SELECT name FROM namespaces").fetchall() == []
         owners.close()
         named = fuyou_client.attach(gpt2(), socket=d.socket, namespace="kept")
         named.close()

@@ -5,6 +5,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -161,6 +162,35 @@ def test_persistent_objects_survive_a_restart_and_transient_ones_do_not(short_tm
             buf = s.allocate(len(data))
             s.swap_in("weights", buf)
             assert bytes(buf.view) == data
+
+
+def test_a_restart_after_a_crash_reclaims_what_unnamed_sessions_left(short_tmp):
+    """A daemon SIGKILLed with a live session that named no namespace: nobody can come back
+    to that namespace, so the next start deletes what it held (and forgets its owner); a
+    named namespace's objects stay."""
+    cfg = merge(SMALL, {"storage": {"data_dirs": [str(short_tmp / "a")]}})
+    index = short_tmp / "state" / "index.sqlite"
+    owners = lambda: {r[0] for r in sqlite3.connect(f"file:{index}?mode=ro", uri=True).execute(  # noqa: E731
+        "SELECT name FROM namespaces")}
+    d = fuyou_client.start_daemon(short_tmp / "state", config=cfg)
+    try:
+        empty = sum(dev.used_bytes for dev in d.status().devices)
+        named, anon = fuyou_client.connect(d.socket, namespace="job"), fuyou_client.connect(d.socket)
+        for s in (named, anon):
+            buf = s.allocate(3 * MiB)
+            buf.view[:] = random_bytes(3 * MiB)
+            s.swap_out("weights", buf, persistent=True)
+        assert owners() == {"job", anon.namespace}
+        d.kill()
+    finally:
+        d.stop()
+    with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as d:
+        status = d.status()
+        assert status.objects == 1 and sum(dev.used_bytes for dev in status.devices) == empty + 3 * MiB
+        assert owners() == {"job"}
+        assert "deleted the 1 objects (3.0 MiB) of " + anon.namespace in d.log()
+        with fuyou_client.connect(d.socket, namespace="job") as s:
+            assert [o.name for o in s.objects()] == ["weights"]
 
 
 CHILD = textwrap.dedent("""

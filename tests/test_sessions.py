@@ -47,6 +47,12 @@ def test_bad_namespaces_and_shutdown(world):
     for bad in ("", "../x", "a/b", "x" * 200, "-lead"):
         with pytest.raises(InvalidArgument):
             reg.open(uid=0, pid=1, namespace=bad)
+    # The daemon's own form for sessions that name none: a client naming one could take
+    # over, or lose, what an unnamed session holds.
+    anon = reg.open(uid=0, pid=1, namespace=None)
+    with pytest.raises(InvalidArgument, match="keeps for sessions that name no namespace"):
+        reg.open(uid=0, pid=2, namespace=anon.namespace.replace(anon.namespace.split("-")[1], "99", 1))
+    assert reg.open(uid=0, pid=3, namespace="session-7").namespace == "session-7"  # (other forms are free)
     reg.accepting = False
     with pytest.raises(Unavailable):
         reg.open(uid=0, pid=1, namespace=None)

@@ -115,6 +115,11 @@ class IndexDB:
         with self._lock, self._db:
             self._db.execute("INSERT OR IGNORE INTO namespaces VALUES (?, ?)", (namespace, uid))
 
+    def owned_namespaces(self) -> list[str]:
+        """The namespaces with a recorded owner."""
+        with self._lock:
+            return [row[0] for row in self._db.execute("SELECT name FROM namespaces")]
+
     def release_namespace(self, namespace: str) -> None:
         """Forget a namespace's owner (it holds no object any more)."""
         with self._lock, self._db:

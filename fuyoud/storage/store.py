@@ -325,6 +325,11 @@ class Store:
             return sorted((e.meta for (ns, n), e in self._objects.items()
                            if ns == namespace and n.startswith(prefix)), key=lambda m: m.name)
 
+    def namespaces(self) -> set[str]:
+        """The namespaces that hold objects."""
+        with self._lock:
+            return {ns for ns, _ in self._objects}
+
     def delete(self, namespace: str, names: Iterable[str], missing_ok: bool = False) -> int:
         names = list(names)
         with self._lock:
