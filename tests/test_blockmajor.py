@@ -253,9 +253,20 @@ def test_bad_input_is_refused_before_any_step(daemon):
         engine.train_step([x, x], lambda b: model(b, labels=b).logits)
     with pytest.raises(RuntimeError, match="no_grad"), torch.no_grad():
         engine.train_step([x], loss)
-    assert engine.part_steps() == {0: 0}
+    # train_step calls blocks' forward itself: a hook on a block would silently not run.
+    # (A hook inside a block runs, in forward and in backward's recomputation: the attention's.)
+    inner = []
+    model.transformer.h[1].attn.register_forward_hook(lambda *_: inner.append(1))
+    for register in (model.transformer.h[1].register_forward_pre_hook,
+                     model.transformer.h[1].register_full_backward_hook):
+        handle = register(lambda *_: None)
+        with pytest.raises(RuntimeError, match="block 'transformer.h.1' has 1 (forward pre-hook|backward hook): "
+                                               "remove them"):
+            engine.train_step([x], loss)
+        handle.remove()
+    assert engine.part_steps() == {0: 0} and not inner
     engine.train_step([x, x], loss)  # (and it still trains)
-    assert engine.part_steps() == {0: 1}
+    assert engine.part_steps() == {0: 1} and len(inner) == 4
     engine.close()
     assert any(not torch.equal(before[n], t) for n, t in model.state_dict().items())
 

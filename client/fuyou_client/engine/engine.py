@@ -178,13 +178,16 @@ class Engine:
         micro-batches of one block plus two. ``activations=`` does not apply to it, and each
         group's gradients add up on the compute device over the micro-batches (in the
         parameters' dtype, as torch adds them) whatever ``grad_accumulation`` says: they
-        leave it once per step."""
+        leave it once per step. It calls each block's ``forward`` itself, so a block with
+        hooks of its own (forward or backward, on the block module) is refused; hooks on
+        modules inside a block run as usual."""
         if hf_checkpointing(self.model):
             raise RuntimeError("train_step recomputes blocks itself; turn Hugging Face gradient checkpointing off "
                                "(gradient_checkpointing_disable())")
         self.parallel.refuse_train_step()
         check_micro_batches(micro_batches, loss_fn)
         self.require_idle("train_step")
+        self._refuse_block_hooks()
         if self._train_step_store is None:
             self._train_step_store = Store(self.session, self.device, self.options.host_budget)
         by_module = {id(g.spec.module): g for g in self.groups if g.spec.module is not None}
@@ -199,6 +202,18 @@ class Engine:
             micro_batches, loss_fn, barrier=self.step, on_failure=self.zero_grad)
         self.zero_grad()
         return losses
+
+    def _refuse_block_hooks(self) -> None:
+        """train_step calls each block's ``forward`` itself (blockmajor/schedule.py), so hooks
+        registered on a block would silently not run: refused, naming them."""
+        for module in self._block_modules:
+            found = self.hooks.foreign(module)
+            if found:
+                name = next(n for n, m in self.model.named_modules() if m is module)
+                raise RuntimeError(
+                    f"train_step calls each block's forward itself (block-major order), so hooks on a block do not "
+                    f"run, and block {name!r} has {', '.join(found)}: remove them, register them on a module inside "
+                    "the block (those run as usual), or train with the ordinary loop (forward, backward, step)")
 
     @property
     def train_step_stats(self):

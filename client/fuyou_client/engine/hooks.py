@@ -116,6 +116,18 @@ class ModelHooks:
             return self.offloader.unpack(saved)
         return self.activations.unpack(saved)
 
+    def foreign(self, module) -> list[str]:
+        """The hooks on ``module`` that are not attach's (the user's, a library's), counted
+        by kind: "1 forward pre-hook"."""
+        ours = {h.id for h in self._handles}
+        found = []
+        for attr, kind in (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
+                           ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook")):
+            n = sum(1 for key in getattr(module, attr) if key not in ours)
+            if n:
+                found.append(f"{n} {kind}{'s' if n > 1 else ''}")
+        return found
+
     def remove(self) -> None:
         """Every hook off."""
         for h in self._handles:
