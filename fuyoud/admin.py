@@ -1,9 +1,11 @@
-"""The operator's service, FuyouAdmin: Status, ListSessions, Drain.
+"""The operator's service, FuyouAdmin: Status, ListSessions, Drain, ListNamespaces,
+DeleteNamespace.
 
 Status and ListSessions need only access to the control socket (its mode and group
 decide who has it), but the sessions they list are the caller's: every session for the
 operator (admin token), the caller's own for a session (its token), none otherwise -
-a tenant learns no other user's uid, pid or namespace. Drain needs the admin token that
+a tenant learns no other user's uid, pid or namespace. Drain and the namespaces' calls
+need the admin token that
 the daemon writes to ``<runtime_dir>/admin.token``, readable by its own user only: root
 and the daemon's user can act as operators, group members who may train cannot.
 """
@@ -15,6 +17,7 @@ import time
 import grpc
 
 from fuyou_proto import SESSION_METADATA_KEY, pb, rpc
+from fuyoud import namespaces
 from fuyoud.handler import ServicerBase, handler
 from fuyoud.sessions import Session
 
@@ -65,3 +68,18 @@ class FuyouAdminServicer(ServicerBase, rpc.FuyouAdminServicer):
         self._require_admin(context, "drain")
         self.set_draining(not request.cancel)
         return pb.DrainReply(draining=self.sessions.draining, sessions=len(self.sessions.all()))
+
+    @handler
+    def ListNamespaces(self, request, context):
+        self._require_admin(context, "listing namespaces")
+        return pb.ListNamespacesReply(namespaces=[
+            pb.NamespaceInfo(name=u.name, owned=u.owner is not None, uid=u.owner or 0, objects=u.objects,
+                             bytes=u.bytes, snapshot_objects=u.snapshot_objects, snapshot_bytes=u.snapshot_bytes,
+                             session_id=u.session_id, checkpoints=u.checkpoints, unnamed=u.unnamed)
+            for u in namespaces.survey(self.store, self.sessions)])
+
+    @handler
+    def DeleteNamespace(self, request, context):
+        self._require_admin(context, "deleting a namespace")
+        count, size, kept = namespaces.delete(self.store, self.optimizer, self.sessions, request.namespace)
+        return pb.DeleteNamespaceReply(objects=count, bytes=size, snapshot_objects=kept)

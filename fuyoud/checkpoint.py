@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fuyou_proto.contract import SNAPSHOT_PREFIX, group_of
-from fuyoud import __version__, failpoints, unnamed
+from fuyoud import __version__, failpoints
 from fuyoud.checkpoint_files import (CLIENT_STATE, FORMAT, MANIFEST, MAX_CLIENT_STATE, MAX_MANIFEST,
                                      CheckpointDir, Location, Manifest, NewCheckpoint, object_file,
                                      parse_manifest, refuse_existing, require_room, write_failure)
@@ -49,6 +49,8 @@ from fuyoud.memory.hugepages import huge_page_buffer
 from fuyoud.optimizer.groups import HEADER, Group
 from fuyoud.optimizer.kernels import OptimizerSpec
 from fuyoud.names import shown
+from fuyoud.namespaces import delete_state
+from fuyoud.unnamed import is_unnamed
 from fuyoud.storage.index import CheckpointRecord
 from fuyoud.storage.pending import PendingWrite, commit_all
 from fuyoud.units import format_size
@@ -401,5 +403,5 @@ class Checkpointer:
         where.remove()
         store.index_db.forget_checkpoint(str(where.path))
         log.info("checkpoint %s deleted", where.path)
-        if unnamed.is_unnamed(known.namespace) and not self.sessions.holds(known.namespace):
-            unnamed.reclaim(store, known.namespace)  # (its session is over: its owner goes with its last object)
+        if is_unnamed(known.namespace) and not self.sessions.holds(known.namespace):
+            delete_state(store, known.namespace)  # (its session is over: its owner goes with its last object)

@@ -5,12 +5,15 @@
                                     last activity (the operator's view: needs the admin token)
     fuyouctl drain [--wait]         stop accepting new sessions; --cancel reopens
     fuyouctl checkpoint SESSION DIR copy a session's state to DIR on the daemon's host
+    fuyouctl namespaces             every namespace on the SSD array: owner, state, snapshot
+                                    checkpoints, the live session holding it
+    fuyouctl delete-namespace NAME  delete a namespace's state (not its checkpoints)
     fuyouctl health                 the grpc.health.v1 status (exit 0 when serving)
     fuyouctl plan MODEL [...]       will MODEL fit this host (or the one described), how fast:
                                     the planner (fuyou_client.sizing); needs no daemon
 
-Tables for people by default, ``--json`` for scripts. drain and checkpoint need the
-admin token the daemon keeps next to its control socket (readable by root and the
+Tables for people by default, ``--json`` for scripts. drain, checkpoint and the
+namespaces' commands need the admin token the daemon keeps next to its control socket (readable by root and the
 daemon's user).
 """
 from __future__ import annotations
@@ -66,7 +69,10 @@ NOT_OPERATOR = "(sessions are shown to the operator only: run fuyouctl as root o
 
 
 def _print_json(message) -> None:
-    print(json.dumps(MessageToDict(message, preserving_proto_field_name=True), indent=2))
+    """Every field, zeros and empty lists too (a script need not know protobuf's defaults:
+    uid 0 is root)."""
+    print(json.dumps(MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True),
+                     indent=2))
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -176,6 +182,40 @@ def cmd_checkpoint(args, channel) -> int:
     return 0
 
 
+def namespaces_table(namespaces) -> str:
+    """STATE: what a run resumes from (every object but its snapshot checkpoints');
+    SNAPSHOTS: its snapshot checkpoints' objects, which share extents with the state when
+    taken."""
+    if not namespaces:
+        return "no namespaces"
+    rows = [[n.name + (" (unnamed)" if n.unnamed else ""), n.uid if n.owned else "-", n.objects,
+             format_size(n.bytes), format_size(n.snapshot_bytes), n.checkpoints, n.session_id or "-"]
+            for n in namespaces]
+    return table(["NAMESPACE", "OWNER", "OBJECTS", "STATE", "SNAPSHOTS", "CHECKPOINTS", "SESSION"], rows)
+
+
+def cmd_namespaces(args, channel) -> int:
+    reply = rpc.FuyouAdminStub(channel).ListNamespaces(pb.Empty(), metadata=_admin_metadata(args),
+                                                        timeout=args.timeout)
+    if args.json:
+        _print_json(reply)
+    else:
+        print(namespaces_table(reply.namespaces))
+    return 0
+
+
+def cmd_delete_namespace(args, channel) -> int:
+    reply = rpc.FuyouAdminStub(channel).DeleteNamespace(pb.DeleteNamespaceRequest(namespace=args.namespace),
+                                                         metadata=_admin_metadata(args), timeout=args.timeout)
+    if args.json:
+        _print_json(reply)
+    else:
+        kept = (f"; the {reply.snapshot_objects} objects of its snapshot checkpoints stay until they are deleted"
+                if reply.snapshot_objects else "")
+        print(f"deleted {args.namespace}: {reply.objects} objects, {format_size(reply.bytes)}{kept}")
+    return 0
+
+
 def cmd_health(args, channel) -> int:
     reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=args.timeout)
     print(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
@@ -224,6 +264,14 @@ def parser(plan: bool = True) -> argparse.ArgumentParser:
                    help="wait at most this long for a point between optimizer steps")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_checkpoint)
+    s = sub.add_parser("namespaces", help="every namespace on the SSD array, what it holds, who holds it")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_namespaces)
+    s = sub.add_parser("delete-namespace", help="delete a namespace's state (refused while a session holds it; "
+                                                "its snapshot checkpoints stay)")
+    s.add_argument("namespace")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_delete_namespace)
     sub.add_parser("health", help="the grpc.health.v1 status").set_defaults(func=cmd_health)
     s = sub.add_parser("plan", help="will a model fit this host, with which settings, how fast (no daemon needed)")
     if plan:

@@ -28,7 +28,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fuyou_proto import rpc
-from fuyoud import __version__
+from fuyoud import __version__, namespaces
 from fuyoud.checkpoint import Checkpointer, recover
 from fuyoud.config import Config
 from fuyoud.errors import FailedPrecondition
@@ -52,7 +52,6 @@ from fuyoud.storage.device import Device
 from fuyoud.storage.index import IndexDB
 from fuyoud.storage.store import Store
 from fuyoud.units import format_size
-from fuyoud import unnamed
 from fuyoud.watchdog import Watchdog, interval_from_env
 
 log = logging.getLogger("fuyoud")
@@ -96,7 +95,7 @@ class Daemon:
                          lock=config.memory.lock, pages=self.huge_pages.choose)
         self.store = self._open_store()
         recover(self.store)
-        unnamed.reclaim_left_behind(self.store)
+        namespaces.reclaim_left_behind(self.store)
         buffers = StateBuffers(config.optimizer.buffers, config.optimizer.buffer_budget,
                                config.optimizer.session_buffers)
         self.optimizer = Optimizer(self.store, buffers, config.optimizer.state_cache)
@@ -129,7 +128,7 @@ class Daemon:
     def _session_closed(self, session: Session) -> None:
         self.optimizer.forget(session.namespace)
         if session.ephemeral:  # (a namespace the daemon named: its state would be left on the SSDs for good)
-            count, size = unnamed.reclaim(self.store, session.namespace)
+            count, size = namespaces.delete_state(self.store, session.namespace)
             if count:
                 log.info("session %d: deleted the %d objects (%s) of its unnamed namespace %s", session.id,
                          count, format_size(size), session.namespace)

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import itertools
 import logging
+from contextlib import contextmanager
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from fuyoud.errors import AlreadyExists, NotFound, PermissionDenied, Unauthenticated, Unavailable
+from fuyoud.errors import (AlreadyExists, FailedPrecondition, NotFound, PermissionDenied, Unauthenticated,
+                           Unavailable)
 from fuyoud.names import check_namespace, shown
 from fuyoud.unnamed import refuse_unnamed, unnamed_namespace
 
@@ -56,6 +58,7 @@ class SessionRegistry:
         self._lock = threading.Lock()
         self._by_token: dict[str, Session] = {}
         self._by_namespace: dict[str, Session] = {}
+        self._withheld: set[str] = set()  # namespaces the operator is deleting: no session may open them
         self._ids = itertools.count(1)
         self.accepting = True  # False once the daemon is stopping
         self.draining = False  # fuyouctl drain: no new sessions, current ones go on
@@ -79,6 +82,9 @@ class SessionRegistry:
             owner = self._namespace_owner(namespace)
             if owner is not None and owner != uid and uid != 0:
                 raise PermissionDenied(f"namespace {shown(namespace)} belongs to uid {owner}")
+            if namespace in self._withheld:
+                raise Unavailable(f"namespace {shown(namespace)} is being deleted by the operator "
+                                  "(fuyouctl delete-namespace)")
             holder = self._by_namespace.get(namespace)
             if holder is not None:
                 raise AlreadyExists(
@@ -119,6 +125,24 @@ class SessionRegistry:
             if s.id == session_id:
                 return s
         raise NotFound(f"no live session {session_id} (fuyouctl sessions lists them)")
+
+    @contextmanager
+    def withheld(self, namespace: str):
+        """No session may open ``namespace`` inside this (the operator deletes its state);
+        refused if a live session holds it now."""
+        with self._lock:
+            holder = self._by_namespace.get(namespace)
+            if holder is not None:
+                raise FailedPrecondition(f"namespace {shown(namespace)} is held by live session {holder.id} (pid "
+                                         f"{holder.pid}): its state can be deleted once that session has ended")
+            if namespace in self._withheld:
+                raise FailedPrecondition(f"namespace {shown(namespace)} is being deleted already")
+            self._withheld.add(namespace)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._withheld.discard(namespace)
 
     def holds(self, namespace: str) -> bool:
         """Whether a live session holds ``namespace``."""

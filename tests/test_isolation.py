@@ -63,6 +63,9 @@ CLIENT = textwrap.dedent("""
     probe("checkpoint_outside", lambda: s.checkpoint(root_dir + "/mine"))
     probe("restore_roots", lambda: s.restore(ckpt))
     probe("drain", lambda: s.admin_stub.Drain(pb.DrainRequest(), metadata=s.metadata))
+    probe("list_namespaces", lambda: s.admin_stub.ListNamespaces(pb.Empty(), metadata=s.metadata))
+    probe("delete_namespace", lambda: s.admin_stub.DeleteNamespace(pb.DeleteNamespaceRequest(namespace="rootns"),
+                                                                    metadata=s.metadata))
     probe("admin_token", lambda: open(token_path).read())
     probe("read_their_manifest", lambda: open(ckpt + "/manifest.json").read())
     probe("read_index", lambda: open(state + "/index.sqlite", "rb").read())
@@ -162,6 +165,8 @@ def test_an_admitted_uid_reaches_nothing_of_another_users(short_tmp):
         assert got["checkpoint_outside"].startswith("PermissionDenied") and "checkpoint_dirs" in got["checkpoint_outside"]
         assert got["restore_roots"].startswith("PermissionDenied") and "uid 0" in got["restore_roots"]
         assert "PERMISSION_DENIED" in got["drain"] and "admin token" in got["drain"]
+        for call in ("list_namespaces", "delete_namespace"):  # (another user's namespaces, named or not)
+            assert "PERMISSION_DENIED" in got[call] and "admin token" in got[call], got[call]
         assert got["admin_token"].startswith("error PermissionError")
         # The daemon's files are its own: another user's checkpoint and the index are not readable.
         assert got["read_their_manifest"].startswith("error PermissionError"), got["read_their_manifest"]

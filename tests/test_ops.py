@@ -77,6 +77,39 @@ def test_fuyouctl_status_and_sessions(daemon):
     assert fuyouctl(daemon, "sessions").stdout.strip() == "no sessions"
 
 
+def test_fuyouctl_namespaces_lists_and_deletes_state_but_not_checkpoints(daemon, short_tmp):
+    """What each namespace holds on the array, and deleting a run's state when its session
+    is over: refused while one holds it, the snapshot checkpoint kept (it still resumes)."""
+    model = Blocks()
+    nparams = sum(p.numel() for p in model.parameters())
+    engine = fuyou_client.attach(model, socket=daemon.socket, namespace="run1")
+    train(engine, model, 1)
+    engine.save_checkpoint(short_tmp / "ck", mode="snapshot")
+    listed = json.loads(fuyouctl(daemon, "namespaces", "--json").stdout)["namespaces"]
+    assert [n["name"] for n in listed] == ["run1"]
+    run1 = listed[0]
+    assert run1["owned"] and run1["uid"] == os.getuid() and int(run1["session_id"]) == engine.session.id
+    assert int(run1["bytes"]) >= 12 * nparams and int(run1["snapshot_bytes"]) >= 12 * nparams
+    assert run1["checkpoints"] == 1
+    held = fuyouctl(daemon, "delete-namespace", "run1", check=False)
+    assert held.returncode == 1 and f"held by live session {engine.session.id}" in held.stderr
+    engine.close()
+    out = fuyouctl(daemon, "delete-namespace", "run1").stdout
+    assert out.startswith(f"deleted run1: {run1['objects']} objects") and "snapshot checkpoints stay" in out
+    table = fuyouctl(daemon, "namespaces").stdout.splitlines()
+    assert table[0].split() == ["NAMESPACE", "OWNER", "OBJECTS", "STATE", "SNAPSHOTS", "CHECKPOINTS", "SESSION"]
+    assert table[1].split()[:5] == ["run1", str(os.getuid()), "0", "0", "B"] and table[1].split()[-2:] == ["1", "-"]
+    again = fuyou_client.attach(Blocks(), socket=daemon.socket, namespace="run2", resume=short_tmp / "ck")
+    assert set(again.part_steps().values()) == {1}
+    again.close()
+    missing = fuyouctl(daemon, "delete-namespace", "nope", check=False)
+    assert missing.returncode == 1 and "no namespace 'nope'" in missing.stderr
+    wrong = short_tmp / "wrong.token"
+    wrong.write_text("not-the-token")
+    denied = fuyouctl(daemon, "--admin-token-file", str(wrong), "namespaces", check=False)
+    assert denied.returncode == 1 and "PERMISSION_DENIED" in denied.stderr
+
+
 @pytest.mark.slow  # (a daemon and fuyouctl calls: about 6 s; sessions are listed in test_fuyouctl_status_and_sessions)
 def test_ranks_of_a_job_show_their_job_and_rank_together(daemon):
     """Sessions named <job>.r<rank> (one per rank of a data-parallel job) show JOB and

@@ -1,7 +1,8 @@
 """Session registry: tokens, exclusive namespaces, ownership by uid, reclaim callback."""
 import pytest
 
-from fuyoud.errors import AlreadyExists, InvalidArgument, PermissionDenied, Unauthenticated, Unavailable
+from fuyoud.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated,
+                           Unavailable)
 from fuyoud.sessions import SessionRegistry
 
 
@@ -56,3 +57,20 @@ def test_bad_namespaces_and_shutdown(world):
     reg.accepting = False
     with pytest.raises(Unavailable):
         reg.open(uid=0, pid=1, namespace=None)
+
+
+def test_a_namespace_being_deleted_cannot_be_opened_nor_one_held_deleted(world):
+    reg, _, _ = world
+    with reg.withheld("job"):
+        with pytest.raises(Unavailable, match="being deleted by the operator"):
+            reg.open(uid=0, pid=1, namespace="job")
+        with pytest.raises(FailedPrecondition, match="being deleted already"):
+            with reg.withheld("job"):
+                pass
+    held = reg.open(uid=0, pid=1, namespace="job")
+    with pytest.raises(FailedPrecondition, match=f"held by live session {held.id}"):
+        with reg.withheld("job"):
+            pass
+    reg.close(held, "done")
+    with reg.withheld("job"):
+        pass

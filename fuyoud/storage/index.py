@@ -154,6 +154,11 @@ class IndexDB:
                              (record.directory, record.namespace, record.uid, record.mode, record.snapshot,
                               record.manifest_sha256))
 
+    def checkpoint_counts(self) -> dict[str, int]:
+        """Recorded checkpoints per namespace."""
+        with self._lock:
+            return dict(self._db.execute("SELECT namespace, count(*) FROM checkpoints GROUP BY namespace"))
+
     def checkpoint_record(self, directory: str) -> CheckpointRecord | None:
         with self._lock:
             row = self._db.execute("SELECT * FROM checkpoints WHERE directory = ?", (directory,)).fetchone()

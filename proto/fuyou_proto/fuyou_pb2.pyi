@@ -395,6 +395,52 @@ class DrainRequest(_message.Message):
     cancel: bool
     def __init__(self, cancel: _Optional[bool] = ...) -> None: ...
 
+class NamespaceInfo(_message.Message):
+    __slots__ = ("name", "owned", "uid", "objects", "bytes", "snapshot_objects", "snapshot_bytes", "session_id", "checkpoints", "unnamed")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OWNED_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    UNNAMED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    owned: bool
+    uid: int
+    objects: int
+    bytes: int
+    snapshot_objects: int
+    snapshot_bytes: int
+    session_id: int
+    checkpoints: int
+    unnamed: bool
+    def __init__(self, name: _Optional[str] = ..., owned: _Optional[bool] = ..., uid: _Optional[int] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ..., snapshot_objects: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ..., session_id: _Optional[int] = ..., checkpoints: _Optional[int] = ..., unnamed: _Optional[bool] = ...) -> None: ...
+
+class ListNamespacesReply(_message.Message):
+    __slots__ = ("namespaces",)
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ...) -> None: ...
+
+class DeleteNamespaceRequest(_message.Message):
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    def __init__(self, namespace: _Optional[str] = ...) -> None: ...
+
+class DeleteNamespaceReply(_message.Message):
+    __slots__ = ("objects", "bytes", "snapshot_objects")
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    objects: int
+    bytes: int
+    snapshot_objects: int
+    def __init__(self, objects: _Optional[int] = ..., bytes: _Optional[int] = ..., snapshot_objects: _Optional[int] = ...) -> None: ...
+
 class DrainReply(_message.Message):
     __slots__ = ("draining", "sessions")
     DRAINING_FIELD_NUMBER: _ClassVar[int]

@@ -775,7 +775,7 @@ class FuyouAdminStub:
     """The operator's service (fuyouctl, monitoring). Status and ListSessions need only
     access to the control socket (its mode and group decide who has it), but list every
     session only to the operator (admin token), the caller's own session to a session
-    (its token), and none otherwise. Drain needs the admin token.
+    (its token), and none otherwise. Drain and the namespaces' calls need the admin token.
     """
 
     def __init__(self, channel):
@@ -799,13 +799,23 @@ class FuyouAdminStub:
                 request_serializer=fuyou__proto_dot_fuyou__pb2.DrainRequest.SerializeToString,
                 response_deserializer=fuyou__proto_dot_fuyou__pb2.DrainReply.FromString,
                 _registered_method=True)
+        self.ListNamespaces = channel.unary_unary(
+                '/fuyou.v1.FuyouAdmin/ListNamespaces',
+                request_serializer=fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
+                response_deserializer=fuyou__proto_dot_fuyou__pb2.ListNamespacesReply.FromString,
+                _registered_method=True)
+        self.DeleteNamespace = channel.unary_unary(
+                '/fuyou.v1.FuyouAdmin/DeleteNamespace',
+                request_serializer=fuyou__proto_dot_fuyou__pb2.DeleteNamespaceRequest.SerializeToString,
+                response_deserializer=fuyou__proto_dot_fuyou__pb2.DeleteNamespaceReply.FromString,
+                _registered_method=True)
 
 
 class FuyouAdminServicer:
     """The operator's service (fuyouctl, monitoring). Status and ListSessions need only
     access to the control socket (its mode and group decide who has it), but list every
     session only to the operator (admin token), the caller's own session to a session
-    (its token), and none otherwise. Drain needs the admin token.
+    (its token), and none otherwise. Drain and the namespaces' calls need the admin token.
     """
 
     def Status(self, request, context):
@@ -823,6 +833,22 @@ class FuyouAdminServicer:
 
     def Drain(self, request, context):
         """Stop (or, with cancel, resume) accepting new sessions; current ones go on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListNamespaces(self, request, context):
+        """Every namespace on the SSD array or with a recorded owner: what it holds, its
+        snapshot checkpoints' objects apart, and the live session holding it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteNamespace(self, request, context):
+        """Delete a namespace's state (its snapshot checkpoints' objects stay until the
+        checkpoint is deleted); refused while a live session holds it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -846,6 +872,16 @@ def add_FuyouAdminServicer_to_server(servicer, server):
                     request_deserializer=fuyou__proto_dot_fuyou__pb2.DrainRequest.FromString,
                     response_serializer=fuyou__proto_dot_fuyou__pb2.DrainReply.SerializeToString,
             ),
+            'ListNamespaces': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNamespaces,
+                    request_deserializer=fuyou__proto_dot_fuyou__pb2.Empty.FromString,
+                    response_serializer=fuyou__proto_dot_fuyou__pb2.ListNamespacesReply.SerializeToString,
+            ),
+            'DeleteNamespace': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteNamespace,
+                    request_deserializer=fuyou__proto_dot_fuyou__pb2.DeleteNamespaceRequest.FromString,
+                    response_serializer=fuyou__proto_dot_fuyou__pb2.DeleteNamespaceReply.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'fuyou.v1.FuyouAdmin', rpc_method_handlers)
@@ -858,7 +894,7 @@ class FuyouAdmin:
     """The operator's service (fuyouctl, monitoring). Status and ListSessions need only
     access to the control socket (its mode and group decide who has it), but list every
     session only to the operator (admin token), the caller's own session to a session
-    (its token), and none otherwise. Drain needs the admin token.
+    (its token), and none otherwise. Drain and the namespaces' calls need the admin token.
     """
 
     @staticmethod
@@ -932,6 +968,60 @@ class FuyouAdmin:
             '/fuyou.v1.FuyouAdmin/Drain',
             fuyou__proto_dot_fuyou__pb2.DrainRequest.SerializeToString,
             fuyou__proto_dot_fuyou__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNamespaces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuyou.v1.FuyouAdmin/ListNamespaces',
+            fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
+            fuyou__proto_dot_fuyou__pb2.ListNamespacesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteNamespace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuyou.v1.FuyouAdmin/DeleteNamespace',
+            fuyou__proto_dot_fuyou__pb2.DeleteNamespaceRequest.SerializeToString,
+            fuyou__proto_dot_fuyou__pb2.DeleteNamespaceReply.FromString,
             options,
             channel_credentials,
             insecure,
