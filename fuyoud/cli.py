@@ -13,16 +13,32 @@ from fuyoud.config import ConfigError, load
 
 
 def exit_with_parent() -> None:
-    """Ask the kernel for SIGTERM when our parent dies (prctl PR_SET_PDEATHSIG)."""
-    import ctypes
+    """Stop (as on SIGTERM) when the process that started this one ends: a thread waits on
+    a pidfd of the parent process. (PR_SET_PDEATHSIG, the fallback where pidfds are missing,
+    fires when the parent *thread* ends: a daemon started from a worker thread stopped with
+    that thread.)"""
     import os
+    import select
     import signal
+    import threading
 
     parent = os.getppid()
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # it died before we asked
+    try:
+        fd = os.pidfd_open(parent)
+    except (AttributeError, OSError):  # (Linux before 5.3)
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        fd = None
+    if os.getppid() != parent:  # it died before we watched (we were handed to another parent)
         os.kill(os.getpid(), signal.SIGTERM)
+    if fd is not None:
+        def watch() -> None:
+            select.select([fd], [], [])  # (readable once the process has exited)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:

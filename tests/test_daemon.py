@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -373,6 +374,24 @@ def test_a_private_daemon_stops_when_its_parent_dies_and_takes_its_temporary_dir
         shutil.rmtree(state, ignore_errors=True)
         pytest.fail("the private daemon outlived its parent")
     assert not state.exists(), "the temporary state directory outlived its daemon"
+
+
+def test_a_private_daemon_started_from_a_thread_outlives_the_thread(short_tmp):
+    """The daemon stops with the process that started it, not with the thread (a daemon
+    started from a worker thread stopped when that thread ended: PR_SET_PDEATHSIG's)."""
+    started = []
+    thread = threading.Thread(target=lambda: started.append(fuyou_client.start_daemon(short_tmp / "state",
+                                                                                      config=SMALL)))
+    thread.start()
+    thread.join()
+    d = started[0]
+    try:
+        time.sleep(1.0)
+        assert d.process.poll() is None, d.log()
+        with fuyou_client.connect(d.socket) as s:
+            assert s.status().pid == d.pid
+    finally:
+        assert d.stop() == 0
 
 
 def test_remove_when_stopped_takes_only_the_daemons_own_directories(tmp_path):
