@@ -73,17 +73,21 @@ bench() {
     rm -rf /tmp/bench
     timeout "${BENCH_TIMEOUT:-330}" python3 bench/gpu.py --json "$OUT/gpu-$GPU.json" --cap 4GiB --micro 8 --accum 64 --weights host \
         --iters 1 --no-zero --deadline "${BENCH_DEADLINE:-200}" --dir /tmp/bench ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu-bench.log" | tail -60
-    rm -rf /tmp/bench
-    # A case that died leaves its private fuyoud shutting down (SIGTERM from its parent's death)
-    # with its deleted data files open: on the H200 the next stage found 28 GB less disk.
-    # 60 s was not always enough (the second H200 session): after 30 s they are killed, which
-    # closes their files at once (the bench is over; nothing of theirs is kept).
+    # A case that died leaves its private fuyoud shutting down (its parent's death), which on
+    # the H200 took over 60 s with 28 GB of data files open. After 30 s each one left writes
+    # every thread's stack to its log (SIGUSR1: what it waits for), the logs are kept, and
+    # they are killed, which closes their files at once (the bench is over; nothing of theirs
+    # is kept).
     for _ in $(seq 30); do pgrep -f "fuyoud --config" >/dev/null || break; sleep 1; done
     if pgrep -f "fuyoud --config" >/dev/null; then
-        log "fuyoud processes still running 30 s after the bench: killed"
+        log "fuyoud processes still running 30 s after the bench: their stacks in $OUT/lingering-*.log, then killed"
+        pkill -USR1 -f "fuyoud --config"; sleep 2
+        local n=0 f
+        for f in $(find /tmp/bench -name fuyoud.log 2>/dev/null); do n=$((n + 1)); cp "$f" "$OUT/lingering-$n.log"; done
         pkill -9 -f "fuyoud --config"
         for _ in $(seq 10); do pgrep -f "fuyoud --config" >/dev/null || break; sleep 1; done
     fi
+    rm -rf /tmp/bench
     SUMMARY+=("bench: $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r.get(k) for k in ('fuyou_tflops','inmem_ceiling_tflops','inmem_same_model_tflops','fuyou_over_ceiling','fuyou_over_inmem_same_model','gpu_busy_fraction','errors')})" "$OUT/gpu-$GPU.json" 2>&1 | tail -3)")
 }
 

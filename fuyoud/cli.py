@@ -81,7 +81,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fuyoud: {args.config or 'embedded defaults'}: OK")
         return 0
     logs.setup(args.log_level or config.daemon.log_level, args.log_format or config.daemon.log_format)
+    dump_stacks_on_signal()
     return _serve(config, removals)
+
+
+def dump_stacks_on_signal() -> None:
+    """Every thread's Python stack to stderr (the journal, or a private daemon's log) on
+    SIGUSR1 (`systemctl kill -s USR1 fuyoud`: what a daemon that does not answer or will not
+    stop is waiting for) and on a fatal signal in native code."""
+    import faulthandler
+    import signal
+
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
 
 def _serve(config, removals: list[Path]) -> int:

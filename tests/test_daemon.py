@@ -286,6 +286,18 @@ def test_notify_socket_start_and_sigterm_stop(short_tmp):
     assert "stopped" in proc.stderr.read()
 
 
+def test_sigusr1_logs_every_threads_stack_and_the_daemon_goes_on(shared, session):
+    """What an operator sends a daemon that hangs (systemctl kill -s USR1 fuyoud)."""
+    before = shared.log().count("run_until_signalled")
+    shared.process.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while shared.log().count("run_until_signalled") == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    dump = shared.log()[-20000:]
+    assert "run_until_signalled" in dump and dump.count("Thread 0x") >= 2, dump[-2000:]
+    assert session.status().pid == shared.pid
+
+
 def test_a_full_disk_at_start_is_refused_clearly(short_tmp):
     with pytest.raises(fuyou_client.DaemonUnavailable, match="not enough space"):
         fuyou_client.start_daemon(short_tmp / "state", config=merge(SMALL, {"storage": {"capacity_per_device": "1000TiB"}}))
