@@ -50,7 +50,6 @@ from fuyoud.optimizer.groups import HEADER, Group
 from fuyoud.optimizer.kernels import OptimizerSpec
 from fuyoud.names import shown
 from fuyoud.namespaces import delete_state
-from fuyoud.unnamed import is_unnamed
 from fuyoud.storage.index import CheckpointRecord
 from fuyoud.storage.pending import PendingWrite, commit_all
 from fuyoud.units import format_size
@@ -403,5 +402,5 @@ class Checkpointer:
         where.remove()
         store.index_db.forget_checkpoint(str(where.path))
         log.info("checkpoint %s deleted", where.path)
-        if is_unnamed(known.namespace) and not self.sessions.holds(known.namespace):
+        if known.namespace in store.index_db.unnamed_namespaces() and not self.sessions.holds(known.namespace):
             delete_state(store, known.namespace)  # (its session is over: its owner goes with its last object)

@@ -14,7 +14,6 @@ from fuyou_proto.contract import SNAPSHOT_PREFIX
 from fuyoud.errors import InvalidArgument, NotFound
 from fuyoud.names import shown, valid_namespace
 from fuyoud.units import format_size
-from fuyoud.unnamed import is_unnamed
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +22,7 @@ log = logging.getLogger(__name__)
 class NamespaceUsage:
     name: str
     owner: int | None
+    unnamed: bool = False  # the daemon named it, for a session that named none
     objects: int = 0
     bytes: int = 0
     snapshot_objects: int = 0
@@ -30,20 +30,17 @@ class NamespaceUsage:
     session_id: int = 0  # the live session holding it, 0: none
     checkpoints: int = 0
 
-    @property
-    def unnamed(self) -> bool:
-        return is_unnamed(self.name)
-
 
 def survey(store, sessions) -> list[NamespaceUsage]:
     """Every namespace with objects or a recorded owner, by name."""
     index = store.index_db
-    holders = {s.namespace: s.id for s in sessions.all()}
+    live = {s.namespace: s for s in sessions.all()}
     checkpoints = index.checkpoint_counts()
+    unnamed = index.unnamed_namespaces() | {s.namespace for s in live.values() if s.ephemeral}
     found = []
     for name in sorted(store.namespaces() | set(index.owned_namespaces())):
-        u = NamespaceUsage(name, index.namespace_owner(name), session_id=holders.get(name, 0),
-                           checkpoints=checkpoints.get(name, 0))
+        u = NamespaceUsage(name, index.namespace_owner(name), name in unnamed,
+                           session_id=live[name].id if name in live else 0, checkpoints=checkpoints.get(name, 0))
         for m in store.list(name):
             if m.name.startswith(SNAPSHOT_PREFIX):
                 u.snapshot_objects, u.snapshot_bytes = u.snapshot_objects + 1, u.snapshot_bytes + m.size
@@ -81,15 +78,15 @@ def delete(store, optimizer, sessions, namespace: str) -> tuple[int, int, int]:
 
 
 def reclaim_left_behind(store) -> int:
-    """At start-up: delete the state of every unnamed namespace an earlier daemon left (it
-    stopped without closing their sessions; every session of it is over). Returns the
-    bytes freed."""
+    """At start-up: delete the state of every namespace an earlier daemon named (for a
+    session that named none) and left (it stopped without closing the session; every
+    session of it is over). The index records which they are: a name alone could be a
+    client's, chosen before the daemon kept the form. Returns the bytes freed."""
     freed = 0
-    for namespace in sorted(store.namespaces() | set(store.index_db.owned_namespaces())):
-        if is_unnamed(namespace):
-            count, size = delete_state(store, namespace)
-            freed += size
-            if count:
-                log.warning("deleted the %d objects (%s) of %s, the unnamed namespace of a session of an earlier "
-                            "fuyoud that stopped without closing it", count, format_size(size), namespace)
+    for namespace in sorted(store.index_db.unnamed_namespaces()):
+        count, size = delete_state(store, namespace)
+        freed += size
+        if count:
+            log.warning("deleted the %d objects (%s) of %s, the unnamed namespace of a session of an earlier "
+                        "fuyoud that stopped without closing it", count, format_size(size), namespace)
     return freed

@@ -100,7 +100,7 @@ class SessionRegistry:
         """Record the session's uid as its namespace's owner, before its first persistent
         object (ephemeral namespaces of sessions that never persist anything leave no trace)."""
         if not session.namespace_claimed:
-            self._claim_namespace(session.namespace, session.uid)
+            self._claim_namespace(session.namespace, session.uid, session.ephemeral)
             session.namespace_claimed = True
 
     def authenticate(self, token: str | None) -> Session:

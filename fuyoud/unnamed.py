@@ -4,8 +4,10 @@ Nobody can come back to such a namespace (a client cannot name it: the form
 ``session-<id>-<8 hex digits>`` is the daemon's alone), so what it holds goes when its
 session closes, but for the objects of its snapshot checkpoints, which go when the
 checkpoint is deleted; and where a daemon died with such sessions live (SIGKILL, the OOM
-killer, a power cut), at its next start, which the name alone allows
-(namespaces.reclaim_left_behind).
+killer, a power cut), at its next start (namespaces.reclaim_left_behind). The index
+records which namespaces the daemon named (IndexDB.claim_namespace): what it deletes
+never rests on the name alone, which a client could have chosen before the form was
+kept.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from fuyoud.sessions import SessionRegistry
 @pytest.fixture
 def world():
     owners, closed = {}, []
-    reg = SessionRegistry(closed.append, owners.get, owners.__setitem__)
+    reg = SessionRegistry(closed.append, owners.get, lambda ns, uid, unnamed: owners.__setitem__(ns, uid))
     return reg, owners, closed
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from fuyoud.storage.layout import Layout
 
+UNNAMED_KEY = "unnamed|"  # meta rows "unnamed|<namespace>": namespaces the daemon named
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS objects (
     namespace TEXT NOT NULL,
@@ -111,9 +113,17 @@ class IndexDB:
             row = self._db.execute("SELECT uid FROM namespaces WHERE name = ?", (namespace,)).fetchone()
         return row[0] if row else None
 
-    def claim_namespace(self, namespace: str, uid: int) -> None:
+    def claim_namespace(self, namespace: str, uid: int, unnamed: bool = False) -> None:
+        """Record ``uid`` as the namespace's owner; ``unnamed``: the daemon named it (for a
+        session that named none), so nobody can come back to it (fuyoud/unnamed.py)."""
         with self._lock, self._db:
             self._db.execute("INSERT OR IGNORE INTO namespaces VALUES (?, ?)", (namespace, uid))
+            if unnamed:
+                self._db.execute("INSERT OR IGNORE INTO meta VALUES (?, '')", (UNNAMED_KEY + namespace,))
+
+    def unnamed_namespaces(self) -> set[str]:
+        """The namespaces recorded as the daemon's own (claim_namespace's ``unnamed``)."""
+        return {key[len(UNNAMED_KEY):] for key, _ in self.meta_items(UNNAMED_KEY)}
 
     def owned_namespaces(self) -> list[str]:
         """The namespaces with a recorded owner."""
@@ -124,6 +134,7 @@ class IndexDB:
         """Forget a namespace's owner (it holds no object any more)."""
         with self._lock, self._db:
             self._db.execute("DELETE FROM namespaces WHERE name = ?", (namespace,))
+            self._db.execute("DELETE FROM meta WHERE key = ?", (UNNAMED_KEY + namespace,))
 
     def get_meta(self, key: str) -> str | None:
         with self._lock:
