@@ -5,9 +5,9 @@ Status and ListSessions need only access to the control socket (its mode and gro
 decide who has it), but the sessions they list are the caller's: every session for the
 operator (admin token), the caller's own for a session (its token), none otherwise -
 a tenant learns no other user's uid, pid or namespace. Drain and the namespaces' calls
-need the admin token that
-the daemon writes to ``<runtime_dir>/admin.token``, readable by its own user only: root
-and the daemon's user can act as operators, group members who may train cannot.
+need the admin token that the daemon writes to ``<runtime_dir>/admin.token``, readable
+by its own user only: root and the daemon's user can act as operators, group members who
+may train cannot.
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@
                                     the planner (fuyou_client.sizing); needs no daemon
 
 Tables for people by default, ``--json`` for scripts. drain, checkpoint and the
-namespaces' commands need the admin token the daemon keeps next to its control socket (readable by root and the
-daemon's user).
+namespaces' commands need the admin token the daemon keeps next to its control socket
+(readable by root and the daemon's user).
 """
 from __future__ import annotations
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-from contextlib import contextmanager
 import secrets
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
