@@ -78,14 +78,15 @@ bench() {
     # every thread's stack to its log (SIGUSR1: what it waits for), the logs are kept, and
     # they are killed, which closes their files at once (the bench is over; nothing of theirs
     # is kept).
-    for _ in $(seq 30); do pgrep -f "fuyoud --config" >/dev/null || break; sleep 1; done
-    if pgrep -f "fuyoud --config" >/dev/null; then
+    local ours="fuyoud --config /tmp/bench/"  # (the bench's daemons only: not the host's, nor a test run's)
+    for _ in $(seq 30); do pgrep -f "$ours" >/dev/null || break; sleep 1; done
+    if pgrep -f "$ours" >/dev/null; then
         log "fuyoud processes still running 30 s after the bench: their stacks in $OUT/lingering-*.log, then killed"
-        pkill -USR1 -f "fuyoud --config"; sleep 2
+        pkill -USR1 -f "$ours"; sleep 2
         local n=0 f
         for f in $(find /tmp/bench -name fuyoud.log 2>/dev/null); do n=$((n + 1)); cp "$f" "$OUT/lingering-$n.log"; done
-        pkill -9 -f "fuyoud --config"
-        for _ in $(seq 10); do pgrep -f "fuyoud --config" >/dev/null || break; sleep 1; done
+        pkill -9 -f "$ours"
+        for _ in $(seq 10); do pgrep -f "$ours" >/dev/null || break; sleep 1; done
     fi
     rm -rf /tmp/bench
     SUMMARY+=("bench: $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r.get(k) for k in ('fuyou_tflops','inmem_ceiling_tflops','inmem_same_model_tflops','fuyou_over_ceiling','fuyou_over_inmem_same_model','gpu_busy_fraction','errors')})" "$OUT/gpu-$GPU.json" 2>&1 | tail -3)")
