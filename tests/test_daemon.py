@@ -406,6 +406,22 @@ def test_a_private_daemon_started_from_a_thread_outlives_the_thread(short_tmp):
         assert d.stop() == 0
 
 
+@pytest.mark.slow  # (a daemon started and killed in a child process: about 5 s)
+def test_a_killed_private_daemons_temporary_directory_goes_when_its_process_ends(short_tmp):
+    """The daemon removes its temporary directory as it stops; one killed outright (the OOM
+    killer) cannot, so the process that started it does as it ends."""
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import fuyou_client
+        d = fuyou_client.start_daemon(config={SMALL!r})
+        d.process.kill()
+        d.process.wait()
+        print(d.state_dir, flush=True)
+    """)], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    state = Path(child.stdout.strip())
+    assert state.name.startswith("fuyoud-") and not state.exists()
+
+
 def test_remove_when_stopped_takes_only_the_daemons_own_directories(tmp_path):
     """fuyoud --remove-when-stopped (start_daemon's, for its temporary directories) refuses
     any directory but the config's state_dir and runtime_dir, before it starts."""

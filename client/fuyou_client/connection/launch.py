@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,9 @@ class DaemonProcess:
         self.temporary = list(temporary or [])  # directories start_daemon made: the daemon removes them
         self._log_reader = log_reader  # (open: the log stays readable when the daemon removed its directory)
         self._log: str | None = None  # the log, kept once the daemon stopped
+        # A daemon killed (the OOM killer) cannot remove its temporary directory: this process
+        # does, when it ends or drops this object.
+        weakref.finalize(self, _remove_if_exited, process, self.temporary)
 
     @property
     def pid(self) -> int:
@@ -94,7 +98,7 @@ class DaemonProcess:
                     self._log = ""
             for path in self.temporary:
                 shutil.rmtree(path, ignore_errors=True)
-            self.temporary = []
+            self.temporary.clear()  # (the list the finalizer holds too)
         return self.process.returncode
 
     def kill(self) -> None:
@@ -106,6 +110,12 @@ class DaemonProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _remove_if_exited(process: subprocess.Popen, temporary: list[Path]) -> None:
+    if process.poll() is not None:  # (a live daemon removes them itself as it stops)
+        for path in temporary:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _read_all(f) -> str:
