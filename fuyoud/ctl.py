@@ -7,7 +7,8 @@
     fuyouctl checkpoint SESSION DIR copy a session's state to DIR on the daemon's host
     fuyouctl namespaces             every namespace on the SSD array: owner, state, snapshot
                                     checkpoints, the live session holding it
-    fuyouctl delete-namespace NAME  delete a namespace's state (not its checkpoints)
+    fuyouctl delete-namespace NAME  delete a namespace's state (not its checkpoints);
+                                    --job JOB: every rank's of a data-parallel job
     fuyouctl health                 the grpc.health.v1 status (exit 0 when serving)
     fuyouctl plan MODEL [...]       will MODEL fit this host (or the one described), how fast:
                                     the planner (fuyou_client.sizing); needs no daemon
@@ -205,14 +206,28 @@ def cmd_namespaces(args, channel) -> int:
 
 
 def cmd_delete_namespace(args, channel) -> int:
-    reply = rpc.FuyouAdminStub(channel).DeleteNamespace(pb.DeleteNamespaceRequest(namespace=args.namespace),
-                                                         metadata=_admin_metadata(args), timeout=args.timeout)
-    if args.json:
-        _print_json(reply)
-    else:
-        kept = (f"; the {reply.snapshot_objects} objects of its snapshot checkpoints stay until they are deleted"
-                if reply.snapshot_objects else "")
-        print(f"deleted {args.namespace}: {reply.objects} objects, {format_size(reply.bytes)}{kept}")
+    stub, metadata = rpc.FuyouAdminStub(channel), _admin_metadata(args)
+    if (args.namespace is None) == (args.job is None):
+        raise CtlError("delete-namespace takes a namespace or --job JOB (every rank's namespace of that job)")
+    names = [args.namespace]
+    if args.job is not None:  # (a job's ranks: <job>.r<rank>; none deleted while one is held)
+        ranks = [n for n in stub.ListNamespaces(pb.Empty(), metadata=metadata, timeout=args.timeout).namespaces
+                 if job_rank(n.name)[0] == args.job]
+        if not ranks:
+            raise CtlError(f"no namespace of job {args.job!r} (<job>.r<rank>) on the SSD array")
+        held = [f"{n.name} (session {n.session_id})" for n in ranks if n.session_id]
+        if held:
+            raise CtlError(f"job {args.job!r} is still running: {', '.join(held)}; nothing was deleted")
+        names = [n.name for n in sorted(ranks, key=lambda n: job_rank(n.name)[1])]
+    for name in names:
+        reply = stub.DeleteNamespace(pb.DeleteNamespaceRequest(namespace=name), metadata=metadata,
+                                     timeout=args.timeout)
+        if args.json:
+            _print_json(reply)
+        else:
+            kept = (f"; the {reply.snapshot_objects} objects of its snapshot checkpoints stay until they are deleted"
+                    if reply.snapshot_objects else "")
+            print(f"deleted {name}: {reply.objects} objects, {format_size(reply.bytes)}{kept}")
     return 0
 
 
@@ -269,7 +284,8 @@ def parser(plan: bool = True) -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_namespaces)
     s = sub.add_parser("delete-namespace", help="delete a namespace's state (refused while a session holds it; "
                                                 "its snapshot checkpoints stay)")
-    s.add_argument("namespace")
+    s.add_argument("namespace", nargs="?")
+    s.add_argument("--job", help="every namespace <JOB>.r<rank> of a data-parallel job (refused while one runs)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_delete_namespace)
     sub.add_parser("health", help="the grpc.health.v1 status").set_defaults(func=cmd_health)

@@ -108,6 +108,20 @@ def test_fuyouctl_namespaces_lists_and_deletes_state_but_not_checkpoints(daemon,
     wrong.write_text("not-the-token")
     denied = fuyouctl(daemon, "--admin-token-file", str(wrong), "namespaces", check=False)
     assert denied.returncode == 1 and "PERMISSION_DENIED" in denied.stderr
+    # A data-parallel job's ranks (<job>.r<rank>) at once, none while one runs.
+    ranks = [fuyou_client.connect(daemon.socket, namespace=f"job.r{r}") for r in range(2)]
+    for s in ranks:
+        s.swap_out("state", s.allocate(MiB), persistent=True)
+    running = fuyouctl(daemon, "delete-namespace", "--job", "job", check=False)
+    assert running.returncode == 1 and "job 'job' is still running" in running.stderr
+    assert "nothing was deleted" in running.stderr
+    ranks[1].close()
+    assert fuyouctl(daemon, "delete-namespace", "--job", "job", check=False).returncode == 1
+    ranks[0].close()
+    out = fuyouctl(daemon, "delete-namespace", "--job", "job").stdout.splitlines()
+    assert [line.split(":")[0] for line in out] == ["deleted job.r0", "deleted job.r1"]
+    names = [n["name"] for n in json.loads(fuyouctl(daemon, "namespaces", "--json").stdout)["namespaces"]]
+    assert names == ["run1", "run2"]
 
 
 @pytest.mark.slow  # (a daemon and fuyouctl calls: about 6 s; sessions are listed in test_fuyouctl_status_and_sessions)
