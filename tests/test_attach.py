@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import shutil
 import tempfile
 from pathlib import Path
@@ -12,6 +13,7 @@ from torch import nn
 
 import fuyou_client
 from conftest import SMALL, merge, scrape, step_pair, tiny_gpt2, tiny_llama
+from fuyou_client.offload import SavedCast
 
 transformers = pytest.importorskip("transformers")
 
@@ -266,6 +268,38 @@ class MLP(nn.Module):
         for layer in self.layers:
             h = h + layer(h)
         return self.out(h)
+
+
+def test_autocast_keeps_no_copy_of_offloaded_weights_and_trains_like_torch(daemon):
+    """Under torch.autocast (fp32 parameters, bf16 compute: the usual mixed-precision
+    recipe), the bf16 copies of offloaded weights that matmuls save for backward are
+    markers, cast again in backward, and autocast's cache of them goes with each block:
+    both held 2 bytes per parameter of every block until backward (measured in the
+    closing note of the change). Training is bitwise torch's under the same autocast."""
+    ours, engine, ref, opt = attached_pair(gpt2, daemon, offload=True)
+    weights = {tuple(p.shape) for p in ref.transformer.h.parameters() if p.dim() == 2}
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        x = torch.randint(0, 512, (2, 32), generator=gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ours(x, labels=x).loss
+        if step == 0:
+            gc.collect()
+            live = gc.get_objects()
+            markers = [o for o in live if type(o) is SavedCast]
+            copies = [o for o in live if type(o) is torch.Tensor and o.dtype == torch.bfloat16
+                      and tuple(o.shape) in weights]
+            assert len(markers) == 4 * len(ref.transformer.h) and not copies  # (4 matmuls a block)
+            del live, markers, copies
+        loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref(x, labels=x).loss.backward()
+        engine.step()
+        engine.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    engine.close()
+    assert_same(ours, ref)
 
 
 def test_plain_module_with_a_module_list(daemon):

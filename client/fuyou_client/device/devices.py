@@ -128,7 +128,9 @@ class Device:
     def thread_turn_done(self) -> None:
         """The calling thread, one of several that take turns computing (block-major's
         micro-batches), has enqueued its turn's work: give back what the framework keeps
-        per computing thread."""
+        per computing thread. Here, autocast's casts of weights, which each thread keeps
+        until its autocast ends (its whole forward, every block's weights)."""
+        torch.clear_autocast_cache()
 
     def close(self) -> None:
         pass
@@ -288,6 +290,7 @@ class CudaDevice(Device):
         # 128 micro-batches held 4 GiB of workspaces: on an H200 capped at 4 GiB the step ran
         # out of memory with 2.9 GiB allocated that no tensor held. Freed here, the next
         # thread's workspace reuses the memory in stream order (the threads share a stream).
+        super().thread_turn_done()
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if clear is not None:
             clear()

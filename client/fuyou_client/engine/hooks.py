@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from fuyou_client.offload import Saved
+from fuyou_client.offload import Saved, SavedCast
 
 GRADIENT_CHECKPOINTING = (
     "the model has Hugging Face gradient checkpointing on (gradient_checkpointing_enable()): it reruns blocks "
@@ -94,6 +94,7 @@ class ModelHooks:
         if self.auto is not None:
             self.auto.after(name)
         self.device.block_done()  # (the CPU: the block's temporaries' heap given back)
+        torch.clear_autocast_cache()  # (this thread's casts of the block's weights: see offload.SavedCast)
         self._swap_now = False
         self._current = None
         if self._saved_ctx is not None:
@@ -112,7 +113,7 @@ class ModelHooks:
         return self.activations.pack(t, self._swap_now)
 
     def _unpack(self, saved):
-        if self.offloader is not None and isinstance(saved, Saved):
+        if self.offloader is not None and isinstance(saved, (Saved, SavedCast)):
             return self.offloader.unpack(saved)
         return self.activations.unpack(saved)
 

@@ -1,4 +1,4 @@
 """Parameter offload (offloader.py): a block's weights are in memory only while it computes."""
-from fuyou_client.offload.offloader import OffloadedGroup, Offloader, Saved, Source, read_declined
+from fuyou_client.offload.offloader import OffloadedGroup, Offloader, Saved, SavedCast, Source, read_declined
 
-__all__ = ["Offloader", "OffloadedGroup", "Source", "Saved", "read_declined"]
+__all__ = ["Offloader", "OffloadedGroup", "Source", "Saved", "SavedCast", "read_declined"]

@@ -120,6 +120,16 @@ class Saved:
     stride: tuple
 
 
+@dataclass(frozen=True)
+class SavedCast:
+    """A saved tensor that is a copy of an offloaded weight in another dtype (autocast's,
+    or the model's own ``.to``): cast again from the weight when backward needs it. Kept,
+    autocast's copies of every offloaded block's weights stayed until backward, 2 bytes
+    per parameter beside the slots."""
+    weight: Saved
+    dtype: torch.dtype
+
+
 class Offloader:
     """The weight slots and the fetches of the offloaded groups. The model's hooks
     (engine/hooks.py) call ``enter_forward``/``exit_forward`` around each block and
@@ -344,11 +354,27 @@ class Offloader:
 
     def pack(self, t: torch.Tensor):
         g = self._by_ptr.get(t.untyped_storage().data_ptr())
-        if g is None or t.dtype != g.dtype:
+        if g is None:
+            return self._pack_cast(t)
+        if t.dtype != g.dtype:
             return t
         return Saved(g, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
 
+    def _pack_cast(self, t: torch.Tensor):
+        """A dtype copy of an offloaded weight (its grad_fn a ToCopy of the parameter) as a
+        marker; any other tensor as it is."""
+        fn = t.grad_fn
+        if fn is None or type(fn).__name__ != "ToCopyBackward0":
+            return t
+        source = getattr(fn.next_functions[0][0], "variable", None)  # (AccumulateGrad: a parameter)
+        if source is None or source.shape != t.shape or source.stride() != t.stride():
+            return t
+        weight = self.pack(source)
+        return SavedCast(weight, t.dtype) if isinstance(weight, Saved) else t
+
     def unpack(self, saved):
+        if isinstance(saved, SavedCast):
+            return self.unpack(saved.weight).to(saved.dtype)
         if not isinstance(saved, Saved):
             return saved
         g = saved.group
