@@ -94,6 +94,7 @@ class LateCopyDevice(Device):
         return any(a <= ptr < a + n for a, n in self.registered.items())
 
     def thread_turn_done(self) -> None:
+        super().thread_turn_done()
         self.turns_done.append(threading.current_thread().name)
 
     def empty(self, nbytes: int) -> torch.Tensor:
