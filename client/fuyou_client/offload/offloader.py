@@ -367,7 +367,8 @@ class Offloader:
         if fn is None or type(fn).__name__ != "ToCopyBackward0":
             return t
         source = getattr(fn.next_functions[0][0], "variable", None)  # (AccumulateGrad: a parameter)
-        if source is None or source.shape != t.shape or source.stride() != t.stride():
+        if (source is None or source.device != t.device or source.shape != t.shape
+                or source.stride() != t.stride()):  # (a copy to another device, or reshaped: kept as it is)
             return t
         weight = self.pack(source)
         return SavedCast(weight, t.dtype) if isinstance(weight, Saved) else t
