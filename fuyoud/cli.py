@@ -111,8 +111,11 @@ def _serve(config, removals: list[Path]) -> int:
         log.error("cannot start: %s", exc)
         return 1
     finally:  # (stopped: the store closed its data files, so their space is free at once)
+        ours = {config.daemon.state_dir.resolve()}  # (its data lock was ours; the sockets' directory only
+        if daemon.owns_runtime_dir:                   # where no other daemon served there)
+            ours.add(config.daemon.runtime_dir.resolve())
         for d in removals:
-            if d == config.daemon.state_dir.resolve() or daemon.owns_runtime_dir:
+            if d in ours:
                 log.info("removing %s (--remove-when-stopped)", d)
                 shutil.rmtree(d, ignore_errors=True)
     return 0

@@ -384,6 +384,21 @@ def case_bad(out: Path, what: str = "model", ckpt: str = "") -> dict:
     return result
 
 
+def poisoned_step(model, engine, x, poison: bool) -> str | None:
+    """One backward whose gradient of block 0's c_fc weight is NaN where ``poison``, then
+    the step: the NonFinite message it raised, or None."""
+    hook = model.transformer.h[0].mlp.c_fc.weight.register_hook(lambda g: g.fill_(float("nan")) if poison else g)
+    model(x, labels=x).loss.backward()
+    hook.remove()
+    try:
+        engine.step()
+    except fuyou_client.NonFinite as exc:
+        return str(exc)
+    finally:
+        engine.zero_grad()
+    return None
+
+
 def case_nonfinite(out: Path) -> dict:
     """Rank 1's gradient of one block holds NaN in step 2: no rank steps that block (its
     state kept everywhere), every rank raises NonFinite naming it, the others step, and
@@ -391,17 +406,7 @@ def case_nonfinite(out: Path) -> dict:
     model = model_for("gpt2", torch.float32)
     engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), offload=False, namespace="nonfinite")
     _train(model, engine, range(1))
-    weight = model.transformer.h[0].mlp.c_fc.weight
-    hook = weight.register_hook(lambda g: g.fill_(float("nan")) if RANK == 1 else g)
-    x = batch(1, 0, RANK)
-    model(x, labels=x).loss.backward()
-    hook.remove()
-    error = None
-    try:
-        engine.step()
-    except fuyou_client.NonFinite as exc:
-        error = str(exc)
-    engine.zero_grad()
+    error = poisoned_step(model, engine, batch(1, 0, RANK), RANK == 1)
     steps = {g.spec.name: engine.session.group(g.shard.pieces[0][0].name).step for g in engine.groups
              if g.shard.pieces}
     digest = float(sum(p.detach().double().sum() for p in model.parameters()))

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import HYPER, tiny_gpt2, tiny_llama  # noqa: E402
-from dp_worker import NORMS, Masters, differ, max_diff  # noqa: E402
+from dp_worker import NORMS, Masters, differ, max_diff, poisoned_step  # noqa: E402
 from dp_worker import _layer_groups as layer_groups  # noqa: E402
 
 import fuyou_client  # noqa: E402
@@ -316,17 +316,7 @@ def case_nonfinite(out: Path) -> dict:
         model = model_for("gpt2", torch.float32)
         engine = attach(model, cfg)
         _train(model, engine, range(1))
-        hook = model.transformer.h[0].mlp.c_fc.weight.register_hook(
-            lambda g: g.fill_(float("nan")) if RANK == WORKERS[-1] else g)
-        x = batch(1, 0)
-        model(x, labels=x).loss.backward()
-        hook.remove()
-        error = None
-        try:
-            engine.step()
-        except fuyou_client.NonFinite as exc:
-            error = str(exc)
-        engine.zero_grad()
+        error = poisoned_step(model, engine, batch(1, 0), RANK == WORKERS[-1])
         _train(model, engine, range(2, 3))
         stepped = sorted(info.step for info in engine.coordinator.infos)  # (the daemon's step counts after step 3)
         digest = float(sum(p.detach().double().sum() for p in model.parameters()))

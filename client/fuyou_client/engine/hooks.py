@@ -62,6 +62,7 @@ class ModelHooks:
                 lambda m, a, k, n=name, og=og: self._enter_forward(n, og, a, k), with_kwargs=True))
             self._handles.append(module.register_forward_hook(
                 lambda m, a, o, n=name, og=og: self._exit_forward(n, og), always_call=True))
+        self._ours = {h.id for h in self._handles}  # (told from the user's hooks: foreign)
 
     # -- gradients -------------------------------------------------------------------------
     def _before_grad(self, g, og) -> None:
@@ -120,11 +121,10 @@ class ModelHooks:
     def foreign(self, module) -> list[str]:
         """The hooks on ``module`` that are not attach's (the user's, a library's), counted
         by kind: "1 forward pre-hook"."""
-        ours = {h.id for h in self._handles}
         found = []
         for attr, kind in (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
                            ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook")):
-            n = sum(1 for key in getattr(module, attr) if key not in ours)
+            n = sum(1 for key in getattr(module, attr) if key not in self._ours)
             if n:
                 found.append(f"{n} {kind}{'s' if n > 1 else ''}")
         return found
