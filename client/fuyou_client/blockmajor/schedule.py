@@ -247,8 +247,9 @@ class BlockMajor:
                                            "train_step needs every block called once, in order")
                     leaves = self._last_leaves.pop(i)
                     wanted = [t for t in leaves if t is not None and t.requires_grad]
-                    grads = torch.autograd.grad(loss, wanted, allow_unused=True) if loss.requires_grad and wanted \
-                        else [None] * len(wanted)
+                    with self.offloader.input_gradients() if self.offloader is not None else nullcontext():
+                        grads = torch.autograd.grad(loss, wanted, allow_unused=True) \
+                            if loss.requires_grad and wanted else [None] * len(wanted)
                     it = iter(grads)
                     self.store.put(("g", n - 1, i), [next(it) if t is not None and t.requires_grad else None
                                                      for t in leaves])

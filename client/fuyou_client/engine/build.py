@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fuyou_proto.contract import stepped_in_chunks
+from fuyou_proto.units import format_size
 
 from fuyou_client import memory
 from fuyou_client.activations import ActivationPolicy, ActivationSwapper, AutoPlanner, treatments
@@ -28,7 +29,7 @@ from fuyou_client.engine.options import AttachOptions
 from fuyou_client.gradients import HostAccumulated, Pooled, Resident
 from fuyou_client.groups import LayerGroup, Scratch, create
 from fuyou_client.groups.placement import hands_over, placement, weights_rewritten
-from fuyou_client.model import GroupSpec, TorchGroups
+from fuyou_client.model import GroupSpec, TorchGroups, cut
 from fuyou_client.offload import Offloader
 from fuyou_client.steps import StepCoordinator
 
@@ -43,13 +44,11 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
     from fuyou_client.engine.engine import Engine  # (the API this module builds)
 
     options = options.for_device(device.shares_host_memory)
-    pool_grads = bool(options.offload) and options.accumulation_steps == 1 and options.max_grad_norm is None
-    layout = [(spec, *where) for spec in specs
-              if (where := placement(spec, options.offload, pool_grads, options.grad_accumulation,
-                                     parallel.strategy_kind)) is not None]
-    # Every shared buffer below, planned from the session's budget first (memory/budget.py):
-    # a budget that cannot hold the smallest plan is refused before anything is allocated.
-    plan = plan_memory(session, layout, torch_groups, options, device, parallel)
+    # Every shared buffer below, and the compute device's memory, planned from the session's
+    # budget and the device's first (memory/): by whole blocks, or by their modules where
+    # blocks do not fit; a budget that cannot hold the smallest plan is refused before
+    # anything is allocated.
+    specs, layout, plan = plan_granularity(model, session, specs, torch_groups, options, device, parallel)
     (log.warning if plan.shrunk else log.info)("%s", plan.describe())
     options = dataclasses.replace(options, prefetch=plan.prefetch, host_budget=plan.host_budget)
     if parallel.holds_state:  # (an optimizer-host worker keeps no state: its optimizer ranks check theirs)
@@ -61,7 +60,14 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
         strategies[parallel.strategy_kind] = parallel.gradient_strategy(options, device,
                                                                         lambda: engine.optimizer.param_groups)
     groups = _create_groups(session, device, layout, torch_groups, strategies, resume, materializer, parallel)
-    offloaded = [g.offloaded for g in groups if g.offloaded is not None]
+    by_spec = {g.spec.name: g.spec for g in groups}
+    # The order fetches follow: the rest's embeddings before the blocks (they are made after them)
+    offloaded = sorted((g.offloaded for g in groups if g.offloaded is not None),
+                       key=lambda og: not by_spec[og.name].early)
+    cut_blocks = {id(spec.block) for spec in specs if spec.block is not None and spec.module is None}
+    for i, og in enumerate(offloaded):
+        og.index = i
+        og.cut = id(by_spec[og.name].module) in cut_blocks
     for g in groups:  # (blocks stepped in chunks: their steps take the masters their backward read)
         if g.offloaded is not None:
             g.offloaded.hands_over = plan.handoff and hands_over(g)
@@ -150,11 +156,71 @@ def _create_groups(session, device, layout, torch_groups, strategies, resume, ma
     return groups
 
 
-def plan_memory(session, layout, torch_groups: TorchGroups, options: AttachOptions, device: Device,
-                parallel) -> memory.MemoryPlan:
-    """The shared buffers of an engine, planned from the session's budget and the groups'
-    sizes (memory/budget.py); raises memory.DoesNotFit before any allocation."""
+def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_groups: TorchGroups,
+                     options: AttachOptions, device: Device, parallel):
+    """(specs, layout, memory plan): the layer groups by whole blocks, or cut into sub-blocks
+    (model/cuts.py) where ``granularity`` asks or ("auto") where whole blocks do not fit the
+    pinned or the device plan; the memory plan holds the device plan (``plan.device``).
+    Raises memory.DoesNotFit or memory.DeviceDoesNotFit, naming the bytes, before any
+    allocation."""
+    wanted = options.granularity if options.offload else "block"
+    tries = ["block", "module"] if wanted == "auto" else [wanted]
     limits = memory.limits_of(session)
+    budget, available = options.device_memory, device.memory_available()
+    if budget is None and available is not None:
+        budget = max(0, available - device.memory_reserve())
+    elif budget is not None and available is not None and budget > available:
+        raise memory.DeviceDoesNotFit(f"device_memory={budget} ({format_size(budget)}) is more than the compute "
+                                      f"device has for this process ({format_size(available)} free, with what its "
+                                      "allocator holds): leave device_memory to attach, or free the device's memory")
+    elif budget is not None and device.shares_host_memory:
+        raise ValueError(f"device_memory={budget}: the model computes on the CPU, whose memory is the host's (the "
+                         "daemon's pinned budget plans it); leave device_memory out")
+    error, last = None, None
+    for granularity in tries:
+        cut_specs = cut(specs, model, torch_groups.index) if granularity == "module" else specs
+        pool_grads = bool(options.offload) and options.accumulation_steps == 1 and options.max_grad_norm is None
+        layout = [(spec, *where) for spec in cut_specs
+                  if (where := placement(spec, options.offload, pool_grads, options.grad_accumulation,
+                                         parallel.strategy_kind)) is not None]
+        shapes = group_shapes(layout, torch_groups, limits, parallel)
+        try:
+            plan = plan_memory(shapes, layout, limits, options, device)
+        except memory.DoesNotFit as exc:
+            error = exc
+            continue
+        dplan = None
+        if not device.shares_host_memory:
+            dplan = memory.plan_device(shapes, plan, model_work(model, cut_specs, options), budget,
+                                       device.memory_reserve() if options.device_memory is None else 0, granularity)
+            if not dplan.fits:
+                error = memory.DeviceDoesNotFit(memory.device_refusal(dplan, None), dplan)
+                last = last or dplan
+                continue
+        return cut_specs, layout, dataclasses.replace(plan, device=dplan)
+    if isinstance(error, memory.DeviceDoesNotFit) and last is not None and last is not error.plan:
+        raise memory.DeviceDoesNotFit(memory.device_refusal(last, error.plan), error.plan)
+    raise error
+
+
+def model_work(model: nn.Module, specs: list[GroupSpec], options: AttachOptions):
+    """What a micro-batch computes, for the device plan's activations (memory.Work): the
+    model's width and vocabulary from its largest embedding outside the blocks (None: no
+    embedding, the activations are not estimated)."""
+    blocks = {id(m) for spec in specs if spec.block is not None for m in spec.block.modules()}
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding) and id(m) not in blocks]
+    if not embeddings:
+        return None
+    emb = max(embeddings, key=lambda m: m.num_embeddings)
+    layers = len({id(spec.block) for spec in specs if spec.block is not None})
+    dtype = next((p.dtype for spec in specs for _, p in spec.params), torch.float32)
+    acts = options.activations
+    return memory.Work(emb.embedding_dim, emb.num_embeddings, layers, dtype.itemsize, schedule="block-major",
+                       recompute=acts == "recompute")
+
+
+def group_shapes(layout, torch_groups: TorchGroups, limits, parallel) -> list[memory.GroupShape]:
+    """What the plans need of each layer group (memory.GroupShape)."""
     shapes = []
     for spec, mode, kind in layout:
         dtype = (spec.params or spec.frozen)[0][1].dtype
@@ -168,11 +234,18 @@ def plan_memory(session, layout, torch_groups: TorchGroups, options: AttachOptio
         shapes.append(memory.GroupShape(
             spec.name, numel, dtype.itemsize, chunked=chunked, offload=mode, strategy=kind, shard=shard,
             frozen_bytes=spec.frozen_numel * dtype.itemsize if mode is True else 0))
+    return shapes
+
+
+def plan_memory(shapes: list, layout, limits, options: AttachOptions, device: Device) -> memory.MemoryPlan:
+    """The shared buffers of an engine, planned from the session's budget and the groups'
+    sizes (memory/budget.py); raises memory.DoesNotFit before any allocation."""
     acts = options.activations
     swaps = acts in ("swap", "auto") or (isinstance(acts, dict) and "swap" in acts.values())
     wanted = memory.Wanted(options.prefetch, options.keep, options.host_budget,
                            arena=any(spec.module is not None for spec, _, _ in layout), swaps=swaps,
-                           shares_host_memory=device.shares_host_memory)
+                           shares_host_memory=device.shares_host_memory,
+                           held=any(spec.block is not None and spec.module is None for spec, _, _ in layout))
     return memory.plan(shapes, limits, wanted)
 
 
@@ -190,7 +263,7 @@ def check_capacity(session, specs: list[GroupSpec], torch_groups: TorchGroups, o
     need += sum(g.numel * g.params[0][1].dtype.itemsize for g in specs
                 if g.params and weights_rewritten(offload, g.params[0][1].dtype))
     if offload is True:
-        need += sum(g.frozen_numel * g.frozen[0][1].dtype.itemsize for g in specs if g.module is not None and g.frozen)
+        need += sum(g.frozen_numel * g.frozen[0][1].dtype.itemsize for g in specs if g.block is not None and g.frozen)
     status = session.daemon_status
     free = sum(d.available_bytes if d.HasField("available_bytes") else d.capacity_bytes - d.used_bytes
                for d in status.devices)

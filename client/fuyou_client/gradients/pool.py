@@ -26,7 +26,7 @@ from fuyou_client.device.devices import Device, after
 from fuyou_client.connection.session import Session
 
 
-DEVICE_BUFFERS = 2  # on a device with its own memory: the group in backward, the one whose download runs
+from fuyou_client.memory import DEVICE_GRAD_BUFFERS as DEVICE_BUFFERS  # the group in backward, the one downloading
 
 
 class GradientPool:

@@ -116,6 +116,7 @@ class Wanted:
     arena: bool = True  # a host arena may be used (train_step's)
     swaps: bool = False  # activations "swap" or "auto": the activation swapper's arena too
     shares_host_memory: bool = True  # the compute device is the CPU (no device-side copies)
+    held: bool = False  # blocks cut into sub-blocks (model/cuts.py): a block's own group is held while they come
 
 
     @property
@@ -155,6 +156,7 @@ class MemoryPlan:
     limits: Limits
     shrunk: tuple[str, ...] = ()  # what was given up to fit, in order
     segment: int = field(default=64 << 20, repr=False)
+    device: "object | None" = None  # the compute device's plan (device_plan.DevicePlan; None: the CPU)
 
     def _at(self, *phases: str) -> int:
         return pinned_bytes([i for i in self.items if i.phase in phases], self.segment)
@@ -180,7 +182,8 @@ class MemoryPlan:
                 f"{self.prefetch}, {self.weight_slots} weight slot(s), {self.grad_buffers} gradient buffer(s)"
                 f"{', master weights handed to the steps' if self.handoff else ''}")
         tail = [f"  to fit, gave up: {', '.join(self.shrunk)}"] if self.shrunk else []
-        return "\n".join([head, *rows, *tail])
+        device = [self.device.describe()] if self.device is not None else []
+        return "\n".join([head, *rows, *tail, *device])
 
     def __str__(self) -> str:
         return self.describe()
@@ -234,13 +237,14 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted()) ->
         # step ends) at no cost; smaller ones get room for both.
         shared = held_by_steps and slot >= WINDOW
         extra = max(k.prefetch, held_by_steps) if shared else k.prefetch + (held_by_steps or k.spare)
-        n_slots = (1 + extra + wanted.keep) if offloaded else 0
+        n_slots = (1 + extra + wanted.keep + wanted.held) if offloaded else 0
         n_grads = (1 + k.inflight) if pooled else 0
         n_staging = k.staging if hosted else 0
         items = list(fixed)
         items.append(Item("weight slots", n_slots if from_ssd else 0, slot,  # (offload="host": device memory only)
                           f"the block computing, {k.prefetch} ahead"
                           + (f", {wanted.keep} kept" if wanted.keep else "")
+                          + (", the block's own group held while its modules come" if wanted.held else "")
                           + (f" (or lent to the {held_by_steps} step(s) in flight: master handoff)" if shared else
                              f", {held_by_steps} lent to steps in flight (master handoff)" if held_by_steps else
                              ", a spare" if k.spare else ""), "train"))

@@ -46,6 +46,7 @@ upload's event only, and the host buffer takes a new fetch only after its upload
 from __future__ import annotations
 
 from collections import deque
+from contextlib import contextmanager
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -74,12 +75,13 @@ class Source:
 class OffloadedGroup:
     index: int
     name: str
-    module: nn.Module
+    uses: tuple[nn.Module, ...]  # the modules it is fetched around (the block; a sub-block's own: model/cuts.py)
     params: list[nn.Parameter]
     dtype: torch.dtype
     sources: list[Source]  # where the compute weights are on the SSD array (none: ``host``)
     numel: int
     slot: "Slot | None" = None  # while resident
+    cached: "Slot | None" = None  # released, its weights still in this slot until another group takes it
     ready: object = DONE  # event: the slot's upload (compute waits for it before using the weights)
     fetch: Future | None = None
     fetch_slot: "Slot | None" = None
@@ -93,6 +95,7 @@ class OffloadedGroup:
     host: object = None  # offload="host": the shared buffer holding the weights (the step writes it)
     host_uploaded: object = DONE  # event: the last upload out of ``host`` (the step waits for it)
     hands_over: bool = False  # its slot goes to its step, which takes the fp32 masters from it (lend)
+    cut: bool = False  # a block's own group whose large modules are sub-blocks (model/cuts.py)
 
     @property
     def nbytes(self) -> int:
@@ -155,11 +158,23 @@ class Offloader:
         self._lent: deque[tuple[Future, Slot]] = deque()  # slots whose masters a step reads, oldest first
         self._lending: Slot | None = None  # lent, its step not submitted yet
         self._deferred: list[tuple[OffloadedGroup, bool]] = []  # prefetches waiting for a slot (poll)
+        # Slots of released groups whose weights are still there, oldest first: a group used
+        # again before its slot is taken (a sub-block over the micro-batches of train_step,
+        # a recomputed one in backward) needs no fetch. Forgotten when the group's step is
+        # submitted (new weights) and at the barrier. Not with data parallelism: every rank
+        # must fetch, and gather, in the same order.
+        self._cached: dict[Slot, OffloadedGroup] = {}
+        self._caching = gather is None
+        self._entered = -1  # the last group forward entered (a group used again after it is not prefetched for)
+        self.inputs_only = False  # (see input_gradients)
+        self._inputs_only_used: list[OffloadedGroup] = []
         self._clock = 0
         self._by_ptr: dict[int, OffloadedGroup] = {}
         self.fetched_bytes = 0  # weight bytes read from the SSD array for this client
         self.fetched_forward = 0  # of which for forward (the rest: backward's)
         self.served_bytes = 0  # weight bytes served from optimizer-state read-aheads (no extra read)
+        self.reused_bytes = 0  # weight bytes used again from a released group's slot (no fetch, no upload)
+        self.reuses = 0  # how many times
         self._on_backward = on_backward or (lambda g: None)
         self._gather = gather
         for g in groups:
@@ -174,13 +189,45 @@ class Offloader:
         them from a read-ahead of the group's optimizer state, which the group's step, due
         right after, then uses: one SSD read instead of two (unless the group lends its
         slot to its step instead: ``lend``)."""
-        if g.slot is not None or g.fetch is not None:
+        if g.slot is not None or g.fetch is not None or g.cached is not None:
             return
         self._take_back()
-        if self._free:
-            self._fetch_into(g, self._free.pop(0), backward)  # (the longest free: its last use is furthest back)
+        slot = self._take_slot()
+        if slot is not None:
+            self._fetch_into(g, slot, backward)
         elif self._lent and not any(d is g for d, _ in self._deferred):  # (when a lent slot is back: poll)
             self._deferred.append((g, backward))
+
+    def _take_slot(self) -> "Slot | None":
+        """A slot for a fetch: a free one (the longest free: its last use is furthest back),
+        else the one cached longest (its group must be fetched again), else None."""
+        if self._free:
+            return self._free.pop(0)
+        if self._cached:
+            slot = next(iter(self._cached))
+            self._cached.pop(slot).cached = None
+            return slot
+        return None
+
+    def _forget_cached(self, g: OffloadedGroup) -> None:
+        """The group's cached weights are stale (its step is under way) or no longer wanted."""
+        if g.cached is not None:
+            self._free.append(g.cached)
+            del self._cached[g.cached]
+            g.cached = None
+
+    def forget(self, g: OffloadedGroup) -> None:
+        """The group's step was submitted: weights cached from before it are stale."""
+        self._forget_cached(g)
+
+    def _reland(self, g: OffloadedGroup) -> None:
+        """A cached group resident again: its slot still holds its weights (on the device too)."""
+        slot = g.cached
+        del self._cached[slot]
+        g.cached, g.slot, g.ready = None, slot, slot.uploaded
+        self.reused_bytes += g.nbytes
+        self.reuses += 1
+        self._point(g, slot)
 
     def poll(self) -> None:
         """Cheap, called often (each gradient): slots lent to steps that are done are free
@@ -188,10 +235,10 @@ class Offloader:
         if not self._lent and not self._deferred:
             return
         self._take_back()
-        while self._free and self._deferred:
+        while (self._free or self._cached) and self._deferred:
             g, backward = self._deferred.pop(0)
-            if g.slot is None and g.fetch is None:
-                self._fetch_into(g, self._free.pop(0), backward)
+            if g.slot is None and g.fetch is None and g.cached is None:
+                self._fetch_into(g, self._take_slot(), backward)
 
     def _take_back(self, wait: bool = False) -> None:
         """Slots lent to steps that are done are free again (``wait``: the oldest is waited for)."""
@@ -222,6 +269,13 @@ class Offloader:
             self._free.append(slot)
         self._lent.clear()
         self._deferred.clear()
+        self.forget_all()
+
+    def forget_all(self) -> None:
+        """Every cached group forgotten (at the barrier: the steps wrote new weights)."""
+        for g in list(self._cached.values()):
+            self._forget_cached(g)
+        self._entered = -1
 
     def _fetch_into(self, g: OffloadedGroup, slot: Slot, backward: bool) -> None:
         slot.uploaded.synchronize()  # the host buffer's last upload has run (normally long ago)
@@ -246,7 +300,9 @@ class Offloader:
     def ensure(self, g: OffloadedGroup, backward: bool = False) -> None:
         """Make the group's weights resident (waits for its fetch); the compute stream's
         next work waits for their upload."""
-        if g.slot is None:
+        if g.slot is None and g.cached is not None:
+            self._reland(g)
+        elif g.slot is None:
             if g.fetch is None:
                 self._fetch_into(g, self._slot_for(g), backward)
             self._land(g)
@@ -256,9 +312,9 @@ class Offloader:
         """A slot for a fetch that cannot wait: a free one, else the oldest lent one once its
         step is done, else a resident group's (evicted)."""
         self._take_back()
-        if not self._free and self._lent:
+        if not self._free and not self._cached and self._lent:
             self._take_back(wait=True)
-        return self._free.pop(0) if self._free else self._evict(g)
+        return self._take_slot() or self._evict(g)
 
     def _land(self, g: OffloadedGroup) -> None:
         """A fetch is done (or waited for): upload it and point the parameters at it."""
@@ -283,6 +339,10 @@ class Offloader:
             if g.host is not None:
                 g.host_uploaded = slot.uploaded
         g.ready = slot.uploaded
+        self._point(g, slot)
+
+    def _point(self, g: OffloadedGroup, slot: "Slot") -> None:
+        """The group's parameters become views of the slot's weights."""
         with torch.inference_mode(False):  # (an eval forward under inference_mode: still plain tensors)
             flat = slot.weights(g.dtype)
             self._by_ptr[flat.untyped_storage().data_ptr()] = g
@@ -302,16 +362,23 @@ class Offloader:
         until the step; a model called twice keeps more): free the least recently used one
         that is not computing. Its saved tensors are markers, so a later use fetches it again."""
         victims = [g for g in self.groups if g.slot is not None and g is not wanted and not g.busy]
-        if not victims:
-            raise RuntimeError(f"no weight slot for {wanted.name}: all {len(self._all)} hold blocks computing "
-                               "right now; attach with a larger prefetch or keep")
-        self.release(min(victims, key=lambda g: g.last_used))
-        return self._free.pop()
+        if victims:
+            self.release(min(victims, key=lambda g: g.last_used), cache=False)
+            return self._free.pop()
+        ahead = [g for g in self.groups if g.fetch is not None and g is not wanted]
+        if ahead:  # (prefetches hold the other slots: the one asked for first is given up, read or not)
+            g = ahead[0]
+            g.fetch.exception()  # (waits: the slot is written no more)
+            slot, g.fetch, g.fetch_slot = g.fetch_slot, None, None
+            return slot
+        raise RuntimeError(f"no weight slot for {wanted.name}: all {len(self._all)} hold blocks computing "
+                           "right now; attach with a larger prefetch or keep")
 
-    def release(self, g: OffloadedGroup, keep_params: bool = False, lend: bool = False) -> None:
+    def release(self, g: OffloadedGroup, keep_params: bool = False, lend: bool = False, cache: bool = True) -> None:
         """Give the group's slot back; its parameters become empty placeholders (unless
         ``keep_params``: the caller has already pointed them elsewhere; ``lend``: the slot
-        goes to the group's step, see ``lend``)."""
+        goes to the group's step, see ``lend``). The slot keeps its weights, cached, until
+        another group takes it (``cache=False``: not)."""
         if g.slot is None:
             return
         if not keep_params:
@@ -319,7 +386,12 @@ class Offloader:
                 p.data = ph
         self._by_ptr.pop(g.slot.weights(g.dtype).untyped_storage().data_ptr(), None)
         g.slot.released = self.device.record()  # the compute enqueued so far may still read it
-        if not lend:
+        if lend:
+            pass
+        elif cache and self._caching and not keep_params:
+            g.cached = g.slot
+            self._cached[g.slot] = g
+        else:
             self._free.append(g.slot)
         g.slot, g.ready = None, DONE
 
@@ -329,7 +401,8 @@ class Offloader:
                 g.fetch.result()
                 self._free.append(g.fetch_slot)
                 g.fetch = g.fetch_slot = None
-            self.release(g)
+            self.release(g, cache=False)
+        self.forget_all()
 
     # -- hooks ----------------------------------------------------------------------------
     def _touch(self, g: OffloadedGroup) -> None:
@@ -342,8 +415,10 @@ class Offloader:
         self.ensure(g)
         g.busy = True
         self._touch(g)
-        for nxt in self.groups[g.index + 1:g.index + 1 + self.prefetch]:
-            self._start_fetch(nxt)
+        if len(g.uses) < 2 or g.index > self._entered:  # (a tied head, used again late: forward is past the rest)
+            for nxt in self.groups[g.index + 1:g.index + 1 + self.prefetch]:
+                self._start_fetch(nxt)
+        self._entered = max(self._entered, g.index)
         self._poll()
 
     def exit_forward(self, g: OffloadedGroup) -> None:
@@ -381,20 +456,25 @@ class Offloader:
         g = saved.group
         self.ensure_for_backward(g)
         self._poll()
-        self.begin_backward(g)
+        if self.inputs_only:
+            self._touch(g)
+            if not any(u is g for u in self._inputs_only_used):
+                self._inputs_only_used.append(g)
+        else:
+            self.begin_backward(g)
         return g.slot.weights(g.dtype).as_strided(saved.size, saved.stride, saved.offset)
 
-    def ensure_for_backward(self, g: OffloadedGroup) -> None:
+    def ensure_for_backward(self, g: OffloadedGroup, ahead: bool = True) -> None:
         """A group's weights for its backward (or its recomputed forward); the first
         request of a group starts fetching the ``prefetch`` groups before it, which
-        backward needs next."""
+        backward needs next (unless ``ahead`` is False)."""
         if not g.in_backward:  # (once per group and backward, not per saved tensor)
             for done in self._frozen_blocks:
                 if done.index > g.index and done.slot is not None and not done.busy:
                     self.release(done)
         if g.slot is None:
             self.ensure(g, backward=True)
-            for prev in reversed(self.groups[max(0, g.index - self.prefetch):g.index]):
+            for prev in reversed(self.groups[max(0, g.index - self.prefetch):g.index] if ahead else []):
                 self._start_fetch(prev, backward=True)
         else:
             self.device.wait(g.ready)
@@ -414,8 +494,10 @@ class Offloader:
 
     def hold(self, g: OffloadedGroup) -> None:
         """The group's weights for its backward (or recomputed forward), held until
-        ``backward_done``: the graph being built refers to them, so no eviction."""
-        self.ensure_for_backward(g)
+        ``backward_done``: the graph being built refers to them, so no eviction. (A block
+        cut into sub-blocks: its own group; the sub-blocks come as their modules run, and
+        the groups before it are fetched only once backward reaches them.)"""
+        self.ensure_for_backward(g, ahead=not g.cut)
         g.busy = True
 
     def let_go(self, g: OffloadedGroup) -> None:
@@ -423,9 +505,11 @@ class Offloader:
         g.busy = False
 
     def backward_done(self, g: OffloadedGroup) -> None:
-        """Backward is done with the group's weights: its slot is free again."""
+        """Backward is done with the group's weights: its slot is free again (cached until
+        the group's step is submitted, for the next micro-batch of an accumulation)."""
         g.busy = False
         self.release(g)
+        self._entered = -1  # (the next forward starts over)
 
     def lend_for_step(self, g: OffloadedGroup, submit) -> None:
         """Backward is done with the group's weights and its step takes the fp32 masters from
@@ -433,6 +517,22 @@ class Offloader:
         again once that step is done."""
         g.busy = False
         self._lent_until(submit(self._lend(g)))
+
+    @contextmanager
+    def input_gradients(self):
+        """A backward that takes input gradients only (train_step's tail: the gradient of the
+        loss with respect to the last block's output): a group whose weights it unpacks (an
+        offloaded head, model/cuts.py) does not begin its backward (no gradient buffer for it
+        yet) and is released after it."""
+        self.inputs_only = True
+        try:
+            yield
+        finally:
+            self.inputs_only = False
+            for g in self._inputs_only_used:
+                if not g.busy and not g.in_backward:
+                    self.release(g)
+            self._inputs_only_used.clear()
 
     def let_go_all(self) -> None:
         """(a step abandoned) No group is held any more; every slot and fetch is given back."""

@@ -18,7 +18,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from fuyou_client.device import cuda_reserve
+from fuyou_client.memory import DevicePlan, Work, plan_device
 from fuyou_client.memory import budget as memory_plan
+from fuyou_client.model.cuts import large_atoms
 from fuyou_client.sizing.hardware import GB, GiB, Host
 from fuyou_client.sizing.iteration import Rates, Schedule, device_estimate, simulate, state_bytes
 from fuyou_client.sizing.shape import ModelShape
@@ -48,6 +51,7 @@ class Settings:
     prefetch: int | None = None  # None: the memory plan's
     host_budget: int | None = None  # the host arena; None: the memory plan's default
     activations: str = "recompute"
+    granularity: str = "block"  # what comes to the GPU at a time: "block", or "module" (model/cuts.py)
 
     @property
     def tokens(self) -> int:
@@ -62,6 +66,8 @@ class Settings:
             out["host_budget"] = self.host_budget
         if self.schedule == "loop" and self.micro_batches > 1:
             out["accumulation_steps"] = self.micro_batches
+        if self.granularity != "block":
+            out["granularity"] = self.granularity
         return out
 
 
@@ -137,14 +143,30 @@ def chunked(numel: int, s: Settings, host: Host) -> bool:
 
 
 def groups(shape: ModelShape, s: Settings, host: Host) -> list[memory_plan.GroupShape]:
-    """The layer groups attach would plan (engine/build.py plan_memory), from the shape alone."""
+    """The layer groups attach would plan (engine/build.py group_shapes), from the shape
+    alone: one per block and the rest, or with ``granularity="module"`` each block's own
+    group and sub-blocks, and the rest's (model/cuts.py, by the same rule)."""
     c = _compute_bytes(host)
     offload = s.offload if host.gpu is not None or s.offload is True else False  # ("host" on the CPU: resident)
     keeps = s.schedule == "loop" and s.micro_batches > 1  # gradients kept until the step
-    block = memory_plan.GroupShape("block0000", shape.block_params, c, chunked=chunked(shape.block_params, s, host),
-                                   offload=offload, strategy=("resident" if keeps else "pooled") if offload else "resident")
-    rest = memory_plan.GroupShape("rest", shape.rest_params, c, chunked=chunked(shape.rest_params, s, host))
-    return [dataclasses.replace(block, name=f"block{i:04d}") for i in range(shape.layers)] + [rest]
+    strategy = (("host" if host.gpu is not None else "resident") if keeps else "pooled") if offload else "resident"
+
+    def group(name: str, numel: int, off, kind: str) -> memory_plan.GroupShape:
+        return memory_plan.GroupShape(name, numel, c, chunked=chunked(numel, s, host), offload=off, strategy=kind)
+    if s.granularity == "block" or not offload or not shape.block_atoms:
+        blocks = [[("", shape.block_params)]]
+        rest = [group("rest", shape.rest_params, False, "resident")]
+    else:
+        sizes = [n for n, _ in shape.block_atoms]
+        large = large_atoms(sizes)
+        blocks = [[("", sum(n for i, n in enumerate(sizes) if i not in large))]
+                  + [(f".m{k}", sizes[i]) for k, i in enumerate(large, 1)]]
+        rest_sizes = [n for n, _ in shape.rest_atoms]
+        big = large_atoms(rest_sizes, block=False)
+        rest = [group(f"rest.m{k}", rest_sizes[i], offload, strategy) for k, i in enumerate(big, 1)]
+        rest.append(group("rest", sum(n for i, n in enumerate(rest_sizes) if i not in big), False, "resident"))
+    out = [group(f"block{i:04d}{suffix}", n, offload, strategy) for i in range(shape.layers) for suffix, n in blocks[0]]
+    return out + [g for g in rest if g.numel]
 
 
 def kept_inputs(shape: ModelShape, s: Settings, c: int) -> int:
@@ -155,8 +177,11 @@ def kept_inputs(shape: ModelShape, s: Settings, c: int) -> int:
     return (shape.layers + 2) * s.micro_batches * s.micro_batch * s.seq * shape.width * c
 
 
-def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena: int) -> dict:
-    """Bytes the SSD array moves per iteration, by cause (as the daemon counts them)."""
+def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena: int, slots: int = 2) -> dict:
+    """Bytes the SSD array moves per iteration, by cause (as the daemon counts them).
+    ``slots``: the memory plan's weight slots (a block released keeps its weights in its slot
+    until a fetch takes it: offload/offloader.py, so backward starts with the last blocks
+    forward used, and the next micro-batch of an accumulation with the first ones)."""
     c, n, L = _compute_bytes(host), shape.block_params, shape.layers
     on_ssd = s.offload is True
     in_chunks = chunked(n, s, host)
@@ -164,13 +189,29 @@ def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena
     k = s.micro_batches if s.schedule == "loop" else 1
     block_state, rest_state = state_bytes(s.state_dtype, n), state_bytes(s.state_dtype, shape.rest_params)
     spill = max(0, kept_inputs(shape, s, c) - arena)
-    # backward's fetches: a plain read with the handoff, or where the block's state does not fit
-    # an optimizer buffer (the daemon then holds what masters it can: counted as read here, an
-    # upper bound); else served from the step's read-ahead of the state (the last micro-batch
-    # of the loop; every block of block-major)
-    backward = (L - 1) * n * c * ((k - 1) + (hands or in_chunks)) if on_ssd else 0
-    return {"forward weights read": L * n * c * k if on_ssd else 0,
+    rest_read = 0
+    if s.granularity == "module" and on_ssd:
+        # a block's large modules one by one; where the slots do not hold a whole block's, train_step
+        # reads them again for each micro-batch's forward (backward's come from the state read-ahead)
+        parts = len(large_atoms([a for a, _ in shape.block_atoms])) if shape.block_atoms else 1
+        again = s.micro_batches if s.schedule == "block-major" and slots < parts + 2 else k
+        forward, backward = L * n * c * again, 0
+        sizes = [a for a, _ in shape.rest_atoms]
+        tied_head = any(e for _, e in shape.rest_atoms) and len(sizes) and not any(
+            n2 == sizes[0] and not e for n2, e in shape.rest_atoms[1:])
+        rest_read = sum(sizes[i] for i in large_atoms(sizes, block=False)) * c * k * (2 if tied_head else 1)
+    else:
+        # backward's fetches: a plain read with the handoff, or where the block's state does not fit
+        # an optimizer buffer (the daemon then holds what masters it can: counted as read here, an
+        # upper bound); else served from the step's read-ahead of the state (the last micro-batch
+        # of the loop; every block of block-major). Blocks still in their slots are read by neither.
+        reused_backward = min(L - 1, max(0, slots - 1))
+        reused_forward = min(L, slots)  # (from the second micro-batch of the loop's accumulation on)
+        forward = (L * k - (k - 1) * reused_forward) * n * c if on_ssd else 0
+        backward = (L - 1 - reused_backward) * n * c * ((k - 1) + (hands or in_chunks)) if on_ssd else 0
+    return {"forward weights read": forward,
             "backward weights read": backward,
+            "rest's weights read": rest_read,
             "optimizer state read": L * (block_state - 4 * n * hands) + rest_state,
             "optimizer state written": L * block_state + rest_state,
             "weights written by the steps": L * n * c if on_ssd and c != 4 else 0,
@@ -189,22 +230,25 @@ def estimate(shape: ModelShape, s: Settings, host: Host, simulate_time: bool = T
     limits = memory_plan.Limits(session_budget=host.pinned, optimizer_buffer_budget=host.buffer_budget,
                                 optimizer_buffers=host.buffers, segment=host.segment)
     wanted = memory_plan.Wanted(s.prefetch, 0, s.host_budget, arena=True, swaps=s.activations == "swap",
-                                shares_host_memory=host.gpu is None)
+                                shares_host_memory=host.gpu is None, held=s.granularity == "module")
+    shapes = groups(shape, s, host)
     try:
-        plan = memory_plan.plan(groups(shape, s, host), limits, wanted)
+        plan = memory_plan.plan(shapes, limits, wanted)
     except memory_plan.DoesNotFit as exc:
         plan = exc.smallest
+    device = device_plan(shape, s, host, shapes, plan)
     arena_used = min(plan.host_budget, kept_inputs(shape, s, c))
     pinned = plan.training - (plan.host_budget - arena_used)  # (an arena's untouched pages are not resident)
     daemon = DAEMON_BASE + host.buffer_budget
     client = CLIENT_BASE + 4 * shape.vocab * shape.width + (CUDA_CONTEXT if host.gpu else 0)
-    ssd = ssd_traffic(shape, s, host, plan.handoff, plan.host_budget)
+    ssd = ssd_traffic(shape, s, host, plan.handoff, plan.host_budget, plan.weight_slots)
     block_state = state_bytes(s.state_dtype, shape.block_params)
     stored = shape.layers * state_bytes(s.state_dtype, shape.block_params) + \
         state_bytes(s.state_dtype, shape.rest_params) + ssd["weights written by the steps"]
     capacity = {"state and weights": stored, "new versions in flight": VERSIONS_IN_FLIGHT * block_state,
                 "spilled inputs": ssd["spilled inputs written"]}
-    memory = {"gpu": device_estimate(shape, _schedule(shape, s, host)) * host.gpu.device_factor if host.gpu else 0,
+    memory = {"gpu": device.total(s.micro_batch * s.seq) if host.gpu else 0,
+              "gpu_plan": str(device) if device else None,
               "pinned": pinned, "pinned_plan": plan.total, "daemon_own": daemon, "client_own": client,
               "host_total": pinned + daemon + client, "ssd_capacity": sum(capacity.values()),
               # a checkpoint on the array (engine.save_checkpoint, fuyouctl checkpoint): a copy of the
@@ -218,12 +262,22 @@ def estimate(shape: ModelShape, s: Settings, host: Host, simulate_time: bool = T
            "SSD capacity": int(0.95 * host.disks.count * host.disks.capacity)}
     if host.gpu is not None:
         needs["GPU memory"] = memory["gpu"]
-        has["GPU memory"] = int(0.9 * host.gpu.memory)
+        has["GPU memory"] = int(host.gpu.memory - cuda_reserve(host.gpu.memory))
     est = Estimate(shape, s, host, memory, needs, has, ssd, plan)
     est.assumptions = _assumptions(host)
     if host.gpu is not None and simulate_time:
         _time(est, host)
     return est
+
+
+def device_plan(shape: ModelShape, s: Settings, host: Host, shapes: list, plan) -> DevicePlan | None:
+    """The GPU's plan for these groups and this pinned plan: attach's own rules
+    (memory/device_plan.py), the budget checked by the caller."""
+    if host.gpu is None:
+        return None
+    work = Work(shape.width, shape.vocab, shape.layers, _compute_bytes(host), schedule=s.schedule,
+                recompute=s.activations == "recompute")
+    return plan_device(shapes, plan, work, None, granularity=s.granularity)
 
 
 def _schedule(shape: ModelShape, s: Settings, host: Host) -> Schedule:

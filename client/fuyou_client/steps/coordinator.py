@@ -113,6 +113,8 @@ class StepCoordinator:
 
         start.scale = scale  # (a strategy whose steps run elsewhere sends it: parallel/remote.py)
         g.submitted = True
+        if g.offloaded is not None and self.offloader is not None:
+            self.offloader.forget(g.offloaded)  # (weights it cached are stale from now on)
         future = g.strategy.submit(g, start)
         if not g.strategy.keeps_steps:
             g.future = future
