@@ -74,6 +74,7 @@ class LateCopyDevice(Device):
     not counted."""
     torch_device = torch.device("cpu")
     shares_host_memory = False
+    computes_in_its_memory = False  # (its compute is the CPU's: only what the engine allocates is on it)
 
     def __init__(self, seed: int = 0, max_delay: float = 0.003, helper_delay: float | None = None,
                  capacity: int | None = None):

@@ -309,6 +309,8 @@ class BlockMajor:
         if not early:
             call, carried = self._record(l, i, args, kwargs)
             carried = [t.detach() for t in carried]
+        if og is not None:  # (a cut block's sub-blocks stay for the next micro-batch: nothing else fetched ahead)
+            self.offloader.prefetch_within = og.unit if i < k - 1 else None
         if i == 0 and og is not None:
             self.offloader.enter_forward(og)  # (weights in, the next blocks' fetches started)
         if l > 0 or early:
@@ -425,6 +427,8 @@ class BlockMajor:
                 offloader.begin_backward(og)
             _, floating = self.out_specs[l]
             for i in range(k):
+                if og is not None:  # (as in forward)
+                    offloader.prefetch_within = og.unit if i < k - 1 else None
                 for nxt in ([("x", l, i + 1), ("g", l, i + 1)] if i + 1 < k else
                             [("x", l - 1, 0), ("g", l - 1, 0)] if l > 0 else []):
                     self.store.prefetch(nxt)
@@ -449,6 +453,8 @@ class BlockMajor:
                 del stored, inputs, args, kwargs
             if og is not None and og.slot is not None:  # (a frozen block: no gradient released it)
                 offloader.let_go(og)
+        if offloader is not None:
+            offloader.prefetch_within = None
 
     # -- the rest -------------------------------------------------------------------------
     def _rest_backward(self, micro_batches, loss_fn, micros) -> None:

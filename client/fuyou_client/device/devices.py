@@ -60,6 +60,7 @@ class Device:
 
     torch_device: torch.device
     shares_host_memory: bool  # tensors on the device may be views of shared memory
+    computes_in_its_memory = True  # the model's activations take its memory (the device plan counts them)
 
     def register(self, address: int, nbytes: int) -> None:
         """Host memory (a shared segment) that copies will use; before its first use."""

@@ -68,6 +68,7 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
     for i, og in enumerate(offloaded):
         og.index = i
         og.cut = id(by_spec[og.name].module) in cut_blocks
+        og.unit = by_spec[og.name].unit
     for g in groups:  # (blocks stepped in chunks: their steps take the masters their backward read)
         if g.offloaded is not None:
             g.offloaded.hands_over = plan.handoff and hands_over(g)
@@ -77,15 +78,13 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
     def on_backward(og) -> None:  # (a frozen block has no gradients)
         if by_name[og.name].strategy is pooled:
             pooled.pool.assign(by_name[og.name])
-    offloader = Offloader(session, device, offloaded, plan.prefetch, plan.keep, slots=plan.weight_slots,
+    offloader = Offloader(session, device, offloaded, plan.prefetch, plan.keep, slots=plan.slot_sizes,
                           on_backward=on_backward, gather=parallel.fetch_gather(session, groups)) \
         if offloaded else None
     accumulated = [g for g in groups if g.strategy is host]
     host_grads = host.bind(session, device, max(g.numel for g in accumulated) * 4, plan.staging_buffers) \
         if accumulated else None
-    gradients = pooled.bind(session, device, plan.grad_buffers,
-                            max(g.numel * g.dtype.itemsize for g in groups if g.strategy is pooled)) \
-        if any(g.strategy is pooled for g in groups) else None
+    gradients = pooled.bind(session, device, plan.grad_classes) if any(g.strategy is pooled for g in groups) else None
     in_use = [st for st in strategies.values() if st is not None and any(g.strategy is st for g in groups)]
     grouped = {id(p) for g in groups for _, p in g.spec.params}
     frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in grouped]  # (at attach)
@@ -183,16 +182,21 @@ def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_gr
         layout = [(spec, *where) for spec in cut_specs
                   if (where := placement(spec, options.offload, pool_grads, options.grad_accumulation,
                                          parallel.strategy_kind)) is not None]
-        shapes = group_shapes(layout, torch_groups, limits, parallel)
+        shapes = group_shapes(layout, torch_groups, limits, parallel, cut=granularity == "module")
+        work = model_work(model, cut_specs, options)
+        reserve = device.memory_reserve() if options.device_memory is None else 0
+
+        def device_side(p, shapes=shapes, work=work, reserve=reserve, granularity=granularity):
+            return memory.plan_device(shapes, p, work, budget, reserve, granularity)
         try:
-            plan = plan_memory(shapes, layout, limits, options, device)
+            plan = plan_memory(shapes, layout, limits, options, device,
+                               None if device.shares_host_memory else lambda p: device_side(p).fits)
         except memory.DoesNotFit as exc:
             error = exc
             continue
         dplan = None
         if not device.shares_host_memory:
-            dplan = memory.plan_device(shapes, plan, model_work(model, cut_specs, options), budget,
-                                       device.memory_reserve() if options.device_memory is None else 0, granularity)
+            dplan = device_side(plan)
             if not dplan.fits:
                 error = memory.DeviceDoesNotFit(memory.device_refusal(dplan, None), dplan)
                 last = last or dplan
@@ -219,8 +223,9 @@ def model_work(model: nn.Module, specs: list[GroupSpec], options: AttachOptions)
                        recompute=acts == "recompute")
 
 
-def group_shapes(layout, torch_groups: TorchGroups, limits, parallel) -> list[memory.GroupShape]:
-    """What the plans need of each layer group (memory.GroupShape)."""
+def group_shapes(layout, torch_groups: TorchGroups, limits, parallel, cut: bool = False) -> list[memory.GroupShape]:
+    """What the plans need of each layer group (memory.GroupShape); ``cut``: the blocks
+    are cut into sub-blocks (their own groups are ``held``)."""
     shapes = []
     for spec, mode, kind in layout:
         dtype = (spec.params or spec.frozen)[0][1].dtype
@@ -233,20 +238,22 @@ def group_shapes(layout, torch_groups: TorchGroups, limits, parallel) -> list[me
                       for part in spec.parts)
         shapes.append(memory.GroupShape(
             spec.name, numel, dtype.itemsize, chunked=chunked, offload=mode, strategy=kind, shard=shard,
-            frozen_bytes=spec.frozen_numel * dtype.itemsize if mode is True else 0))
+            frozen_bytes=spec.frozen_numel * dtype.itemsize if mode is True else 0,
+            held=cut and spec.module is not None))
     return shapes
 
 
-def plan_memory(shapes: list, layout, limits, options: AttachOptions, device: Device) -> memory.MemoryPlan:
+def plan_memory(shapes: list, layout, limits, options: AttachOptions, device: Device,
+                device_fits=None) -> memory.MemoryPlan:
     """The shared buffers of an engine, planned from the session's budget and the groups'
-    sizes (memory/budget.py); raises memory.DoesNotFit before any allocation."""
+    sizes (memory/budget.py), the device's own memory checked by ``device_fits``; raises
+    memory.DoesNotFit before any allocation."""
     acts = options.activations
     swaps = acts in ("swap", "auto") or (isinstance(acts, dict) and "swap" in acts.values())
     wanted = memory.Wanted(options.prefetch, options.keep, options.host_budget,
                            arena=any(spec.module is not None for spec, _, _ in layout), swaps=swaps,
-                           shares_host_memory=device.shares_host_memory,
-                           held=any(spec.block is not None and spec.module is None for spec, _, _ in layout))
-    return memory.plan(shapes, limits, wanted)
+                           shares_host_memory=device.shares_host_memory)
+    return memory.plan(shapes, limits, wanted, device_fits)
 
 
 def check_capacity(session, specs: list[GroupSpec], torch_groups: TorchGroups, offload, resume: bool,

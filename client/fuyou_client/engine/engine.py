@@ -239,20 +239,20 @@ class Engine:
         if dplan is None or dplan.budget is None:
             return
         tokens = micro_batch_tokens(micro_batches[0])
-        need = dplan.total(tokens) if tokens else dplan.fixed_bytes
+        need = dplan.total(tokens, activations=self.device.computes_in_its_memory)
         why = [f"{format_size(dplan.fixed_bytes)} fixed"]
         if tokens:
-            why.append(f"{format_size(tokens * dplan.token_bytes)} for {tokens} tokens a micro-batch")
-        per_block = Counter(id(g.spec.block) for g in self.groups if g.spec.block is not None
+            why.append(f"{format_size(need - dplan.fixed_bytes)} for {tokens} tokens a micro-batch")
+        per_block = Counter(g.spec.unit for g in self.groups if g.spec.module is None
                             and g.offloaded is not None and g.strategy.name == "pooled")
         if len(micro_batches) > 1 and per_block and max(per_block.values()) > 1:
             extra = (max(per_block.values()) + 1 - DEVICE_GRAD_BUFFERS) * self.memory.grad_bytes
             need += max(0, extra)
             why.append(f"{format_size(max(0, extra))} more gradient buffers: with {len(micro_batches)} micro-batches "
-                       f"each of a block's {max(per_block.values())} groups keeps its gradient on the device until "
+                       f"each of a block's {max(per_block.values())} sub-blocks keeps its gradient on the device until "
                        "the last micro-batch")
         if need > dplan.budget:
-            fit = dplan.max_tokens
+            fit = dplan.max_tokens(self.device.computes_in_its_memory)
             raise ResourceExhausted(
                 f"train_step's micro-batches do not fit the device plan: {format_size(need)} "
                 f"({', '.join(why)}) against a budget of {format_size(dplan.budget)}; pass micro-batches of at most "

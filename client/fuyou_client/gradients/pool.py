@@ -30,29 +30,40 @@ from fuyou_client.memory import DEVICE_GRAD_BUFFERS as DEVICE_BUFFERS  # the gro
 
 
 class GradientPool:
-    """``count`` host buffers (the group in backward and the steps in flight); on a device
-    with its own memory at most ``DEVICE_BUFFERS`` device buffers, since a group's device
-    buffer is free again once its download has run (milliseconds), not when its step ends:
-    more would take the GPU memory a capped device computes with (two more only where
-    several groups are in backward at once)."""
+    """Per size class (``classes``: (count, bytes), the memory plan's: blocks' or sub-blocks'
+    gradients, and cut blocks' own groups', memory/budget.py), ``count`` host buffers (the
+    group in backward and the steps in flight); on a device with its own memory at most
+    ``DEVICE_BUFFERS`` device buffers, since a group's device buffer is free again once its
+    download has run (milliseconds), not when its step ends: more would take the GPU memory
+    a capped device computes with (more only where several groups are in backward at once:
+    train_step's micro-batches over a cut block). A group takes a buffer of the smallest
+    class that holds it."""
 
-    def __init__(self, session: Session, device: Device, count: int, nbytes: int):
-        self._session, self._device, self._nbytes = session, device, nbytes
-        self._free = [session.allocate(nbytes) for _ in range(count)]  # host (shared) buffers
+    def __init__(self, session: Session, device: Device, classes: list[tuple[int, int]]):
+        self._session, self._device = session, device
+        self._sizes = sorted(nbytes for _, nbytes in classes)
+        count = {nbytes: n for n, nbytes in classes}
+        self._free = {b: [session.allocate(b) for _ in range(count[b])] for b in self._sizes}  # host (shared) buffers
         # (device buffer, its last download), on a device with its own memory
-        self._device_free: list[tuple[torch.Tensor, object]] = \
-            [] if device.shares_host_memory else [(device.empty(nbytes), None) for _ in range(min(count, DEVICE_BUFFERS))]
+        self._device_free: dict[int, list[tuple[torch.Tensor, object]]] = {
+            b: [] if device.shares_host_memory else [(device.empty(b), None) for _ in range(min(count[b], DEVICE_BUFFERS))]
+            for b in self._sizes}
         self._inflight: deque[tuple[Future, object, object]] = deque()  # (future, host buffer, group)
         self.results: dict[str, object] = {}  # group name -> StepInfo, since the last barrier
         self.errors: list[Exception] = []  # of steps that failed, raised at the barrier
 
-    def _host_buffer(self):
-        if not self._free:
-            if self._inflight:
-                self._reclaim_oldest()  # backpressure: wait for the oldest step
-            else:  # more groups in backward at once than buffers (a model called twice): grow
-                self._free.append(self._session.allocate(self._nbytes))
-        return self._free.pop()
+    def _class(self, group) -> int:
+        """The bytes of the smallest class holding the group's gradients."""
+        nbytes = group.numel * group.dtype.itemsize
+        return next(b for b in self._sizes if b >= nbytes)
+
+    def _host_buffer(self, size: int):
+        free = self._free[size]
+        while not free and any(buf.size == size for _, buf, _ in self._inflight):
+            self._reclaim_oldest()  # backpressure: wait for the steps in flight, oldest first
+        if not free:  # more groups in backward at once than buffers (a model called twice): grow
+            free.append(self._session.allocate(size))
+        return free.pop()
 
     def _flat(self, group) -> torch.Tensor:
         """The group's gradient buffer as a flat tensor of its dtype."""
@@ -62,16 +73,18 @@ class GradientPool:
 
     def assign(self, group) -> None:
         """Give ``group`` (layergroup.LayerGroup) a zeroed buffer and point its .grad tensors into it."""
+        size = self._class(group)
         if self._device.shares_host_memory:
             if group.grads is not None:
                 return
-            group.grads = self._host_buffer()
+            group.grads = self._host_buffer(size)
         else:
             if group.device_grads is not None:
                 return
-            if not self._device_free:
-                self._device_free.append((self._device.empty(self._nbytes), None))
-            buf, downloaded = self._device_free.pop(0)  # the longest free: its download has most likely run
+            free = self._device_free[size]
+            if not free:
+                free.append((self._device.empty(size), None))
+            buf, downloaded = free.pop(0)  # the longest free: its download has most likely run
             if downloaded is not None:
                 self._device.wait(downloaded)  # its last group's gradients have left
             group.device_grads = buf
@@ -93,10 +106,11 @@ class GradientPool:
         if self._device.shares_host_memory:
             future = start(group.grads)
         else:
-            host = self._host_buffer()
+            size = self._class(group)
+            host = self._host_buffer(size)
             src = self._flat(group)
             downloaded = self._device.download(host.tensor(group.dtype)[:group.numel], src)
-            self._device_free.append((group.device_grads, downloaded))
+            self._device_free[size].append((group.device_grads, downloaded))
             group.device_grads = None
             group.point_grads(None)  # the device buffer is another group's from now on
             group.grads = host
@@ -110,7 +124,7 @@ class GradientPool:
         if self._device.shares_host_memory:
             group.point_grads(None)
         group.grads = None
-        self._free.append(buf)
+        self._free[buf.size].append(buf)
         if exc is not None:
             self.errors.append(exc)
         else:

@@ -113,8 +113,8 @@ class Pooled(GradientStrategy):
     def __init__(self):
         self.pool: GradientPool | None = None  # once the groups' sizes are known (bind)
 
-    def bind(self, session: Session, device: Device, count: int, nbytes: int) -> GradientPool:
-        self.pool = GradientPool(session, device, count, nbytes)
+    def bind(self, session: Session, device: Device, classes: list[tuple[int, int]]) -> GradientPool:
+        self.pool = GradientPool(session, device, classes)
         return self.pool
 
     def host_buffer_bytes(self, numel: int, dtype: torch.dtype) -> int:

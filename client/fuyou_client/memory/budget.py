@@ -70,6 +70,7 @@ class GroupShape:
     offload: bool | str = False  # True: weights on the SSD array; "host": in shared memory; False: resident
     strategy: str = "resident"  # where its gradients live: resident | pooled | host | sharded | remote (gradients/strategy.py)
     shard: int = 0  # data parallelism: this rank's shard, elements
+    held: bool = False  # a cut block's own group (model/cuts.py): held while its sub-blocks come, small slots of its own
 
     @property
     def weight_bytes(self) -> int:
@@ -116,7 +117,6 @@ class Wanted:
     arena: bool = True  # a host arena may be used (train_step's)
     swaps: bool = False  # activations "swap" or "auto": the activation swapper's arena too
     shares_host_memory: bool = True  # the compute device is the CPU (no device-side copies)
-    held: bool = False  # blocks cut into sub-blocks (model/cuts.py): a block's own group is held while they come
 
 
     @property
@@ -139,6 +139,9 @@ class Item:
         return self.count * self.each
 
 
+OWN_SLOTS = 2  # cut blocks: slots for their own groups (the block computing, the next one's ahead)
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     prefetch: int
@@ -157,6 +160,23 @@ class MemoryPlan:
     shrunk: tuple[str, ...] = ()  # what was given up to fit, in order
     segment: int = field(default=64 << 20, repr=False)
     device: "object | None" = None  # the compute device's plan (device_plan.DevicePlan; None: the CPU)
+    # Blocks cut into sub-blocks (model/cuts.py): their own groups' slots and gradient buffers,
+    # sized for them (a block's norms need not take a slot of its largest module)
+    own_slots: int = 0
+    own_slot_bytes: int = 0
+    own_grad_buffers: int = 0
+    own_grad_bytes: int = 0
+
+    @property
+    def slot_sizes(self) -> list[int]:
+        """Each weight slot's bytes (offload/offloader.py)."""
+        return [self.slot_bytes] * self.weight_slots + [self.own_slot_bytes] * self.own_slots
+
+    @property
+    def grad_classes(self) -> list[tuple[int, int]]:
+        """The gradient buffers, (count, bytes) per size (gradients/pool.py)."""
+        return [(n, b) for n, b in ((self.grad_buffers, self.grad_bytes), (self.own_grad_buffers, self.own_grad_bytes))
+                if n and b]
 
     def _at(self, *phases: str) -> int:
         return pinned_bytes([i for i in self.items if i.phase in phases], self.segment)
@@ -218,14 +238,22 @@ class DoesNotFit(ResourceExhausted):
         self.smallest = smallest
 
 
-def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted()) -> MemoryPlan:
-    """The largest plan of at most the wanted counts that fits ``limits.room``."""
+def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted(), device_fits=None) -> MemoryPlan:
+    """The largest plan of at most the wanted counts that fits ``limits.room`` and, where
+    given, ``device_fits(plan)`` (the compute device's budget: device_plan.py; its slots
+    and gradient buffers are the device's too). Only what a device holds is given up for
+    the device's sake. Raises DoesNotFit when the smallest plan is too large for the
+    session; returns it when only the device's check fails (the caller refuses it, naming
+    the device's figures)."""
     offloaded = [g for g in groups if g.offload and g.numel + g.frozen_bytes]
     from_ssd = [g for g in offloaded if g.offload is True]
     pooled = [g for g in groups if g.strategy == "pooled"]
     hosted = [g for g in groups if g.strategy == "host"]
-    slot = max((g.fetched_bytes for g in offloaded), default=0)
-    grad = max((g.weight_bytes for g in pooled), default=0)
+    slot = max((g.fetched_bytes for g in offloaded if not g.held), default=0)
+    grad = max((g.weight_bytes for g in pooled if not g.held), default=0)
+    own_slot = max((g.fetched_bytes for g in offloaded if g.held), default=0)
+    own_grad = max((g.weight_bytes for g in pooled if g.held), default=0)
+    n_own_slots, n_own_grads = (OWN_SLOTS if own_slot else 0), (OWN_SLOTS if own_grad else 0)
     staging = max((g.numel * 4 for g in hosted), default=0)
     chunked_fp32 = [g for g in from_ssd if g.strategy == "pooled" and g.itemsize == 4 and g.chunked]
     fixed = _fixed(groups, wanted.shares_host_memory)
@@ -237,19 +265,22 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted()) ->
         # step ends) at no cost; smaller ones get room for both.
         shared = held_by_steps and slot >= WINDOW
         extra = max(k.prefetch, held_by_steps) if shared else k.prefetch + (held_by_steps or k.spare)
-        n_slots = (1 + extra + wanted.keep + wanted.held) if offloaded else 0
+        n_slots = (1 + extra + wanted.keep) if offloaded else 0
         n_grads = (1 + k.inflight) if pooled else 0
         n_staging = k.staging if hosted else 0
         items = list(fixed)
         items.append(Item("weight slots", n_slots if from_ssd else 0, slot,  # (offload="host": device memory only)
-                          f"the block computing, {k.prefetch} ahead"
+                          f"the {'sub-block' if own_slot else 'block'} computing, {k.prefetch} ahead"
                           + (f", {wanted.keep} kept" if wanted.keep else "")
-                          + (", the block's own group held while its modules come" if wanted.held else "")
                           + (f" (or lent to the {held_by_steps} step(s) in flight: master handoff)" if shared else
                              f", {held_by_steps} lent to steps in flight (master handoff)" if held_by_steps else
                              ", a spare" if k.spare else ""), "train"))
+        items.append(Item("weight slots, blocks' own groups", n_own_slots if from_ssd else 0, own_slot,
+                          "a cut block's small modules: the block computing, the next one's ahead", "train"))
         items.append(Item("gradient buffers", n_grads, grad, f"the block in backward, {k.inflight} step(s) in flight",
                           "train"))
+        items.append(Item("gradient buffers, blocks' own groups", n_own_grads, own_grad,
+                          "a cut block's small modules: the block in backward, the one before in flight", "train"))
         items.append(Item("host accumulation staging", n_staging, staging, "gradients added on the host", "train"))
         if wanted.arenas:
             items.append(Item("host arena (host_budget)", wanted.arenas, k.arena,
@@ -263,7 +294,8 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted()) ->
                           "while export reads master weights", phase="export"))
         return MemoryPlan(k.prefetch, wanted.keep, n_slots, slot, bool(from_ssd), n_grads, grad, n_staging, staging,
                           k.arena, k.handoff, tuple(i for i in items if i.count and i.each), limits, shrunk,
-                          limits.segment)
+                          limits.segment, own_slots=n_own_slots, own_slot_bytes=own_slot, own_grad_buffers=n_own_grads,
+                          own_grad_bytes=own_grad)
 
     p0 = wanted.prefetch if wanted.prefetch is not None else depth(slot, MAX_PREFETCH)
     arena = wanted.host_budget if wanted.host_budget is not None else ARENA_DEFAULT
@@ -271,11 +303,16 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted()) ->
                    handoff=bool(chunked_fp32), arena=arena, staging=depth(staging, MAX_STAGING))
     shrunk: list[str] = []
     best = build(knobs)
-    for what, smaller in _ladder(wanted):
-        while best.total > limits.room and (nxt := smaller(knobs)) is not None:
+    device_ok = device_fits or (lambda p: True)
+    for what, smaller, on_device in _ladder(wanted):
+        while (nxt := smaller(knobs)) is not None:
+            short_pinned, short_device = best.total > limits.room, not device_ok(best)
+            if not (short_pinned or short_device and on_device):
+                break
             knobs = nxt
             trial = build(knobs, tuple(shrunk))
-            if trial.total < best.total and what not in shrunk:  # (named only where it saved bytes)
+            saved = trial.total < best.total or short_device and device_ok(trial) != device_ok(best)
+            if saved and what not in shrunk:  # (named only where it saved something)
                 shrunk.append(what)
             best = build(knobs, tuple(shrunk))
     if best.total <= limits.room:
@@ -309,10 +346,11 @@ def _ladder(wanted: Wanted):
     def last_inflight(k):
         return dataclasses.replace(k, inflight=0) if k.inflight else None
 
-    return [("arena bytes", arena), ("the spare weight slot", spare), ("steps in flight", inflight),
-            ("the master handoff (4 more SSD bytes per parameter)", handoff),
-            ("prefetch", prefetch), ("host accumulation staging", staging),
-            ("overlap of steps with backward", last_inflight)]
+    # (what, how, whether a device with its own memory holds it too)
+    return [("arena bytes", arena, False), ("the spare weight slot", spare, True), ("steps in flight", inflight, True),
+            ("the master handoff (4 more SSD bytes per parameter)", handoff, True),
+            ("prefetch", prefetch, True), ("host accumulation staging", staging, False),
+            ("overlap of steps with backward", last_inflight, True)]
 
 
 def _stored(g: GroupShape) -> int:

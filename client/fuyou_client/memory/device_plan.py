@@ -60,6 +60,7 @@ class DeviceItem:
     count: int
     each: int  # bytes per buffer; per token for the per-token items
     why: str
+    activation: bool = False  # the model's own tensors (not what the engine allocates)
 
     @property
     def nbytes(self) -> int:
@@ -82,16 +83,18 @@ class DevicePlan:
     def token_bytes(self) -> int:
         return sum(i.nbytes for i in self.per_token)
 
-    def total(self, tokens: int) -> int:
-        """Peak bytes with micro-batches of ``tokens`` tokens."""
-        return self.fixed_bytes + tokens * self.token_bytes
+    def total(self, tokens: int, activations: bool = True) -> int:
+        """Peak bytes with micro-batches of ``tokens`` tokens (``activations=False``: what
+        the engine allocates only, without the model's own tensors)."""
+        return self.fixed_bytes + tokens * sum(i.nbytes for i in self.per_token if activations or not i.activation)
 
-    @property
-    def max_tokens(self) -> int | None:
-        """The most tokens a micro-batch may have within the budget (None: no budget or no estimate)."""
-        if self.budget is None or not self.token_bytes:
+    def max_tokens(self, activations: bool = True) -> int | None:
+        """The most tokens a micro-batch may have within the budget (None: no budget or no
+        estimate; ``activations``: as ``total``)."""
+        per = self.total(1, activations) - self.fixed_bytes
+        if self.budget is None or not per:
             return None
-        return max(0, (self.budget - self.fixed_bytes) // self.token_bytes)
+        return max(0, (self.budget - self.fixed_bytes) // per)
 
     @property
     def fits(self) -> bool:
@@ -111,8 +114,8 @@ class DevicePlan:
         tail = []
         if tokens is not None:
             tail.append(f"  at {tokens} tokens a micro-batch: {format_size(self.total(tokens))}")
-        elif self.max_tokens is not None:
-            tail.append(f"  room for micro-batches of up to {self.max_tokens} tokens (estimated)")
+        elif self.max_tokens() is not None:
+            tail.append(f"  room for micro-batches of up to {self.max_tokens()} tokens (estimated)")
         return "\n".join([head, *rows, *tail])
 
     def __str__(self) -> str:
@@ -135,8 +138,12 @@ def plan_device(groups: list[GroupShape], pinned: MemoryPlan, work: Work | None,
     fixed = [DeviceItem("weight slots", pinned.weight_slots, pinned.slot_bytes,
                         f"the {granularity} computing, {pinned.prefetch} ahead"
                         + (f", {pinned.keep} kept" if pinned.keep else "") + ", spare or held"),
+             DeviceItem("weight slots, blocks' own groups", pinned.own_slots, pinned.own_slot_bytes,
+                        "a cut block's small modules, held while its sub-blocks come"),
              DeviceItem("gradient buffers", min(pinned.grad_buffers, DEVICE_GRAD_BUFFERS), pinned.grad_bytes,
-                        f"the {granularity} in backward, the one whose gradients go down")]
+                        f"the {granularity} in backward, the one whose gradients go down"),
+             DeviceItem("gradient buffers, blocks' own groups", min(pinned.own_grad_buffers, DEVICE_GRAD_BUFFERS),
+                        pinned.own_grad_bytes, "a cut block's small modules")]
     for g in groups:
         if not g.offload and g.numel:
             fixed.append(DeviceItem(f"{g.name} weights", 1, g.weight_bytes, "resident"))
@@ -147,7 +154,7 @@ def plan_device(groups: list[GroupShape], pinned: MemoryPlan, work: Work | None,
     if work is not None:
         c, w = work.compute_bytes, work.width
         per_token.append(DeviceItem("working set", 1, max(ACTIVATION_BYTES * c * w, LOGIT_BYTES * work.vocab),
-                                    "a block's activations with a graph, or the tail's logits"))
+                                    "a block's activations with a graph, or the tail's logits", activation=True))
         if work.schedule == "block-major":
             per_token.append(DeviceItem("kept inputs in flight", CHECKPOINT_BUFFERS, c * w,
                                         "block-major: block inputs and their gradients up and down"))
@@ -155,7 +162,7 @@ def plan_device(groups: list[GroupShape], pinned: MemoryPlan, work: Work | None,
             per_token.append(DeviceItem("saved activations", work.layers,
                                         c * w if work.recompute else ACTIVATION_BYTES * c * w,
                                         "every block's input (recomputed)" if work.recompute else
-                                        "every block's activations (kept)"))
+                                        "every block's activations (kept)", activation=True))
     return DevicePlan(budget, reserve, tuple(i for i in fixed if i.count and i.each), tuple(per_token), granularity)
 
 

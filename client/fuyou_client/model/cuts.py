@@ -17,8 +17,9 @@ and cuts each along its modules:
   rather than a fetch for each norm (a block of large modules only gives its smallest to
   its own group: every block has one, what the activation policy and train_step hold);
 * the rest group keeps its small parameters resident (final norm, position embeddings)
-  and its large atoms become sub-blocks too, ``rest.m<k>``: the token embeddings (with
-  the head when tied: used at both ends of the model, one group) and an untied head.
+  and its large atoms become sub-blocks too, ``rest.m<k>``: the embeddings (token and
+  learned position embeddings in one: used together, their gradients final together; with
+  the head when tied: used at both ends of the model) and an untied head.
 
 Frozen parameters go with their atom (a LoRA layer's frozen base weight is a sub-block of
 frozen parameters only: fetched, never stepped). Sub-blocks are ordered as their first
@@ -143,6 +144,12 @@ def cut(groups: list[GroupSpec], model: nn.Module, index: dict[int, int] | None 
         atoms = _atoms(model, rest, {id(g.module) for g in blocks})
         large = _large(atoms, block=False)
         kept = GroupSpec("rest", params=[p for a in atoms if not any(a is b for b in large) for p in a.params])
+        embedding = [a for a in large if any(isinstance(m, nn.Embedding) for m in a.modules)]
+        if len(embedding) > 1:  # (token and position embeddings: used, and their gradients final, together)
+            for a in embedding[1:]:
+                embedding[0].modules += a.modules
+                embedding[0].params += a.params
+            large = [a for a in large if not any(a is b for b in embedding[1:])]
         out += [GroupSpec(f"rest.m{k}", params=a.params, uses=tuple(a.modules), unit="rest",
                           early=any(isinstance(m, nn.Embedding) for m in a.modules)) for k, a in enumerate(large, 1)]
         out += [kept] if kept.params else []

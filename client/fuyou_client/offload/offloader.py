@@ -96,6 +96,7 @@ class OffloadedGroup:
     host_uploaded: object = DONE  # event: the last upload out of ``host`` (the step waits for it)
     hands_over: bool = False  # its slot goes to its step, which takes the fp32 masters from it (lend)
     cut: bool = False  # a block's own group whose large modules are sub-blocks (model/cuts.py)
+    unit: str = ""  # the block it is of, or "rest" (a block's own group and its sub-blocks share it)
 
     @property
     def nbytes(self) -> int:
@@ -106,6 +107,7 @@ class Slot:
     """Room for one group's weights: a shared host buffer and its device counterpart."""
 
     def __init__(self, session: Session, device: Device, nbytes: int, host: bool = True):
+        self.nbytes = nbytes
         self.host = session.allocate(nbytes) if host else None  # (none when every group's weights are on the host)
         self.device = self.host.tensor(torch.uint8) if device.shares_host_memory else device.empty(nbytes)
         self.uploaded = DONE  # the last upload out of ``host`` (a new fetch may land only after it)
@@ -144,16 +146,16 @@ class Offloader:
     whole group in the slot, gathered from the ranks."""
 
     def __init__(self, session: Session, device: Device, groups: list[OffloadedGroup], prefetch: int,
-                 keep: int = 0, slots: int | None = None, on_backward=None, gather=None):
+                 keep: int = 0, slots: list[int] | None = None, on_backward=None, gather=None):
         self.session = session
         self.device = device
         self.groups = groups
         self.prefetch = prefetch
         self.keep = keep  # blocks (the last ones) kept from forward to backward: fewer fetches, more memory
-        nbytes = max(g.nbytes for g in groups)
         from_ssd = any(g.host is None for g in groups)
-        count = slots if slots is not None else prefetch + 2 + keep
-        self._free = [Slot(session, device, nbytes, host=from_ssd) for _ in range(count)]
+        if slots is None:  # (the memory plan's sizes: memory/budget.py MemoryPlan.slot_sizes)
+            slots = [max(g.nbytes for g in groups)] * (prefetch + 2 + keep)
+        self._free = [Slot(session, device, nbytes, host=from_ssd) for nbytes in slots]
         self._all = list(self._free)
         self._lent: deque[tuple[Future, Slot]] = deque()  # slots whose masters a step reads, oldest first
         self._lending: Slot | None = None  # lent, its step not submitted yet
@@ -167,6 +169,11 @@ class Offloader:
         self._caching = gather is None
         self._entered = -1  # the last group forward entered (a group used again after it is not prefetched for)
         self.inputs_only = False  # (see input_gradients)
+        # Set by train_step while a block runs for all but its last micro-batch: fetches ahead
+        # stay within that block (a cut block's sub-blocks are used again by the next
+        # micro-batch; fetching the next block's would evict them).
+        self.prefetch_within: str | None = None
+        self._recomputing: OffloadedGroup | None = None  # a cut block's own group, held while it is recomputed
         self._inputs_only_used: list[OffloadedGroup] = []
         self._clock = 0
         self._by_ptr: dict[int, OffloadedGroup] = {}
@@ -192,22 +199,23 @@ class Offloader:
         if g.slot is not None or g.fetch is not None or g.cached is not None:
             return
         self._take_back()
-        slot = self._take_slot()
+        slot = self._take_slot(g)
         if slot is not None:
             self._fetch_into(g, slot, backward)
         elif self._lent and not any(d is g for d, _ in self._deferred):  # (when a lent slot is back: poll)
             self._deferred.append((g, backward))
 
-    def _take_slot(self) -> "Slot | None":
-        """A slot for a fetch: a free one (the longest free: its last use is furthest back),
-        else the one cached longest (its group must be fetched again), else None."""
-        if self._free:
-            return self._free.pop(0)
-        if self._cached:
-            slot = next(iter(self._cached))
+    def _take_slot(self, g: OffloadedGroup) -> "Slot | None":
+        """A slot large enough for the group's weights: a free one (of the smallest size that
+        fits; among those the longest free, its last use furthest back), else the one cached
+        longest (its group must be fetched again), else None."""
+        fits = [i for i, s in enumerate(self._free) if s.nbytes >= g.nbytes]
+        if fits:
+            return self._free.pop(min(fits, key=lambda i: (self._free[i].nbytes, i)))
+        slot = next((s for s in self._cached if s.nbytes >= g.nbytes), None)
+        if slot is not None:
             self._cached.pop(slot).cached = None
-            return slot
-        return None
+        return slot
 
     def _forget_cached(self, g: OffloadedGroup) -> None:
         """The group's cached weights are stale (its step is under way) or no longer wanted."""
@@ -235,10 +243,15 @@ class Offloader:
         if not self._lent and not self._deferred:
             return
         self._take_back()
-        while (self._free or self._cached) and self._deferred:
-            g, backward = self._deferred.pop(0)
-            if g.slot is None and g.fetch is None and g.cached is None:
-                self._fetch_into(g, self._take_slot(), backward)
+        waiting, self._deferred = self._deferred, []
+        for g, backward in waiting:
+            if g.slot is not None or g.fetch is not None or g.cached is not None:
+                continue
+            slot = self._take_slot(g)
+            if slot is None:
+                self._deferred.append((g, backward))
+            else:
+                self._fetch_into(g, slot, backward)
 
     def _take_back(self, wait: bool = False) -> None:
         """Slots lent to steps that are done are free again (``wait``: the oldest is waited for)."""
@@ -312,9 +325,9 @@ class Offloader:
         """A slot for a fetch that cannot wait: a free one, else the oldest lent one once its
         step is done, else a resident group's (evicted)."""
         self._take_back()
-        if not self._free and not self._cached and self._lent:
+        if self._lent and not any(s.nbytes >= g.nbytes for s in (*self._free, *self._cached)):
             self._take_back(wait=True)
-        return self._take_slot() or self._evict(g)
+        return self._take_slot(g) or self._evict(g)
 
     def _land(self, g: OffloadedGroup) -> None:
         """A fetch is done (or waited for): upload it and point the parameters at it."""
@@ -361,11 +374,12 @@ class Offloader:
         """All slots hold groups (parameters that got no gradient keep a group resident
         until the step; a model called twice keeps more): free the least recently used one
         that is not computing. Its saved tensors are markers, so a later use fetches it again."""
-        victims = [g for g in self.groups if g.slot is not None and g is not wanted and not g.busy]
+        victims = [g for g in self.groups if g.slot is not None and g is not wanted and not g.busy
+                   and g.slot.nbytes >= wanted.nbytes]
         if victims:
             self.release(min(victims, key=lambda g: g.last_used), cache=False)
             return self._free.pop()
-        ahead = [g for g in self.groups if g.fetch is not None and g is not wanted]
+        ahead = [g for g in self.groups if g.fetch is not None and g is not wanted and g.fetch_slot.nbytes >= wanted.nbytes]
         if ahead:  # (prefetches hold the other slots: the one asked for first is given up, read or not)
             g = ahead[0]
             g.fetch.exception()  # (waits: the slot is written no more)
@@ -415,9 +429,12 @@ class Offloader:
         self.ensure(g)
         g.busy = True
         self._touch(g)
+        # (a cut block recomputed in backward: the next block's groups are not what backward needs next)
+        within = self.prefetch_within or (self._recomputing.unit if self._recomputing is not None else None)
         if len(g.uses) < 2 or g.index > self._entered:  # (a tied head, used again late: forward is past the rest)
             for nxt in self.groups[g.index + 1:g.index + 1 + self.prefetch]:
-                self._start_fetch(nxt)
+                if within in (None, nxt.unit):
+                    self._start_fetch(nxt)
         self._entered = max(self._entered, g.index)
         self._poll()
 
@@ -475,7 +492,8 @@ class Offloader:
         if g.slot is None:
             self.ensure(g, backward=True)
             for prev in reversed(self.groups[max(0, g.index - self.prefetch):g.index] if ahead else []):
-                self._start_fetch(prev, backward=True)
+                if self.prefetch_within in (None, prev.unit):
+                    self._start_fetch(prev, backward=True)
         else:
             self.device.wait(g.ready)
 
@@ -499,15 +517,21 @@ class Offloader:
         the groups before it are fetched only once backward reaches them.)"""
         self.ensure_for_backward(g, ahead=not g.cut)
         g.busy = True
+        if g.cut:
+            self._recomputing = g
 
     def let_go(self, g: OffloadedGroup) -> None:
         """The group's weights may be evicted again (its slot stays until then)."""
         g.busy = False
+        if self._recomputing is g:
+            self._recomputing = None
 
     def backward_done(self, g: OffloadedGroup) -> None:
         """Backward is done with the group's weights: its slot is free again (cached until
         the group's step is submitted, for the next micro-batch of an accumulation)."""
         g.busy = False
+        if self._recomputing is g:
+            self._recomputing = None
         self.release(g)
         self._entered = -1  # (the next forward starts over)
 
@@ -538,6 +562,7 @@ class Offloader:
         """(a step abandoned) No group is held any more; every slot and fetch is given back."""
         for g in self.groups:
             g.busy = False
+        self._recomputing, self.prefetch_within = None, None
         self.release_all()
 
 

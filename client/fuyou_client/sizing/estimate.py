@@ -152,8 +152,10 @@ def groups(shape: ModelShape, s: Settings, host: Host) -> list[memory_plan.Group
     strategy = (("host" if host.gpu is not None else "resident") if keeps else "pooled") if offload else "resident"
 
     def group(name: str, numel: int, off, kind: str) -> memory_plan.GroupShape:
-        return memory_plan.GroupShape(name, numel, c, chunked=chunked(numel, s, host), offload=off, strategy=kind)
-    if s.granularity == "block" or not offload or not shape.block_atoms:
+        return memory_plan.GroupShape(name, numel, c, chunked=chunked(numel, s, host), offload=off, strategy=kind,
+                                      held=bool(off) and cut and "." not in name and name != "rest")
+    cut = s.granularity == "module" and bool(offload) and bool(shape.block_atoms)
+    if not cut:
         blocks = [[("", shape.block_params)]]
         rest = [group("rest", shape.rest_params, False, "resident")]
     else:
@@ -230,7 +232,7 @@ def estimate(shape: ModelShape, s: Settings, host: Host, simulate_time: bool = T
     limits = memory_plan.Limits(session_budget=host.pinned, optimizer_buffer_budget=host.buffer_budget,
                                 optimizer_buffers=host.buffers, segment=host.segment)
     wanted = memory_plan.Wanted(s.prefetch, 0, s.host_budget, arena=True, swaps=s.activations == "swap",
-                                shares_host_memory=host.gpu is None, held=s.granularity == "module")
+                                shares_host_memory=host.gpu is None)
     shapes = groups(shape, s, host)
     try:
         plan = memory_plan.plan(shapes, limits, wanted)
