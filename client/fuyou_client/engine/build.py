@@ -203,7 +203,7 @@ def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_gr
                 continue
         return cut_specs, layout, dataclasses.replace(plan, device=dplan)
     if isinstance(error, memory.DeviceDoesNotFit) and last is not None and last is not error.plan:
-        raise memory.DeviceDoesNotFit(memory.device_refusal(last, error.plan), error.plan)
+        raise memory.DeviceDoesNotFit(memory.device_refusal(error.plan, last), error.plan)
     raise error
 
 
@@ -239,7 +239,7 @@ def group_shapes(layout, torch_groups: TorchGroups, limits, parallel, cut: bool 
         shapes.append(memory.GroupShape(
             spec.name, numel, dtype.itemsize, chunked=chunked, offload=mode, strategy=kind, shard=shard,
             frozen_bytes=spec.frozen_numel * dtype.itemsize if mode is True else 0,
-            held=cut and spec.module is not None))
+            held=cut and spec.module is not None, unit=spec.unit if cut and spec.module is None else ""))
     return shapes
 
 

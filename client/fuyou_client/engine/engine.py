@@ -26,7 +26,6 @@ resident. Gradients of every group stay in shared memory (they accumulate there)
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -38,7 +37,6 @@ from fuyou_client.engine.hooks import hf_checkpointing
 from fuyou_client.engine.torch_optimizer import TorchOptimizer
 from fuyou_client.groups import land_new_weights
 from fuyou_client.errors import DeviceOutOfMemory, ResourceExhausted
-from fuyou_client.memory import DEVICE_GRAD_BUFFERS
 from fuyou_client.optim import StepInfo
 from fuyou_proto.units import format_size
 
@@ -243,20 +241,12 @@ class Engine:
         why = [f"{format_size(dplan.fixed_bytes)} fixed"]
         if tokens:
             why.append(f"{format_size(need - dplan.fixed_bytes)} for {tokens} tokens a micro-batch")
-        per_block = Counter(g.spec.unit for g in self.groups if g.spec.module is None
-                            and g.offloaded is not None and g.strategy.name == "pooled")
-        if len(micro_batches) > 1 and per_block and max(per_block.values()) > 1:
-            extra = (max(per_block.values()) + 1 - DEVICE_GRAD_BUFFERS) * self.memory.grad_bytes
-            need += max(0, extra)
-            why.append(f"{format_size(max(0, extra))} more gradient buffers: with {len(micro_batches)} micro-batches "
-                       f"each of a block's {max(per_block.values())} sub-blocks keeps its gradient on the device until "
-                       "the last micro-batch")
         if need > dplan.budget:
             fit = dplan.max_tokens(self.device.computes_in_its_memory)
             raise ResourceExhausted(
                 f"train_step's micro-batches do not fit the device plan: {format_size(need)} "
                 f"({', '.join(why)}) against a budget of {format_size(dplan.budget)}; pass micro-batches of at most "
-                f"{fit} tokens" + (" and one micro-batch per step (one that large)" if len(why) > 2 else "")
+                f"{fit} tokens"
                 + ", or give the device more (attach(device_memory=...))\n" + dplan.describe(tokens))
 
     def _refuse_block_hooks(self) -> None:

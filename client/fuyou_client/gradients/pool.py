@@ -30,25 +30,26 @@ from fuyou_client.memory import DEVICE_GRAD_BUFFERS as DEVICE_BUFFERS  # the gro
 
 
 class GradientPool:
-    """Per size class (``classes``: (count, bytes), the memory plan's: blocks' or sub-blocks'
-    gradients, and cut blocks' own groups', memory/budget.py), ``count`` host buffers (the
-    group in backward and the steps in flight); on a device with its own memory at most
-    ``DEVICE_BUFFERS`` device buffers, since a group's device buffer is free again once its
-    download has run (milliseconds), not when its step ends: more would take the GPU memory
-    a capped device computes with (more only where several groups are in backward at once:
-    train_step's micro-batches over a cut block). A group takes a buffer of the smallest
-    class that holds it."""
+    """Per size class (``classes``: (host count, device count, bytes), the memory plan's:
+    blocks' or sub-blocks' gradients, and cut blocks' own groups', memory/budget.py), host
+    buffers for the group in backward and the steps in flight (and a cut block's sums over
+    train_step's micro-batches); on a device with its own memory at most ``DEVICE_BUFFERS``
+    device buffers, since a group's device buffer is free again once its download has run
+    (milliseconds), not when its step ends: more would take the GPU memory a capped device
+    computes with (more only where several groups are in backward at once). A group takes
+    a buffer of the smallest class that holds it."""
 
-    def __init__(self, session: Session, device: Device, classes: list[tuple[int, int]]):
+    def __init__(self, session: Session, device: Device, classes: list[tuple[int, int, int]]):
         self._session, self._device = session, device
-        self._sizes = sorted(nbytes for _, nbytes in classes)
-        count = {nbytes: n for n, nbytes in classes}
-        self._free = {b: [session.allocate(b) for _ in range(count[b])] for b in self._sizes}  # host (shared) buffers
+        self._sizes = sorted(nbytes for _, _, nbytes in classes)
+        count = {nbytes: (n, d) for n, d, nbytes in classes}
+        self._free = {b: [session.allocate(b) for _ in range(count[b][0])] for b in self._sizes}  # host (shared) buffers
         # (device buffer, its last download), on a device with its own memory
         self._device_free: dict[int, list[tuple[torch.Tensor, object]]] = {
-            b: [] if device.shares_host_memory else [(device.empty(b), None) for _ in range(min(count[b], DEVICE_BUFFERS))]
+            b: [] if device.shares_host_memory else [(device.empty(b), None) for _ in range(count[b][1])]
             for b in self._sizes}
         self._inflight: deque[tuple[Future, object, object]] = deque()  # (future, host buffer, group)
+        self._parked: list = []  # groups whose sums wait on the host for the next micro-batch (park)
         self.results: dict[str, object] = {}  # group name -> StepInfo, since the last barrier
         self.errors: list[Exception] = []  # of steps that failed, raised at the barrier
 
@@ -89,7 +90,13 @@ class GradientPool:
                 self._device.wait(downloaded)  # its last group's gradients have left
             group.device_grads = buf
         flat = self._flat(group)
-        flat.zero_()
+        if group.parked is not None:  # (its sum so far, parked on the host between micro-batches: back up)
+            self._device.wait(self._device.upload(flat, group.grads.tensor(group.dtype)[:group.numel],
+                                                  after=group.parked))
+            group.parked = None
+            self._parked = [g for g in self._parked if g is not group]
+        else:
+            flat.zero_()
         for (_, p), shape, part in zip(group.spec.params, group.shapes, group.views(flat)):
             if p.grad is None and p.data.shape == shape:  # (resident: it is, in backward)
                 p.grad = part.view(shape)
@@ -99,6 +106,33 @@ class GradientPool:
         self.assign(group)
         group.adopt_grads(self._flat(group))
 
+    def park(self, group) -> None:
+        """Between train_step's micro-batches, on a device with its own memory: the group's
+        gradient so far (a sub-block's: model/cuts.py) leaves the device into a host buffer
+        the group keeps, and its device buffer is another group's; the next micro-batch's
+        backward brings the sum up again before its first gradient (``assign``), so autograd
+        adds on to it in torch's order (a tied weight's two uses too), and the device holds
+        one sub-block's gradient at a time, not a block's."""
+        if self._device.shares_host_memory or group.device_grads is None:
+            return
+        self.collect(group)
+        size = self._class(group)
+        if group.grads is None:
+            group.grads = self._host_buffer(size)
+        group.parked = self._device.download(group.grads.tensor(group.dtype)[:group.numel], self._flat(group))
+        self._device_free[size].append((group.device_grads, group.parked))
+        group.device_grads = None
+        group.point_grads(None)  # (the device buffer is another group's from now on)
+        self._parked.append(group)
+
+    def drop_parked(self) -> None:
+        """The iteration's gradients are thrown away: parked sums give their host buffers back."""
+        for group in self._parked:
+            group.parked.synchronize()
+            self._free[group.grads.size].append(group.grads)
+            group.grads, group.parked = None, None
+        self._parked = []
+
     def submit(self, group, start) -> Future:
         """The group's gradients go to its step: ``start(host_buffer)`` issues it. Returns
         the step's future (the pool keeps it too: ``reclaim_all``)."""
@@ -107,7 +141,7 @@ class GradientPool:
             future = start(group.grads)
         else:
             size = self._class(group)
-            host = self._host_buffer(size)
+            host = group.grads if group.grads is not None else self._host_buffer(size)
             src = self._flat(group)
             downloaded = self._device.download(host.tensor(group.dtype)[:group.numel], src)
             self._device_free[size].append((group.device_grads, downloaded))

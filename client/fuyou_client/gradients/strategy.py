@@ -49,6 +49,10 @@ class GradientStrategy:
         """A backward pass has produced all of the group's gradients (``first``: the first
         since the last step)."""
 
+    def between_micro_batches(self, g) -> None:
+        """train_step: a micro-batch's backward has produced the group's gradients, and more
+        micro-batches add to them (its sum stays where the strategy keeps it)."""
+
     def before_step(self, g) -> None:
         """At ``engine.step()``, for a group whose last backward left some of its
         parameters without a gradient (so ``on_backward`` never came)."""
@@ -125,6 +129,14 @@ class Pooled(GradientStrategy):
 
     def on_backward(self, g, first: bool) -> None:
         self.pool.collect(g)  # (before the weights go: views need the parameters' shapes)
+
+    def between_micro_batches(self, g) -> None:
+        if g.spec.module is None and g.offloaded is not None:  # (a sub-block: a block's sub-blocks all add up at once)
+            self.pool.park(g)
+
+    def discard(self) -> None:
+        if self.pool is not None:
+            self.pool.drop_parked()
 
     keeps_steps = True  # (the pool waits for the step to take its buffer back)
 

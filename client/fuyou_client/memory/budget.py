@@ -71,6 +71,7 @@ class GroupShape:
     strategy: str = "resident"  # where its gradients live: resident | pooled | host | sharded | remote (gradients/strategy.py)
     shard: int = 0  # data parallelism: this rank's shard, elements
     held: bool = False  # a cut block's own group (model/cuts.py): held while its sub-blocks come, small slots of its own
+    unit: str = ""  # the block (or "rest") a sub-block is cut from: train_step sums a unit's sub-blocks at once
 
     @property
     def weight_bytes(self) -> int:
@@ -166,6 +167,9 @@ class MemoryPlan:
     own_slot_bytes: int = 0
     own_grad_buffers: int = 0
     own_grad_bytes: int = 0
+    device_grad_buffers: int = 0  # of the gradient buffers, how many on a device with its own memory
+
+    DEVICE_GRAD_BUFFERS = 2  # at most: the group in backward, the one whose gradients go down
 
     @property
     def slot_sizes(self) -> list[int]:
@@ -173,10 +177,11 @@ class MemoryPlan:
         return [self.slot_bytes] * self.weight_slots + [self.own_slot_bytes] * self.own_slots
 
     @property
-    def grad_classes(self) -> list[tuple[int, int]]:
-        """The gradient buffers, (count, bytes) per size (gradients/pool.py)."""
-        return [(n, b) for n, b in ((self.grad_buffers, self.grad_bytes), (self.own_grad_buffers, self.own_grad_bytes))
-                if n and b]
+    def grad_classes(self) -> list[tuple[int, int, int]]:
+        """The gradient buffers, (host count, device count, bytes) per size (gradients/pool.py)."""
+        return [(n, d, b) for n, d, b in ((self.grad_buffers, self.device_grad_buffers, self.grad_bytes),
+                                          (self.own_grad_buffers, min(self.own_grad_buffers, self.DEVICE_GRAD_BUFFERS),
+                                           self.own_grad_bytes)) if n and b]
 
     def _at(self, *phases: str) -> int:
         return pinned_bytes([i for i in self.items if i.phase in phases], self.segment)
@@ -251,8 +256,7 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted(), de
     hosted = [g for g in groups if g.strategy == "host"]
     slot = max((g.fetched_bytes for g in offloaded if not g.held), default=0)
     grad = max((g.weight_bytes for g in pooled if not g.held), default=0)
-    own_slot = max((g.fetched_bytes for g in offloaded if g.held), default=0)
-    own_grad = max((g.weight_bytes for g in pooled if g.held), default=0)
+    own_slot, own_grad, summed = _sub_block_sizes(offloaded, pooled)
     n_own_slots, n_own_grads = (OWN_SLOTS if own_slot else 0), (OWN_SLOTS if own_grad else 0)
     staging = max((g.numel * 4 for g in hosted), default=0)
     chunked_fp32 = [g for g in from_ssd if g.strategy == "pooled" and g.itemsize == 4 and g.chunked]
@@ -266,7 +270,7 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted(), de
         shared = held_by_steps and slot >= WINDOW
         extra = max(k.prefetch, held_by_steps) if shared else k.prefetch + (held_by_steps or k.spare)
         n_slots = (1 + extra + wanted.keep) if offloaded else 0
-        n_grads = (1 + k.inflight) if pooled else 0
+        n_grads = max(1 + k.inflight, summed) if pooled else 0
         n_staging = k.staging if hosted else 0
         items = list(fixed)
         items.append(Item("weight slots", n_slots if from_ssd else 0, slot,  # (offload="host": device memory only)
@@ -277,7 +281,8 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted(), de
                              ", a spare" if k.spare else ""), "train"))
         items.append(Item("weight slots, blocks' own groups", n_own_slots if from_ssd else 0, own_slot,
                           "a cut block's small modules: the block computing, the next one's ahead", "train"))
-        items.append(Item("gradient buffers", n_grads, grad, f"the block in backward, {k.inflight} step(s) in flight",
+        items.append(Item("gradient buffers", n_grads, grad, f"the block in backward, {k.inflight} step(s) in flight"
+                          + (f" (or a cut block's {summed} sums over train_step's micro-batches)" if summed > 1 else ""),
                           "train"))
         items.append(Item("gradient buffers, blocks' own groups", n_own_grads, own_grad,
                           "a cut block's small modules: the block in backward, the one before in flight", "train"))
@@ -295,15 +300,25 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted(), de
         return MemoryPlan(k.prefetch, wanted.keep, n_slots, slot, bool(from_ssd), n_grads, grad, n_staging, staging,
                           k.arena, k.handoff, tuple(i for i in items if i.count and i.each), limits, shrunk,
                           limits.segment, own_slots=n_own_slots, own_slot_bytes=own_slot, own_grad_buffers=n_own_grads,
-                          own_grad_bytes=own_grad)
+                          own_grad_bytes=own_grad,
+                          device_grad_buffers=min(1 + k.inflight, MemoryPlan.DEVICE_GRAD_BUFFERS) if pooled else 0)
 
     p0 = wanted.prefetch if wanted.prefetch is not None else depth(slot, MAX_PREFETCH)
     arena = wanted.host_budget if wanted.host_budget is not None else ARENA_DEFAULT
     knobs = _Knobs(prefetch=p0, spare=1 if from_ssd and slot < WINDOW else 0, inflight=depth(grad, p0 + 2),
                    handoff=bool(chunked_fp32), arena=arena, staging=depth(staging, MAX_STAGING))
+    best = _shrink(knobs, build, limits, wanted, device_fits or (lambda p: True))
+    if best.total <= limits.room:
+        return best
+    kept = sum(g.weight_bytes for g in groups if g.offload is True and g.strategy in ("resident", "host"))
+    raise DoesNotFit(_refusal(best, wanted, limits, kept), best)
+
+
+def _shrink(knobs: _Knobs, build, limits: Limits, wanted: Wanted, device_ok) -> MemoryPlan:
+    """``build(knobs)``'s plan, given up step by step along the ladder while it is larger
+    than the session's room, or (steps a device holds only) than ``device_ok`` allows."""
     shrunk: list[str] = []
     best = build(knobs)
-    device_ok = device_fits or (lambda p: True)
     for what, smaller, on_device in _ladder(wanted):
         while (nxt := smaller(knobs)) is not None:
             short_pinned, short_device = best.total > limits.room, not device_ok(best)
@@ -315,10 +330,20 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted(), de
             if saved and what not in shrunk:  # (named only where it saved something)
                 shrunk.append(what)
             best = build(knobs, tuple(shrunk))
-    if best.total <= limits.room:
-        return best
-    kept = sum(g.weight_bytes for g in groups if g.offload is True and g.strategy in ("resident", "host"))
-    raise DoesNotFit(_refusal(best, wanted, limits, kept), best)
+    return best
+
+
+def _sub_block_sizes(offloaded: list[GroupShape], pooled: list[GroupShape]) -> tuple[int, int, int]:
+    """Cut blocks (model/cuts.py): the bytes of a slot and of a gradient buffer for their
+    own groups, and how many sub-blocks of one block train_step sums at once over its
+    micro-batches (each sum parked on the host between them on a device with its own
+    memory: gradients/pool.py); zeros without cut blocks."""
+    per_unit: dict[str, int] = {}
+    for g in pooled:
+        if g.unit and not g.held:
+            per_unit[g.unit] = per_unit.get(g.unit, 0) + 1
+    return (max((g.fetched_bytes for g in offloaded if g.held), default=0),
+            max((g.weight_bytes for g in pooled if g.held), default=0), max(per_unit.values(), default=0))
 
 
 def _ladder(wanted: Wanted):

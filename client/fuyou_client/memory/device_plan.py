@@ -34,7 +34,7 @@ from fuyou_client.errors import ResourceExhausted
 from fuyou_client.memory.budget import GroupShape, MemoryPlan
 from fuyou_proto.units import format_size
 
-DEVICE_GRAD_BUFFERS = 2  # gradients/pool.py: the group in backward, the one whose download runs
+DEVICE_GRAD_BUFFERS = MemoryPlan.DEVICE_GRAD_BUFFERS  # gradients/pool.py: the group in backward, the one downloading
 CHECKPOINT_BUFFERS = 8  # block-major's kept inputs on the device at once: uploads and downloads in flight
 ACTIVATION_BYTES = 17  # per token, unit of width and byte of the compute dtype: a block's activations with a graph
 LOGIT_BYTES = 10  # per token and vocabulary entry: 16-bit logits, an fp32 copy, its gradient
@@ -140,7 +140,7 @@ def plan_device(groups: list[GroupShape], pinned: MemoryPlan, work: Work | None,
                         + (f", {pinned.keep} kept" if pinned.keep else "") + ", spare or held"),
              DeviceItem("weight slots, blocks' own groups", pinned.own_slots, pinned.own_slot_bytes,
                         "a cut block's small modules, held while its sub-blocks come"),
-             DeviceItem("gradient buffers", min(pinned.grad_buffers, DEVICE_GRAD_BUFFERS), pinned.grad_bytes,
+             DeviceItem("gradient buffers", pinned.device_grad_buffers, pinned.grad_bytes,
                         f"the {granularity} in backward, the one whose gradients go down"),
              DeviceItem("gradient buffers, blocks' own groups", min(pinned.own_grad_buffers, DEVICE_GRAD_BUFFERS),
                         pinned.own_grad_bytes, "a cut block's small modules")]
@@ -168,14 +168,14 @@ def plan_device(groups: list[GroupShape], pinned: MemoryPlan, work: Work | None,
 
 def refusal(plan: DevicePlan, other: DevicePlan | None = None) -> str:
     """Why ``plan`` does not fit its budget, and what would (``other``: the same model at
-    the finer granularity, where one was tried)."""
+    the other granularity, where one was tried)."""
     held = ", ".join(f"{i.what} {format_size(i.nbytes)}" for i in sorted(plan.fixed, key=lambda i: -i.nbytes)[:4])
     slot = next((i.each for i in plan.fixed if i.what == "weight slots"), 0)
     text = (f"this model does not fit the compute device's memory: by {plan.granularity}, the device plan holds "
             f"{format_size(plan.fixed_bytes)} before any activation ({held}) and the budget is "
             f"{format_size(plan.budget)}" + (f"; its largest {plan.granularity} alone is {format_size(slot)}"
                                              if slot else "") + ".")
-    if other is not None and other.fixed_bytes < plan.fixed_bytes:
+    if other is not None:
         text += f" By {other.granularity} it would hold {format_size(other.fixed_bytes)}."
     ways = ["give the device more (attach(device_memory=...), or free what other processes hold)"]
     if plan.granularity == "block":

@@ -107,6 +107,15 @@ def large_atoms(sizes: list[int], block: bool = True) -> list[int]:
     return large
 
 
+def rest_sub_blocks(atoms: list[tuple[int, bool]]) -> list[list[int]]:
+    """The rest's sub-blocks, from its atoms' (size, holds an embedding), as lists of atom
+    indices: its large atoms, the embeddings among them in one (used, and their gradients
+    final, together). The planner cuts the rest it sizes by this rule too."""
+    large = large_atoms([n for n, _ in atoms], block=False)
+    embedding = [i for i in large if atoms[i][1]]
+    return ([embedding] if embedding else []) + [[i] for i in large if not atoms[i][1]]
+
+
 def _large(atoms: list[_Atom], block: bool = True) -> list[_Atom]:
     return [atoms[i] for i in large_atoms([a.nbytes for a in atoms], block)]
 
@@ -142,16 +151,13 @@ def cut(groups: list[GroupSpec], model: nn.Module, index: dict[int, int] | None 
         out += [s for s in (own, *subs) if s.params or s.frozen]
     if rest is not None:
         atoms = _atoms(model, rest, {id(g.module) for g in blocks})
-        large = _large(atoms, block=False)
-        kept = GroupSpec("rest", params=[p for a in atoms if not any(a is b for b in large) for p in a.params])
-        embedding = [a for a in large if any(isinstance(m, nn.Embedding) for m in a.modules)]
-        if len(embedding) > 1:  # (token and position embeddings: used, and their gradients final, together)
-            for a in embedding[1:]:
-                embedding[0].modules += a.modules
-                embedding[0].params += a.params
-            large = [a for a in large if not any(a is b for b in embedding[1:])]
-        out += [GroupSpec(f"rest.m{k}", params=a.params, uses=tuple(a.modules), unit="rest",
-                          early=any(isinstance(m, nn.Embedding) for m in a.modules)) for k, a in enumerate(large, 1)]
+        subs = rest_sub_blocks([(a.nbytes, any(isinstance(m, nn.Embedding) for m in a.modules)) for a in atoms])
+        cut_out = {i for sub in subs for i in sub}
+        kept = GroupSpec("rest", params=[p for i, a in enumerate(atoms) if i not in cut_out for p in a.params])
+        for k, sub in enumerate(subs, 1):
+            out.append(GroupSpec(f"rest.m{k}", params=[p for i in sub for p in atoms[i].params],
+                                 uses=tuple(m for i in sub for m in atoms[i].modules), unit="rest",
+                                 early=any(isinstance(m, nn.Embedding) for i in sub for m in atoms[i].modules)))
         out += [kept] if kept.params else []
     for g in out:
         lay_out(g, index)

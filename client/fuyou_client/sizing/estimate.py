@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from fuyou_client.device import cuda_reserve
 from fuyou_client.memory import DevicePlan, Work, plan_device
 from fuyou_client.memory import budget as memory_plan
-from fuyou_client.model.cuts import large_atoms
+from fuyou_client.model.cuts import large_atoms, rest_sub_blocks
 from fuyou_client.sizing.hardware import GB, GiB, Host
 from fuyou_client.sizing.iteration import Rates, Schedule, device_estimate, simulate, state_bytes
 from fuyou_client.sizing.shape import ModelShape
@@ -153,7 +153,8 @@ def groups(shape: ModelShape, s: Settings, host: Host) -> list[memory_plan.Group
 
     def group(name: str, numel: int, off, kind: str) -> memory_plan.GroupShape:
         return memory_plan.GroupShape(name, numel, c, chunked=chunked(numel, s, host), offload=off, strategy=kind,
-                                      held=bool(off) and cut and "." not in name and name != "rest")
+                                      held=bool(off) and cut and "." not in name and name != "rest",
+                                      unit=name.split(".")[0] if cut and "." in name else "")
     cut = s.granularity == "module" and bool(offload) and bool(shape.block_atoms)
     if not cut:
         blocks = [[("", shape.block_params)]]
@@ -163,10 +164,12 @@ def groups(shape: ModelShape, s: Settings, host: Host) -> list[memory_plan.Group
         large = large_atoms(sizes)
         blocks = [[("", sum(n for i, n in enumerate(sizes) if i not in large))]
                   + [(f".m{k}", sizes[i]) for k, i in enumerate(large, 1)]]
-        rest_sizes = [n for n, _ in shape.rest_atoms]
-        big = large_atoms(rest_sizes, block=False)
-        rest = [group(f"rest.m{k}", rest_sizes[i], offload, strategy) for k, i in enumerate(big, 1)]
-        rest.append(group("rest", sum(n for i, n in enumerate(rest_sizes) if i not in big), False, "resident"))
+        subs = rest_sub_blocks(list(shape.rest_atoms))
+        cut_out = {i for sub in subs for i in sub}
+        rest = [group(f"rest.m{k}", sum(shape.rest_atoms[i][0] for i in sub), offload, strategy)
+                for k, sub in enumerate(subs, 1)]
+        rest.append(group("rest", sum(n for i, (n, _) in enumerate(shape.rest_atoms) if i not in cut_out), False,
+                          "resident"))
     out = [group(f"block{i:04d}{suffix}", n, offload, strategy) for i in range(shape.layers) for suffix, n in blocks[0]]
     return out + [g for g in rest if g.numel]
 
@@ -198,10 +201,11 @@ def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena
         parts = len(large_atoms([a for a, _ in shape.block_atoms])) if shape.block_atoms else 1
         again = s.micro_batches if s.schedule == "block-major" and slots < parts + 2 else k
         forward, backward = L * n * c * again, 0
-        sizes = [a for a, _ in shape.rest_atoms]
-        tied_head = any(e for _, e in shape.rest_atoms) and len(sizes) and not any(
-            n2 == sizes[0] and not e for n2, e in shape.rest_atoms[1:])
-        rest_read = sum(sizes[i] for i in large_atoms(sizes, block=False)) * c * k * (2 if tied_head else 1)
+        # the rest's sub-blocks, once each; the embeddings' again for a tied head (used at both ends)
+        subs = rest_sub_blocks(list(shape.rest_atoms))
+        tied = shape.vocab * shape.width * 2 > shape.rest_params  # (one vocabulary-sized matrix: the head is tied)
+        rest_read = sum(shape.rest_atoms[i][0] * (2 if tied and shape.rest_atoms[i][1] else 1)
+                        for sub in subs for i in sub) * c * k
     else:
         # backward's fetches: a plain read with the handoff, or where the block's state does not fit
         # an optimizer buffer (the daemon then holds what masters it can: counted as read here, an
