@@ -76,11 +76,11 @@ def fit(all_cases: list[dict]) -> tuple[float, float]:
 
 
 def table(all_cases: list[dict], edge: float, launch: float) -> str:
-    lines = [f"{'run':40} {'case':8} {'GPU':5} {'seq x micro':>11} {'busy ms':>8} {'model':>8} {'error':>7} "
+    lines = [f"{'run':40} {'case':8} {'GPU':5} {'micro x blocks':>14} {'busy ms':>8} {'model':>8} {'error':>7} "
              f"{'time ms':>8} {'model':>8} {'error':>7}"]
     for c, (eb, et) in zip(all_cases, errors(all_cases, edge, launch)):
         t = model(c, gemm_edge=edge, launch_s=launch)
-        lines.append(f"{c['file']:40} {c['case']:8} {c['profile'].name:5} {c['micro']:>6} x {c['layers']:<2} "
+        lines.append(f"{c['file']:40} {c['case']:8} {c['profile'].name:5} {c['micro']:>9} x {c['layers']:<2} "
                      f"{c['busy'] * c['seconds'] * 1e3:8.2f} {t.busy * 1e3:8.2f} {eb:+7.1%} "
                      f"{c['seconds'] * 1e3:8.2f} {t.seconds * 1e3:8.2f} {et:+7.1%}")
     ceilings = [c for c in all_cases if c["case"] == "ceiling" and c["profile"].name == "h200"]
