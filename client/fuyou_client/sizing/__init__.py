@@ -8,8 +8,9 @@ the settings for the fastest plan that fits.
 
 Modules: shape.py (the model), hardware.py (the host, GPU profiles, every rate's source),
 probe.py (this host, measured), iteration.py (the discrete-event model of an iteration),
-estimate.py (one configuration: tiers, SSD bytes, time), plan_search.py (the settings),
-report.py (the table), cli.py (``fuyouctl plan``).
+kernels.py (the GPU's time kernel by kernel), gpu_runs.py (what bench/gpu.py results say of
+their GPU), estimate.py (one configuration: tiers, SSD bytes, time), plan_search.py (the
+settings), report.py (the table), cli.py (``fuyouctl plan``).
 """
 from __future__ import annotations
 

@@ -265,8 +265,8 @@ def _assumptions(host: Host) -> list[str]:
         g = host.gpu
         out += [f"GPU {g.peak_tflops:g} dense bf16 TFLOPS, {g.hbm:,.0f} GB/s memory: {g.source}",
                 f"GPU GEMMs: {g.gemm_efficiency.value:.1%} of the peak when wide: {g.gemm_efficiency.source}; "
-                f"half of that at {GEMM_EDGE:,.0f} in one dimension: fitted on the recorded in-GPU runs "
-                f"(bench/kernel_fit.py)",
+                f"an M x N x K one runs at 1 / (1 + E/K + E^2/(M N)) of that, E = {GEMM_EDGE:,.0f} fitted on the "
+                f"recorded in-GPU runs (bench/kernel_fit.py)",
                 f"GPU attention {g.attention_efficiency.value:.0%} of the peak (SDPA flash, causal): "
                 f"{g.attention_efficiency.source}",
                 f"GPU memory-bound kernels at {HBM_EFFICIENCY:.0%} of the bandwidth, assumed; their bytes counted on "
