@@ -30,7 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 import fuyou_client.sizing.estimate as sizing_estimate  # noqa: E402
-from fuyou_client.sizing.hardware import Disks, GpuProfile, Host, Rate  # noqa: E402
+from fuyou_client.sizing.hardware import PROFILES, Disks, Host, Rate  # noqa: E402
 from fuyou_client.sizing.iteration import (Rates, Schedule, at_ceiling_rate, calibrate,  # noqa: E402,F401
                                            device_estimate as _device_estimate, gpt2_family, simulate)
 from fuyoud.units import parse_size  # noqa: E402
@@ -87,8 +87,8 @@ def device_estimate(cfg: Config) -> float:
 def host_needed(cfg: Config, r: Rates) -> float:
     """Host memory the product's estimate gives this configuration (block-major: every kept
     input in the host arena, as bench/gpu.py's host_budget keeps them)."""
-    gpu = GpuProfile("capped", cfg.cap, r.ceiling_hw_tflops, Rate(r.kernel_tflops, "run"), Rate(r.pass_gap_s, "run"),
-                     Rate(r.pcie_h2d, "run"), Rate(r.pcie_d2h, "run"))
+    gpu = replace(PROFILES["h100"], name="capped", memory=cfg.cap, pcie_h2d=Rate(r.pcie_h2d, "run"),
+                  pcie_d2h=Rate(r.pcie_d2h, "run"))  # (memory only: its rates are not used)
     host = Host(gpu, r.host_bytes or 1 << 40, Disks(1, 1 << 50, Rate(r.ssd_read, "run"), Rate(r.ssd_write, "run")),
                 16, pinned_budget=r.host_bytes or 1 << 40)
     offload = {"resident": False, "host": "host", "ssd": True}[cfg.weights]
@@ -219,6 +219,8 @@ def main(argv=None) -> int:
     for flag, fields in overrides.items():
         for name in fields * (getattr(args, flag.replace("-", "_")) is not None):
             setattr(rates, name, getattr(args, flag.replace("-", "_")))
+    if args.kernel_tflops is not None:  # (the flat model: every pass at that rate, no idle)
+        rates.gpu, rates.pass_gap_s = None, 0.0
     cal = calibration(run, rates)
     base = recorded(run)
     base = replace(base, **{k: v for k in ("width", "layers", "seq", "micro", "accum", "cap")

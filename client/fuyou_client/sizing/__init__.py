@@ -8,8 +8,9 @@ the settings for the fastest plan that fits.
 
 Modules: shape.py (the model), hardware.py (the host, GPU profiles, every rate's source),
 probe.py (this host, measured), iteration.py (the discrete-event model of an iteration),
-estimate.py (one configuration: tiers, SSD bytes, time), plan_search.py (the settings),
-report.py (the table), cli.py (``fuyouctl plan``).
+kernels.py (the GPU's time kernel by kernel), gpu_runs.py (what bench/gpu.py results say of
+their GPU), estimate.py (one configuration: tiers, SSD bytes, time), plan_search.py (the
+settings), report.py (the table), cli.py (``fuyouctl plan``).
 """
 from __future__ import annotations
 
@@ -68,8 +69,7 @@ def host(gpu: str | GpuProfile | None = None, *, cpu: bool = False, gpu_from: st
         if isinstance(gpu_efficiency, bool) or not isinstance(gpu_efficiency, (int, float)) or \
                 not 0 < gpu_efficiency <= 1:
             raise HostError(f"GPU efficiency is a share of the peak, in (0, 1], not {gpu_efficiency!r}")
-        profile = dataclasses.replace(profile, kernel_tflops=Rate(
-            gpu_efficiency * profile.peak_tflops, f"given: {gpu_efficiency:.0%} of the {profile.peak_tflops:g} TFLOPS peak"))
+        profile = dataclasses.replace(profile, gemm_efficiency=Rate(gpu_efficiency, "given"))
     mem = _bytes(ram, "host memory") or probe.memory()
     sources["memory"] = "given" if ram is not None else "probed (/proc/meminfo)"
     if ssd is not None:

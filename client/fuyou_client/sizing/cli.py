@@ -20,8 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", help=f"a GPU profile: {', '.join(sizing.PROFILES)}")
     g.add_argument("--gpu-from", help="a bench/gpu.py result measured on your GPU (overrides the profiles)")
     g.add_argument("--gpu-memory", help="GPU memory, if not the profile's (e.g. 40GiB)")
-    g.add_argument("--gpu-efficiency", type=float, help="the GPU's kernel FLOP rate as a share of its peak "
-                                                       "(default: the profile's, measured or assumed)")
+    g.add_argument("--gpu-efficiency", type=float, help="large GEMMs' FLOP rate as a share of the GPU's peak "
+                                                       "(default: the profile's, published)")
     g.add_argument("--pcie", type=float, help="GB/s each way between host and GPU (default: the profile's)")
     g.add_argument("--cpu", action="store_true", help="no GPU: the CPU computes (time is then not modelled)")
     g.add_argument("--ram", help="host memory (e.g. 128GiB)")

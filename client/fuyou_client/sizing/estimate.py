@@ -24,6 +24,7 @@ from fuyou_client.memory import budget as memory_plan
 from fuyou_client.model.cuts import large_atoms, rest_sub_blocks
 from fuyou_client.sizing.hardware import GB, GiB, Host
 from fuyou_client.sizing.iteration import Rates, Schedule, device_estimate, simulate, state_bytes
+from fuyou_client.sizing.kernels import GEMM_EDGE, HBM_EFFICIENCY
 from fuyou_client.sizing.shape import ModelShape
 from fuyou_proto.contract import stepped_in_chunks
 
@@ -226,9 +227,10 @@ def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena
 
 def rates(host: Host) -> Rates:
     g = host.gpu
-    return Rates(kernel_tflops=g.kernel_tflops.value, pass_gap_s=g.pass_gap_s.value, ssd_read=host.disks.read_gbps,
-                 ssd_write=host.disks.write_gbps, pcie_h2d=g.pcie_h2d.value, pcie_d2h=g.pcie_d2h.value,
-                 host_add=host.host_add.value, adam=host.adam_rate, hbm=g.hbm, device_factor=g.device_factor)
+    k = g.kernels
+    return Rates(gpu=k, ssd_read=host.disks.read_gbps, ssd_write=host.disks.write_gbps, pcie_h2d=g.pcie_h2d.value,
+                 pcie_d2h=g.pcie_d2h.value, host_add=host.host_add.value, adam=host.adam_rate, hbm=k.hbm / GB,
+                 device_factor=g.device_factor)
 
 
 def estimate(shape: ModelShape, s: Settings, host: Host, simulate_time: bool = True) -> Estimate:
@@ -321,8 +323,15 @@ def _assumptions(host: Host) -> list[str]:
     out = []
     if host.gpu is not None:
         g = host.gpu
-        out += [f"GPU kernel rate {g.kernel_tflops.value:.0f} TFLOPS: {g.kernel_tflops.source}",
-                f"GPU idle per pass {g.pass_gap_s.value * 1e3:.2f} ms: {g.pass_gap_s.source}",
+        out += [f"GPU {g.peak_tflops:g} dense bf16 TFLOPS, {g.hbm:,.0f} GB/s memory: {g.source}",
+                f"GPU GEMMs: {g.gemm_efficiency.value:.1%} of the peak when wide: {g.gemm_efficiency.source}; "
+                f"an M x N x K one runs at 1 / (1 + E/K + E^2/(M N)) of that, E = {GEMM_EDGE:,.0f} fitted on the "
+                f"recorded in-GPU runs (bench/kernel_fit.py)",
+                f"GPU attention {g.attention_efficiency.value:.0%} of the peak (SDPA flash, causal): "
+                f"{g.attention_efficiency.source}",
+                f"GPU memory-bound kernels at {HBM_EFFICIENCY:.0%} of the bandwidth, assumed; their bytes counted on "
+                f"the operators torch runs for a GPT-2- or Llama-style block in bf16 (bench/kernel_counts.py)",
+                f"GPU launch at least {g.launch_s.value * 1e6:.0f} us a kernel: {g.launch_s.source}",
                 f"PCIe {g.pcie_h2d.value:g} GB/s: {g.pcie_h2d.source}",
                 f"GPU memory estimate scaled by {g.device_factor:.3f}: "
                 + ("measured peak over estimate on the H100 run" if g.device_factor != 1 else

@@ -1,8 +1,9 @@
 """The host a plan is for: its GPU (a shipped profile, one measured here, or none: the
 CPU computes), host memory and the daemon's pinned budget, SSDs, CPU cores, and the rates
 the iteration model needs. Every rate carries where it came from: ``measured`` (on this
-kind of hardware, with the run that measured it) or ``assumed`` (and why), so that a
-plan is never silently optimistic.
+kind of hardware, with the run that measured it), ``published`` (a datasheet or a public
+benchmark, named), ``fitted`` (on the runs recorded here, named), ``given`` or ``assumed``
+(and why), so that a plan is never silently optimistic.
 
 Strings a person types are parsed here too: ``2x7GB/s`` (two SSDs of 7 GB/s each way),
 ``128GiB``.
@@ -13,6 +14,8 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
+
+from fuyou_client.sizing.kernels import LAUNCH_S, GpuKernels
 
 GB, GiB = 1e9, 1 << 30
 H100_RUN = "bench/results/gpu-h100.json"
@@ -34,65 +37,83 @@ class Rate:
 
 @dataclass(frozen=True)
 class GpuProfile:
-    """A GPU as the iteration model sees it. ``kernel_tflops``: the bf16 FLOP rate while a
-    block's kernels run; ``pass_gap_s``: the GPU's idle time per forward or backward pass
-    of a block (launches, syncs); both from the ceiling run of ``bench/gpu.py`` where one
-    exists. ``device_factor``: the measured peak device memory of that run over the
-    model's estimate of it (scales every estimate)."""
+    """A GPU as the iteration model sees it: its datasheet (memory, dense bf16 peak in
+    TFLOPS, memory bandwidth in GB/s), what its kernels reach of them (``gemm_efficiency``:
+    large bf16 GEMMs' share of the peak, from a published measurement;
+    ``attention_efficiency``: fused attention's), the host's issue time per kernel
+    (``launch_s``), PCIe each way, and ``device_factor``: a run's measured peak device
+    memory over the model's estimate of it (scales every estimate). kernels.GpuKernels
+    prices a block's kernels with these (``kernels``)."""
     name: str
     memory: int
-    peak_tflops: float  # dense bf16, the datasheet's
-    kernel_tflops: Rate
-    pass_gap_s: Rate
+    peak_tflops: float  # dense bf16 with fp32 accumulation, the datasheet's
+    hbm: float  # GB/s, the datasheet's memory bandwidth
+    gemm_efficiency: Rate
+    attention_efficiency: Rate
+    launch_s: Rate
     pcie_h2d: Rate  # GB/s
     pcie_d2h: Rate
-    hbm: float = 2600.0  # GB/s of a device copy
     device_factor: float = 1.0
     source: str = ""
 
     @property
-    def efficiency(self) -> float:
-        return self.kernel_tflops.value / self.peak_tflops
+    def kernels(self) -> GpuKernels:
+        return GpuKernels.of(self)
 
 
-# The H100's rates come from its ceiling run (bench/results/gpu-h100.json: a 2048-wide
-# GPT-2 block, micro-batches of 2 x 1024 tokens, recomputed) through bench/gpu_model.py's
-# calibration; tests/test_sizing.py checks these numbers against that run.
-H100_KERNEL_TFLOPS = 225.31
-H100_PASS_GAP_S = 1.913e-4
-H100_DEVICE_FACTOR = 1.1593
-_EFFICIENCY = H100_KERNEL_TFLOPS / 989.4
+H100_DEVICE_FACTOR = 1.1593  # the H100 run's measured peak device bytes over the estimate (tests/test_sizing.py)
 _MEASURED_PCIE = f"measured: 54 GB/s each way on the H100 host ({H100_RUN}'s session, docs/performance.md)"
-
-
-def _scaled(name: str, memory: int, peak: float, pcie: float, pcie_source: str, source: str) -> GpuProfile:
-    """A GPU no run here has measured: the H100's measured share of its peak, at the
-    datasheet's peak; the H100's per-pass idle time."""
-    eff = (f"assumed: the H100's measured {_EFFICIENCY:.1%} of peak ({H100_RUN}: 2048-wide blocks, 2 x 1024-token "
-           f"micro-batches) at this GPU's datasheet peak of {peak:g} TFLOPS")
-    return GpuProfile(name, memory, peak, Rate(peak * _EFFICIENCY, eff),
-                      Rate(H100_PASS_GAP_S, f"assumed: the H100's measured idle time per pass ({H100_RUN})"),
-                      Rate(pcie, pcie_source), Rate(pcie, pcie_source), source=source)
-
-
 _GEN4 = "assumed: PCIe 4.0 x16, about 25 GB/s of its 32 each way"
+# Large bf16 GEMMs' share of the dense peak, measured with torch.matmul by others:
+MAMF = ("Stas Bekman, Machine Learning Engineering Open Book, compute/accelerator/README.md, \"Maximum "
+        "Achievable Matmul FLOPS comparison table\" (BF16, mean of 100 iterations, best shape of a search)")
+TORCH_PERF = "github.com/zzc0721/torch-performance-test-data"
+_FA2_HOPPER = Rate(0.35, "published: FlashAttention-2 reaches 35% of the H100's peak (Shah et al., FlashAttention-3, "
+                         "2024); torch's SDPA flash backend is FlashAttention-2")
+_FA2 = Rate(0.50, "published: FlashAttention-2 reaches 50-73% of the A100's peak forward and backward (Dao, "
+                  "FlashAttention-2, 2023), the low end taken")
+_FA2_ADA = Rate(0.50, "assumed: the A100's FlashAttention-2 share (50%, Dao 2023, the low end); no figure published "
+                      "for this GPU")
+
+
+def _launch() -> Rate:
+    return Rate(LAUNCH_S, "fitted: the host's issue time per kernel on the H100 and H200 hosts' in-GPU runs "
+                          f"({H100_RUN}, bench/results/gpu-h200/; bench/kernel_fit.py), taken for any host")
+
+
+def _profile(name: str, memory: int, peak: float, hbm: float, gemm: Rate, attention: Rate, pcie: Rate,
+             source: str, device_factor: float = 1.0) -> GpuProfile:
+    return GpuProfile(name, memory, peak, hbm, gemm, attention, _launch(), pcie, pcie, device_factor, source)
+
+
 PROFILES: dict[str, GpuProfile] = {
-    "h100": GpuProfile("h100", 80 * GiB, 989.4, Rate(H100_KERNEL_TFLOPS, f"measured: {H100_RUN} (ceiling run)"),
-                       Rate(H100_PASS_GAP_S, f"measured: {H100_RUN} (ceiling run)"),
-                       Rate(54.0, _MEASURED_PCIE), Rate(54.0, _MEASURED_PCIE), device_factor=H100_DEVICE_FACTOR,
-                       source="NVIDIA H100 SXM5 80 GB: 989.4 dense bf16 TFLOPS (NVIDIA H100 datasheet); "
-                              f"rates measured in {H100_RUN}"),
-    "h200": _scaled("h200", 141 * 10**9, 989.4, 55.3,
-                    "measured: 55.3 GB/s each way on the H200 host (bench/results/gpu-h200/gpu-bench-35999d1.json)",
-                    "NVIDIA H200 SXM 141 GB: 989 dense bf16 TFLOPS (NVIDIA H200 datasheet)"),
-    "a100": _scaled("a100", 80 * GiB, 312.0, 25.0, _GEN4,
-                    "NVIDIA A100 SXM 80 GB: 312 dense bf16 TFLOPS (NVIDIA A100 datasheet)"),
-    "rtx4090": _scaled("rtx4090", 24 * GiB, 165.2, 25.0, _GEN4,
-                       "NVIDIA GeForce RTX 4090 24 GB: 165.2 dense bf16 TFLOPS with fp32 accumulate (NVIDIA Ada "
-                       "Lovelace architecture whitepaper, appendix table)"),
-    "l40s": _scaled("l40s", 48 * GiB, 362.05, 25.0, _GEN4,
-                    "NVIDIA L40S 48 GB: 362 dense bf16 TFLOPS (NVIDIA L40S datasheet)"),
+    "h100": _profile("h100", 80 * GiB, 989.4, 3350.0,
+                     Rate(794.5 / 989.4, f"published: 794.5 of 989 TFLOPS (80.3%) on an H100 SXM, torch 2.7.0 ({MAMF})"),
+                     _FA2_HOPPER, Rate(54.0, _MEASURED_PCIE),
+                     "NVIDIA H100 SXM5 80 GB: 989.4 dense bf16 TFLOPS, 3.35 TB/s HBM3 (NVIDIA H100 datasheet)",
+                     H100_DEVICE_FACTOR),
+    "h200": _profile("h200", 141 * 10**9, 989.4, 4800.0,
+                     Rate(794.5 / 989.4, f"published: the H100 SXM's 80.3%, \"H200 is the same\" ({MAMF})"),
+                     _FA2_HOPPER, Rate(55.3, "measured: 55.3 GB/s each way on the H200 host "
+                                             "(bench/results/gpu-h200/gpu-bench-35999d1.json)"),
+                     "NVIDIA H200 SXM 141 GB: 989 dense bf16 TFLOPS, 4.8 TB/s HBM3e (NVIDIA H200 datasheet)"),
+    "a100": _profile("a100", 80 * GiB, 312.0, 2039.0,
+                     Rate(271.2 / 312, f"published: 271.2 of 312 TFLOPS (86.9%) on an A100 SXM, torch 2.6.0 ({MAMF})"),
+                     _FA2, Rate(25.0, _GEN4),
+                     "NVIDIA A100 SXM 80 GB: 312 dense bf16 TFLOPS, 2,039 GB/s HBM2e (NVIDIA A100 datasheet)"),
+    "rtx4090": _profile("rtx4090", 24 * GiB, 165.2, 1008.0,
+                        Rate(160.17 / 165.2, "published: torch.matmul bf16 8192 x 8192 x 8192 at 160.2 of 165.2 TFLOPS "
+                                             f"(97%) on an RTX 4090, torch 2.7.0+cu128 ({TORCH_PERF}, issue 78)"),
+                        _FA2_ADA, Rate(25.0, _GEN4),
+                        "NVIDIA GeForce RTX 4090 24 GB: 165.2 dense bf16 TFLOPS with fp32 accumulate, 1,008 GB/s GDDR6X "
+                        "(NVIDIA Ada Lovelace architecture whitepaper, appendix table)"),
+    "l40s": _profile("l40s", 48 * GiB, 362.05, 864.0,
+                     Rate(269.15 / 362.05, "published: torch.matmul bf16 at 269.2 of 362 TFLOPS (74%), the best of "
+                                           f"its square sizes, on an L40S, torch 2.8.0+cu128 ({TORCH_PERF}, issue 43)"),
+                     _FA2_ADA, Rate(25.0, _GEN4),
+                     "NVIDIA L40S 48 GB: 362 dense bf16 TFLOPS, 864 GB/s GDDR6 (NVIDIA L40S datasheet)"),
 }
+NAMES = {"H100": "h100", "H200": "h200", "A100": "a100", "4090": "rtx4090", "L40S": "l40s"}  # in a device's name
 
 
 def gpu_profile(name: str) -> GpuProfile:

@@ -16,12 +16,15 @@ exposed step. Two schedules (docs/design/iteration-model.md):
 * ``"loop"``: the ordinary loop, per micro-batch a forward and a backward group by group,
   each group's gradients downloaded and added on the host, every step after the last.
 
-The GPU: a pass (forward 1, backward 2) of a block takes FLOPs / R + g: R the GPU's FLOP
-rate while a kernel runs, g its idle time per pass (``GpuProfile``). The SSD array does one
-transfer at a time at its read or write rate; AdamW runs at the host's rate.
+The GPU: a block's forward, its recomputed backward and the tail's passes take what
+kernels.GpuKernels sums over their kernels from the model's shapes (each GEMM against the
+GPU's peak with an efficiency rising with its dimensions, attention, the memory-bound
+traffic, a floor per launch: docs/design/iteration-model.md); without one (``Rates.gpu``
+None) every pass runs at one FLOP rate R plus an idle time g per pass. The SSD array does
+one transfer at a time at its read or write rate; AdamW runs at the host's rate.
 
 ``simulate(shape, schedule, rates)`` returns it all as a dict. ``calibrate(run)`` reads the
-rates of a bench/gpu.py result (its in-GPU ceiling run).
+rates of a bench/gpu.py result (its GPU as gpu_runs.measured_gpu measures it).
 """
 from __future__ import annotations
 
@@ -31,8 +34,10 @@ from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from fuyou_client.sizing.hardware import GpuProfile, HostError, Rate
-from fuyou_client.sizing.shape import ModelShape, from_config
+from fuyou_client.sizing.gpu_runs import gpt2_family, measured_gpu
+from fuyou_client.sizing.hardware import GpuProfile, HostError
+from fuyou_client.sizing.kernels import GpuKernels
+from fuyou_client.sizing.shape import ModelShape
 from fuyou_proto.contract import state_object_bytes
 
 GB, GiB = 1e9, 1 << 30
@@ -66,10 +71,12 @@ class Schedule:
 
 @dataclass
 class Rates:
-    kernel_tflops: float      # hardware FLOP rate while a kernel runs
-    pass_gap_s: float         # GPU idle per pass
     ssd_read: float           # GB/s, the array
     ssd_write: float
+    gpu: GpuKernels | None = None  # the GPU's time by kernel; None: the flat rate below
+    precision: str = "bf16"   # the model's: "bf16" (Fuyou's clients) or "autocast" (fp32 parameters)
+    kernel_tflops: float = 0.0  # (flat) hardware FLOP rate while a kernel runs
+    pass_gap_s: float = 0.0   # (flat) GPU idle per pass
     pcie_h2d: float = 54.0
     pcie_d2h: float = 54.0
     host_add: float = 124.0   # GB/s of memory traffic of an fp32 add (3 passes)
@@ -83,7 +90,24 @@ class Rates:
     sources: dict = field(default_factory=dict)
 
     def gpu_s(self, flops: float, passes: float) -> float:
+        """(flat) ``flops`` in ``passes`` passes at the flat rate."""
         return flops / (self.kernel_tflops * 1e12) + passes * self.pass_gap_s
+
+    def block_s(self, shape: ModelShape, s: "Schedule", which: str) -> float:
+        """A block's ``"forward"`` or recomputed ``"backward"`` (forward again, then the
+        gradients) for one micro-batch."""
+        if self.gpu is not None:
+            return self.gpu.block_seconds(shape, s.micro, s.seq, which, self.precision)
+        f = shape.flops(s.seq, s.micro)
+        return self.gpu_s(f["block_fwd"], 1) if which == "forward" else self.gpu_s(f["block_fwd"] + f["block_bwd"], 3)
+
+    def tail_s(self, shape: ModelShape, s: "Schedule", parts: tuple) -> float:
+        """The tail's (final norm, head, loss) ``parts`` for one micro-batch: "forward",
+        "input_grad" (backward to its input), "weight_grad" (the head's gradient)."""
+        if self.gpu is not None:
+            return self.gpu.tail_seconds(shape, s.micro, s.seq, parts, self.precision)
+        f = shape.flops(s.seq, s.micro)
+        return sum(self.gpu_s(f["tail_fwd"] if p == "forward" else f["tail_bwd"] / 2, 1) for p in parts)
 
 
 def state_bytes(state_dtype: str, numel: int) -> int:
@@ -98,15 +122,10 @@ def recorded(run: dict) -> tuple[ModelShape, Schedule, int]:
             run["gpu_cap_bytes"])
 
 
-def gpt2_family(width: int, layers: int, seq: int, vocab: int = 8192) -> ModelShape:
-    """bench/gpu.py's model family: GPT-2 blocks, 128-wide heads, untied head."""
-    return from_config({"model_type": "gpt2", "n_embd": width, "n_layer": layers, "n_head": width // 128,
-                        "vocab_size": vocab, "n_positions": seq, "tie_word_embeddings": False}, "bench/gpu.py's family")
-
-
 def calibrate(run: dict) -> Rates:
-    """Rates from a bench/gpu.py JSON: its ceiling's time per micro-batch, busy share and
-    depth give the kernel rate and the idle time per pass; its SSD rates, host memory and
+    """Rates from a bench/gpu.py JSON: the kernel model of its GPU as its ceiling measured
+    it (measured_gpu), the model's precision bf16 (Fuyou's runs); the ceiling's FLOP rate
+    (the flat model's, and the ``over_ceiling`` scale); its SSD rates, host memory and
     (where probed) PCIe and host addition rates; the others are the Rates defaults."""
     ceiling, info, args = run["results"]["ceiling"], run["ceiling_info"], run["args"]
     shape = gpt2_family(args["width"], 1, args["seq"])
@@ -115,9 +134,10 @@ def calibrate(run: dict) -> Rates:
     hw = info["layers"] * (f["block_fwd"] * (1 + recompute) + f["block_bwd"]) + f["tail_fwd"] + f["tail_bwd"]
     passes = info["layers"] * (3 + recompute) + 3
     t, busy = ceiling["micro_batch_seconds"], ceiling["busy"]
-    rates = Rates(kernel_tflops=hw / (busy * t) / 1e12, pass_gap_s=(1 - busy) * t / passes,
+    gpu = measured_gpu(run, "the run")
+    rates = Rates(gpu=gpu.kernels, kernel_tflops=hw / (busy * t) / 1e12, pass_gap_s=(1 - busy) * t / passes,
                   ceiling_tflops=ceiling["tflops"], ceiling_hw_tflops=hw / t / 1e12, ssd_read=run["ssd_read_GBps"],
-                  ssd_write=run["ssd_write_GBps"], host_bytes=run["host"]["mem_total_bytes"])
+                  ssd_write=run["ssd_write_GBps"], host_bytes=run["host"]["mem_total_bytes"], hbm=gpu.kernels.hbm / GB)
     model, sched, cap = recorded(run)
     rates.device_factor = run["results"]["fuyou"]["peak_bytes"] / device_estimate(model, sched)
     for key, name in (("pcie_h2d_GBps", "pcie_h2d"), ("pcie_d2h_GBps", "pcie_d2h"), ("host_add_GBps", "host_add")):
@@ -125,41 +145,33 @@ def calibrate(run: dict) -> Rates:
             setattr(rates, name, run[key])
     rates.sources = {
         "from the run's JSON": "results.ceiling micro_batch_seconds, busy, tflops; ceiling_info layers, "
-                               "checkpointing; ssd_read_GBps, ssd_write_GBps; gpu_cap_bytes; results.fuyou "
+                               "checkpointing, micro; ssd_read_GBps, ssd_write_GBps; gpu_cap_bytes; results.fuyou "
                                "peak_bytes (device_factor); host mem_total_bytes",
+        "the GPU": gpu.gemm_efficiency.source + "; datasheet: " + gpu.source,
         "assumed": "PCIe 54 GB/s each way and 124 GB/s of host memory traffic for an fp32 add (measured in that "
                    "session, docs/performance.md, not in the JSON); AdamW 1.14e9 params/s (the daemon's kernel on "
-                   "the 2-core reference host); 2.6 TB/s for a copy in HBM"}
+                   "the 2-core reference host)"}
     return rates
 
 
 def from_gpu_run(path: str | os.PathLike) -> GpuProfile:
     """A profile measured here: the ceiling run of a bench/gpu.py result (its GPU's kernel
-    rate and idle time per pass, its PCIe where probed, its peak memory factor)."""
+    speed and issue time per kernel, its PCIe where probed, its peak memory factor)."""
     try:
         run = json.loads(Path(path).read_text())
         return calibrate_gpu(run, str(path))
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ZeroDivisionError) as exc:
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ZeroDivisionError, IndexError) as exc:
         raise HostError(f"--gpu-from {path}: not a readable bench/gpu.py result ({type(exc).__name__}: {exc})") from None
 
 
 def calibrate_gpu(run: dict, source: str) -> GpuProfile:
     """A GpuProfile measured by a bench/gpu.py run."""
-    r = calibrate(run)
-    name = str(run.get("gpu", "measured GPU")).split(",")[0]
-    mib = [int(p.split()[0]) for p in str(run.get("gpu", "")).split(",") if p.strip().endswith("MiB")]
-    memory = mib[0] << 20 if mib else run["gpu_cap_bytes"]
-    m = f"measured: {source} (ceiling run)"
-    pcie = "measured: " + source if run.get("pcie_h2d_GBps") else \
-        "assumed: 54 GB/s each way, as measured on the H100 host (this run did not probe PCIe)"
-    return GpuProfile(name, memory, r.ceiling_hw_tflops, Rate(r.kernel_tflops, m), Rate(r.pass_gap_s, m),
-                      Rate(r.pcie_h2d, pcie), Rate(r.pcie_d2h, pcie), device_factor=r.device_factor,
-                      source=f"{name}, measured here ({source}); peak taken as the ceiling's hardware FLOP rate")
+    return replace(measured_gpu(run, source), device_factor=calibrate(run).device_factor)
 
 
 def at_ceiling_rate(rates: Rates) -> Rates:
-    """Every pass at the ceiling's average FLOP rate, whatever its size."""
-    return replace(rates, kernel_tflops=rates.ceiling_hw_tflops, pass_gap_s=0.0)
+    """Every pass at the ceiling's average FLOP rate, whatever its size (the flat model)."""
+    return replace(rates, gpu=None, kernel_tflops=rates.ceiling_hw_tflops, pass_gap_s=0.0)
 
 
 def device_estimate(shape: ModelShape, s: Schedule) -> float:
@@ -253,8 +265,7 @@ def _loop(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
     download and an addition never run at once (how the H100 run is reproduced; inferred, not
     observed). Then each group's step, and the new weights of resident groups up."""
     block, rest, c = shape.block_params, shape.rest_params, s.compute_bytes
-    f = shape.flops(s.seq, s.micro)
-    fwd, bwd = r.gpu_s(f["block_fwd"], 1), r.gpu_s(f["block_fwd"] + f["block_bwd"], 3)
+    fwd, bwd = r.block_s(shape, s, "forward"), r.block_s(shape, s, "backward")
     sizes = {l: block for l in range(shape.layers)} | {"rest": rest}
     order = [*reversed(range(shape.layers)), "rest"]  # the groups in backward order
     download, add = ("d2h", "helper") if s.overlap else ("host path", "host path")
@@ -282,8 +293,8 @@ def _loop(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
         first = mb == 0  # downloads straight into the accumulators: no addition
         for _ in range(shape.layers if not resident else 0):
             gpu(fwd, upload=True)
-        gpu(r.gpu_s(f["tail_fwd"], 1) + (shape.layers * fwd if resident else 0))
-        gpu(r.gpu_s(f["tail_bwd"], 2))
+        gpu(r.tail_s(shape, s, ("forward",)) + (shape.layers * fwd if resident else 0))
+        gpu(r.tail_s(shape, s, ("input_grad", "weight_grad")))
         for g in order:
             if g != "rest":
                 gpu(bwd, upload=not resident)
@@ -327,14 +338,13 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
     Then each micro-batch's tail is replayed for the head's and embeddings' gradients, and the
     iteration ends when every step has committed."""
     block, rest, c = shape.block_params, shape.rest_params, s.compute_bytes
-    f = shape.flops(s.seq, s.micro)
     # More than MERGE micro-batches are replayed as MERGE runs of m consecutive ones: each
     # run's compute, passes and checkpoint bytes are m micro-batches' (the totals exact; the
     # overlap of copies with compute only coarser, so never more optimistic)
     L, m = shape.layers, max(1, -(-s.accum // MERGE))
     K = -(-s.accum // m)
-    fwd, bwd = m * r.gpu_s(f["block_fwd"], 1), m * r.gpu_s(f["block_fwd"] + f["block_bwd"], 3)
-    tail = m * r.gpu_s(f["tail_fwd"] + f["tail_bwd"] / 2, 2)  # forward + one of the head's two gradient matmuls
+    fwd, bwd = m * r.block_s(shape, s, "forward"), m * r.block_s(shape, s, "backward")
+    tail = m * r.tail_s(shape, s, ("forward", "input_grad"))  # forward + one of the head's two gradient matmuls
     ckpt = m * s.micro * s.seq * shape.width * c
     sizes = {l: block for l in range(L)} | {"rest": rest}
     order = [*reversed(range(L)), "rest"]
