@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 import fuyou_client.sizing.estimate as sizing_estimate  # noqa: E402
 from fuyou_client.sizing.hardware import PROFILES, Disks, Host, Rate  # noqa: E402
 from fuyou_client.sizing.iteration import (Rates, Schedule, at_ceiling_rate, calibrate,  # noqa: E402,F401
-                                           device_estimate as _device_estimate, gpt2_family, simulate)
+                                           gpt2_family, simulate)
 from fuyoud.units import parse_size  # noqa: E402
 
 GB, GiB = 1e9, 1 << 30
@@ -79,14 +79,10 @@ def recorded(run: dict) -> Config:
                   accum=a["accum"], cap=run["gpu_cap_bytes"], weights="resident")
 
 
-def device_estimate(cfg: Config) -> float:
-    """Peak bytes on the GPU, before ``device_factor``."""
-    return _device_estimate(cfg.shape, cfg.product)
-
-
-def host_needed(cfg: Config, r: Rates) -> float:
-    """Host memory the product's estimate gives this configuration (block-major: every kept
-    input in the host arena, as bench/gpu.py's host_budget keeps them)."""
+def product_estimate(cfg: Config, r: Rates):
+    """The product's estimate of this configuration's memory (sizing/estimate.py; block-major:
+    every kept input in the host arena, as bench/gpu.py's host_budget keeps them): its GPU
+    memory is the device plan attach makes (memory/device_plan.py)."""
     gpu = replace(PROFILES["h100"], name="capped", memory=cfg.cap, pcie_h2d=Rate(r.pcie_h2d, "run"),
                   pcie_d2h=Rate(r.pcie_d2h, "run"))  # (memory only: its rates are not used)
     host = Host(gpu, r.host_bytes or 1 << 40, Disks(1, 1 << 50, Rate(r.ssd_read, "run"), Rate(r.ssd_write, "run")),
@@ -96,7 +92,17 @@ def host_needed(cfg: Config, r: Rates) -> float:
                                  schedule="loop" if cfg.schedule == "today" else "block-major", offload=offload)
     kept = sizing_estimate.kept_inputs(cfg.shape, s, 2)
     s = replace(s, host_budget=kept or None)
-    return sizing_estimate.estimate(cfg.shape, s, host, simulate_time=False).memory["host_total"]
+    return sizing_estimate.estimate(cfg.shape, s, host, simulate_time=False)
+
+
+def device_estimate(cfg: Config, r: Rates) -> float:
+    """Peak bytes on the GPU: the device plan's."""
+    return product_estimate(cfg, r).memory["gpu"]
+
+
+def host_needed(cfg: Config, r: Rates) -> float:
+    """Host memory the product's estimate gives this configuration."""
+    return product_estimate(cfg, r).memory["host_total"]
 
 
 def breakdown(config: Config | dict, rates: Rates | None = None) -> dict:
@@ -106,7 +112,7 @@ def breakdown(config: Config | dict, rates: Rates | None = None) -> dict:
     r = rates or calibrate(load(RUN))
     out = {"config": dataclasses.asdict(cfg), **simulate(cfg.shape, cfg.product, r)}
     out["over_ceiling"] = out["model_tflops"] / r.ceiling_tflops
-    peak = device_estimate(cfg) * r.device_factor
+    peak = device_estimate(cfg, r)
     # today: the run's own peak, under its cap, is the estimate's scale; block-major: bench/gpu.py's
     # searches leave 10% spare
     fits = peak <= cfg.cap if cfg.schedule == "today" else peak <= 0.9 * cfg.cap
@@ -144,7 +150,7 @@ def choose(base: Config, rates: Rates, min_tokens: int = 300_000, tolerance: flo
         k = math.ceil(min_tokens / (micro * base.seq))
         while k * micro * base.seq <= max(min_tokens, base.tokens):
             cfg = replace(base, schedule="block-major", micro=micro, accum=k)
-            on_gpu = device_estimate(cfg) * rates.device_factor <= 0.9 * cfg.cap  # (before simulating it)
+            on_gpu = device_estimate(cfg, rates) <= 0.9 * cfg.cap  # (before simulating it)
             if on_gpu and (got := breakdown(cfg, rates))["fits_host"]:
                 fits.append(got)
             k = 1 << k.bit_length() if k & (k - 1) else 2 * k  # the next power of two

@@ -13,6 +13,7 @@ resumable. The planner's GPU memory is this plan.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -257,8 +258,7 @@ def test_the_planners_gpu_memory_is_the_device_plan(daemon):
                                      activations="recompute")
         st = engine.session.status()
         st_budget = st.session_budget_bytes or st.pinned_budget_bytes
-        gpu = hardware.GpuProfile("stand-in", 1 << 30, 100.0, hardware.Rate(1, "x"), hardware.Rate(0, "x"),
-                                  hardware.Rate(1, "x"), hardware.Rate(1, "x"))
+        gpu = dataclasses.replace(hardware.gpu_profile("h100"), memory=1 << 30)
         host = hardware.Host(gpu, 24 << 30, hardware.Disks(1, 1 << 40, hardware.Rate(1, "x"), hardware.Rate(1, "x")),
                              2, pinned_budget=st_budget, buffer_budget=st.optimizer_buffer_budget_bytes,
                              buffers=st.optimizer_buffers, segment=st.segment_bytes)

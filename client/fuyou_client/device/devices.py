@@ -300,12 +300,18 @@ class CudaDevice(Device):
     def memory_allocated(self) -> int | None:
         return torch.cuda.memory_allocated(self.torch_device)
 
+    def _limit(self) -> int:
+        """What this process's allocator may hold: the device, or the share of it
+        ``torch.cuda.set_per_process_memory_fraction`` allows."""
+        total = torch.cuda.get_device_properties(self.torch_device).total_memory
+        return int(total * torch.cuda.get_per_process_memory_fraction(self.torch_device))
+
     def memory_available(self) -> int | None:
         free, _ = torch.cuda.mem_get_info(self.torch_device)
-        return free + torch.cuda.memory_reserved(self.torch_device)
+        return min(free + torch.cuda.memory_reserved(self.torch_device), self._limit())
 
     def memory_reserve(self) -> int:
-        return cuda_reserve(torch.cuda.get_device_properties(self.torch_device).total_memory)
+        return cuda_reserve(self._limit())
 
     def thread_turn_done(self) -> None:
         # torch keeps a cuBLAS workspace per (handle, stream), a handle per thread, until the

@@ -144,6 +144,13 @@ def plan_device(groups: list[GroupShape], pinned: MemoryPlan, work: Work | None,
                         f"the {granularity} in backward, the one whose gradients go down"),
              DeviceItem("gradient buffers, blocks' own groups", min(pinned.own_grad_buffers, DEVICE_GRAD_BUFFERS),
                         pinned.own_grad_bytes, "a cut block's small modules")]
+    hosted = [g for g in groups if g.strategy == "host" and g.numel]
+    if hosted:  # (each backward's gradients flattened to fp32 and queued for the host: gradients/host.py)
+        n = max(g.numel for g in hosted)
+        fixed.append(DeviceItem("gradients on their way to the host", 1, n * max(g.itemsize for g in hosted),
+                                "the largest group's .grad as autograd makes it"))
+        fixed.append(DeviceItem("fp32 gradients queued for the host", pinned.staging_buffers, 4 * n,
+                                "flattened, waiting for their download"))
     for g in groups:
         if not g.offload and g.numel:
             fixed.append(DeviceItem(f"{g.name} weights", 1, g.weight_bytes, "resident"))

@@ -23,7 +23,7 @@ from fuyou_client.memory import DevicePlan, Work, plan_device
 from fuyou_client.memory import budget as memory_plan
 from fuyou_client.model.cuts import large_atoms, rest_sub_blocks
 from fuyou_client.sizing.hardware import GB, GiB, Host
-from fuyou_client.sizing.iteration import Rates, Schedule, device_estimate, simulate, state_bytes
+from fuyou_client.sizing.iteration import Rates, Schedule, simulate, state_bytes
 from fuyou_client.sizing.kernels import GEMM_EDGE, HBM_EFFICIENCY
 from fuyou_client.sizing.shape import ModelShape
 from fuyou_proto.contract import stepped_in_chunks
@@ -150,7 +150,8 @@ def groups(shape: ModelShape, s: Settings, host: Host) -> list[memory_plan.Group
     c = _compute_bytes(host)
     offload = s.offload if host.gpu is not None or s.offload is True else False  # ("host" on the CPU: resident)
     keeps = s.schedule == "loop" and s.micro_batches > 1  # gradients kept until the step
-    strategy = (("host" if host.gpu is not None else "resident") if keeps else "pooled") if offload else "resident"
+    # (kept until the step: on a GPU summed on the host, as the iteration model's loop does; else resident)
+    strategy = ("host" if host.gpu is not None else "resident") if keeps else "pooled" if offload else "resident"
 
     def group(name: str, numel: int, off, kind: str) -> memory_plan.GroupShape:
         return memory_plan.GroupShape(name, numel, c, chunked=chunked(numel, s, host), offload=off, strategy=kind,
@@ -229,8 +230,7 @@ def rates(host: Host) -> Rates:
     g = host.gpu
     k = g.kernels
     return Rates(gpu=k, ssd_read=host.disks.read_gbps, ssd_write=host.disks.write_gbps, pcie_h2d=g.pcie_h2d.value,
-                 pcie_d2h=g.pcie_d2h.value, host_add=host.host_add.value, adam=host.adam_rate, hbm=k.hbm / GB,
-                 device_factor=g.device_factor)
+                 pcie_d2h=g.pcie_d2h.value, host_add=host.host_add.value, adam=host.adam_rate, hbm=k.hbm / GB)
 
 
 def estimate(shape: ModelShape, s: Settings, host: Host, simulate_time: bool = True) -> Estimate:
@@ -333,9 +333,10 @@ def _assumptions(host: Host) -> list[str]:
                 f"the operators torch runs for a GPT-2- or Llama-style block in bf16 (bench/kernel_counts.py)",
                 f"GPU launch at least {g.launch_s.value * 1e6:.0f} us a kernel: {g.launch_s.source}",
                 f"PCIe {g.pcie_h2d.value:g} GB/s: {g.pcie_h2d.source}",
-                f"GPU memory estimate scaled by {g.device_factor:.3f}: "
-                + ("measured peak over estimate on the H100 run" if g.device_factor != 1 else
-                   "assumed 1.0 (no run of this GPU here)"),
+                f"GPU memory: attach's device plan (memory/device_plan.py), {cuda_reserve(g.memory) / GiB:.1f} GiB "
+                "kept for CUDA (512 MiB + 5%, assumed); activations 34 bytes per token and unit of width of a "
+                "block at 16 bits (Korthikanti et al., Reducing Activation Recomputation in Large Transformer "
+                "Models, 2022), the tail's logits 10 bytes per token and vocabulary entry",
                 f"host memory of a CUDA process: {CUDA_CONTEXT / GiB:.0f} GiB assumed"]
     d = host.disks
     out += [f"SSD {d.read.value:.3g} GB/s read each: {d.read.source}", f"SSD {d.write.value:.3g} GB/s write each: "

@@ -41,8 +41,7 @@ class GpuProfile:
     TFLOPS, memory bandwidth in GB/s), what its kernels reach of them (``gemm_efficiency``:
     large bf16 GEMMs' share of the peak, from a published measurement;
     ``attention_efficiency``: fused attention's), the host's issue time per kernel
-    (``launch_s``), PCIe each way, and ``device_factor``: a run's measured peak device
-    memory over the model's estimate of it (scales every estimate). kernels.GpuKernels
+    (``launch_s``) and PCIe each way. kernels.GpuKernels
     prices a block's kernels with these (``kernels``)."""
     name: str
     memory: int
@@ -53,7 +52,6 @@ class GpuProfile:
     launch_s: Rate
     pcie_h2d: Rate  # GB/s
     pcie_d2h: Rate
-    device_factor: float = 1.0
     source: str = ""
 
     @property
@@ -61,7 +59,6 @@ class GpuProfile:
         return GpuKernels.of(self)
 
 
-H100_DEVICE_FACTOR = 1.1593  # the H100 run's measured peak device bytes over the estimate (tests/test_sizing.py)
 _MEASURED_PCIE = f"measured: 54 GB/s each way on the H100 host ({H100_RUN}'s session, docs/performance.md)"
 _GEN4 = "assumed: PCIe 4.0 x16, about 25 GB/s of its 32 each way"
 # Large bf16 GEMMs' share of the dense peak, measured with torch.matmul by others:
@@ -82,16 +79,15 @@ def _launch() -> Rate:
 
 
 def _profile(name: str, memory: int, peak: float, hbm: float, gemm: Rate, attention: Rate, pcie: Rate,
-             source: str, device_factor: float = 1.0) -> GpuProfile:
-    return GpuProfile(name, memory, peak, hbm, gemm, attention, _launch(), pcie, pcie, device_factor, source)
+             source: str) -> GpuProfile:
+    return GpuProfile(name, memory, peak, hbm, gemm, attention, _launch(), pcie, pcie, source)
 
 
 PROFILES: dict[str, GpuProfile] = {
     "h100": _profile("h100", 80 * GiB, 989.4, 3350.0,
                      Rate(794.5 / 989.4, f"published: 794.5 of 989 TFLOPS (80.3%) on an H100 SXM, torch 2.7.0 ({MAMF})"),
                      _FA2_HOPPER, Rate(54.0, _MEASURED_PCIE),
-                     "NVIDIA H100 SXM5 80 GB: 989.4 dense bf16 TFLOPS, 3.35 TB/s HBM3 (NVIDIA H100 datasheet)",
-                     H100_DEVICE_FACTOR),
+                     "NVIDIA H100 SXM5 80 GB: 989.4 dense bf16 TFLOPS, 3.35 TB/s HBM3 (NVIDIA H100 datasheet)"),
     "h200": _profile("h200", 141 * 10**9, 989.4, 4800.0,
                      Rate(794.5 / 989.4, f"published: the H100 SXM's 80.3%, \"H200 is the same\" ({MAMF})"),
                      _FA2_HOPPER, Rate(55.3, "measured: 55.3 GB/s each way on the H200 host "

@@ -82,7 +82,6 @@ class Rates:
     host_add: float = 124.0   # GB/s of memory traffic of an fp32 add (3 passes)
     adam: float = 1.14e9      # parameters/s
     hbm: float = 2600.0       # GB/s of a copy
-    device_factor: float = 1.0  # a run's measured device peak over this model's estimate of it
     optimizer_buffers: int = 3
     ceiling_tflops: float = 0.0  # (calibrated on a run: that run's in-GPU ceiling, model TFLOPS)
     ceiling_hw_tflops: float = 0.0
@@ -138,15 +137,12 @@ def calibrate(run: dict) -> Rates:
     rates = Rates(gpu=gpu.kernels, kernel_tflops=hw / (busy * t) / 1e12, pass_gap_s=(1 - busy) * t / passes,
                   ceiling_tflops=ceiling["tflops"], ceiling_hw_tflops=hw / t / 1e12, ssd_read=run["ssd_read_GBps"],
                   ssd_write=run["ssd_write_GBps"], host_bytes=run["host"]["mem_total_bytes"], hbm=gpu.kernels.hbm / GB)
-    model, sched, cap = recorded(run)
-    rates.device_factor = run["results"]["fuyou"]["peak_bytes"] / device_estimate(model, sched)
     for key, name in (("pcie_h2d_GBps", "pcie_h2d"), ("pcie_d2h_GBps", "pcie_d2h"), ("host_add_GBps", "host_add")):
         if run.get(key):  # (probed in the same run by newer bench/gpu.py runs)
             setattr(rates, name, run[key])
     rates.sources = {
         "from the run's JSON": "results.ceiling micro_batch_seconds, busy, tflops; ceiling_info layers, "
-                               "checkpointing, micro; ssd_read_GBps, ssd_write_GBps; gpu_cap_bytes; results.fuyou "
-                               "peak_bytes (device_factor); host mem_total_bytes",
+                               "checkpointing, micro; ssd_read_GBps, ssd_write_GBps; host mem_total_bytes",
         "the GPU": gpu.gemm_efficiency.source + "; datasheet: " + gpu.source,
         "assumed": "PCIe 54 GB/s each way and 124 GB/s of host memory traffic for an fp32 add (measured in that "
                    "session, docs/performance.md, not in the JSON); AdamW 1.14e9 params/s (the daemon's kernel on "
@@ -156,7 +152,7 @@ def calibrate(run: dict) -> Rates:
 
 def from_gpu_run(path: str | os.PathLike) -> GpuProfile:
     """A profile measured here: the ceiling run of a bench/gpu.py result (its GPU's kernel
-    speed and issue time per kernel, its PCIe where probed, its peak memory factor)."""
+    speed and issue time per kernel, its PCIe where probed)."""
     try:
         run = json.loads(Path(path).read_text())
         return calibrate_gpu(run, str(path))
@@ -166,27 +162,12 @@ def from_gpu_run(path: str | os.PathLike) -> GpuProfile:
 
 def calibrate_gpu(run: dict, source: str) -> GpuProfile:
     """A GpuProfile measured by a bench/gpu.py run."""
-    return replace(measured_gpu(run, source), device_factor=calibrate(run).device_factor)
+    return measured_gpu(run, source)
 
 
 def at_ceiling_rate(rates: Rates) -> Rates:
     """Every pass at the ceiling's average FLOP rate, whatever its size (the flat model)."""
     return replace(rates, gpu=None, kernel_tflops=rates.ceiling_hw_tflops, pass_gap_s=0.0)
-
-
-def device_estimate(shape: ModelShape, s: Schedule) -> float:
-    """Peak bytes on the GPU, before ``device_factor``."""
-    block, rest, c = shape.block_params, shape.rest_params, s.compute_bytes
-    tokens = s.micro * s.seq
-    ckpt = tokens * shape.width * c
-    work = max(17 * c * tokens * shape.width, 10 * tokens * shape.vocab)  # a block with grad, or the tail's logits
-    if s.schedule == "loop":
-        weights = c * (block * shape.layers + rest) if s.weights == "resident" else \
-            c * rest + (s.prefetch + 2) * c * block
-        grads = c * rest + c * block + (s.depth + 1) * 4 * block  # .grad, flattened copies queued
-        return weights + grads + work + shape.layers * ckpt
-    # the rest's weights and fp32 gradients, 2 weight slots, the block gradients, 8 checkpoint buffers
-    return (c + 4) * rest + 2 * c * block + s.grad_buffers * s.grad_bytes * block + work + 8 * ckpt
 
 
 class Timeline:
