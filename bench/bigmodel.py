@@ -138,6 +138,8 @@ class RssSampler:
         self.pids: dict[str, int] = {}
         self.peak: dict[str, int] = {}
         self.at_peak: dict = {}
+        self.phases: dict[str, int] = {}  # the peak of both together in each phase (mark)
+        self._phase_peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, args=(interval,))
         self._thread.start()
@@ -152,11 +154,16 @@ class RssSampler:
                     self.peak[name] = max(self.peak.get(name, 0), status["VmRSS"])
             if len(now) == 2:  # the client's own pages, and the daemon's with every segment
                 both = now["client"]["RssAnon"] + now["client"]["RssFile"] + now["daemon"]["VmRSS"]
+                self._phase_peak = max(self._phase_peak, both)
                 if both > self.peak.get("together", 0):
                     self.peak["together"] = both
                     self.at_peak = {f"{name}_{key}": now[name].get(key, 0) for name in now
                                     for key in ("RssAnon", "RssFile", "RssShmem")}
                     self.at_peak["monotonic"] = time.monotonic()
+
+    def mark(self, phase: str) -> None:
+        """The peak of both together since the last mark is ``phase``'s."""
+        self.phases[phase], self._phase_peak = self._phase_peak, 0
 
     def stop(self) -> None:
         self._stop.set()
@@ -281,8 +288,11 @@ def train(args, layers: int, work: Path, sampler: "RssSampler", schedule: str, t
                       f"{format_size(event['written'])} written", flush=True)
                 print(f"  [{tag}] {json.dumps(event)}", flush=True)  # (all of it: a run cut short keeps its steps)
             elif event["event"] == "attached":
+                sampler.mark(f"{tag}: attach")
                 print(f"  [{tag}] attached from the meta device in {event['seconds']:.1f} s\n{event['plan']}",
                       flush=True)
+            elif event["event"] == "done":
+                sampler.mark(f"{tag}: training")
         if proc.wait() != 0:
             raise RuntimeError(f"the training process failed (exit code {proc.returncode}): "
                                f"{events.get('error', {}).get('error', 'see its output above')}")
@@ -408,6 +418,7 @@ def main(argv=None) -> int:
         "peak_rss_client_bytes": client_peak, "peak_rss_daemon_bytes": daemon_peak,
         "peak_rss_together_bytes": together, "peak_rss_over_state": together / (STATE_BYTES_PER_PARAM * params),
         "peak_rss_together_parts": sampler.at_peak,
+        "peak_rss_together_by_phase": sampler.phases,
         "resident_gib_per_billion_params": gib_per_b,
         "seconds_per_step": statistics.median(s["seconds"] for s in timed),
         "optimizer_seconds": optimizer, "ssd_bound_seconds": bound, "optimizer_over_ssd_bound": optimizer / bound,
