@@ -45,7 +45,6 @@ upload's event only, and the host buffer takes a new fetch only after its upload
 """
 from __future__ import annotations
 
-from collections import deque
 from contextlib import contextmanager
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -55,6 +54,7 @@ from torch import nn
 
 from fuyou_client.device.devices import DONE, Device
 from fuyou_client.model.blocks import flat_parts
+from fuyou_client.offload.slots import Slot, SlotPool
 from fuyou_client.connection.session import In, Session, all_of
 
 
@@ -103,20 +103,6 @@ class OffloadedGroup:
         return self.numel * self.dtype.itemsize
 
 
-class Slot:
-    """Room for one group's weights: a shared host buffer and its device counterpart."""
-
-    def __init__(self, session: Session, device: Device, nbytes: int, host: bool = True):
-        self.nbytes = nbytes
-        self.host = session.allocate(nbytes) if host else None  # (none when every group's weights are on the host)
-        self.device = self.host.tensor(torch.uint8) if device.shares_host_memory else device.empty(nbytes)
-        self.uploaded = DONE  # the last upload out of ``host`` (a new fetch may land only after it)
-        self.released = device.record()  # compute's last use of ``device`` (a new upload waits for it)
-
-    def weights(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.device.view(dtype)
-
-
 @dataclass(frozen=True)
 class Saved:
     group: OffloadedGroup
@@ -152,21 +138,15 @@ class Offloader:
         self.groups = groups
         self.prefetch = prefetch
         self.keep = keep  # blocks (the last ones) kept from forward to backward: fewer fetches, more memory
-        from_ssd = any(g.host is None for g in groups)
         if slots is None:  # (the memory plan's sizes: memory/budget.py MemoryPlan.slot_sizes)
             slots = [max(g.nbytes for g in groups)] * (prefetch + 2 + keep)
-        self._free = [Slot(session, device, nbytes, host=from_ssd) for nbytes in slots]
-        self._all = list(self._free)
-        self._lent: deque[tuple[Future, Slot]] = deque()  # slots whose masters a step reads, oldest first
-        self._lending: Slot | None = None  # lent, its step not submitted yet
+        # A group released keeps its weights in its slot until a fetch takes it: used again
+        # before that (a sub-block over the micro-batches of train_step, a recomputed one in
+        # backward, the last blocks of forward in backward) it needs no fetch. Forgotten when
+        # the group's step is submitted (new weights) and at the barrier. Not with data
+        # parallelism: every rank must fetch, and gather, in the same order.
+        self._slots = SlotPool(session, device, slots, any(g.host is None for g in groups), caching=gather is None)
         self._deferred: list[tuple[OffloadedGroup, bool]] = []  # prefetches waiting for a slot (poll)
-        # Slots of released groups whose weights are still there, oldest first: a group used
-        # again before its slot is taken (a sub-block over the micro-batches of train_step,
-        # a recomputed one in backward) needs no fetch. Forgotten when the group's step is
-        # submitted (new weights) and at the barrier. Not with data parallelism: every rank
-        # must fetch, and gather, in the same order.
-        self._cached: dict[Slot, OffloadedGroup] = {}
-        self._caching = gather is None
         self._entered = -1  # the last group forward entered (a group used again after it is not prefetched for)
         self.inputs_only = False  # (see input_gradients)
         # Set by train_step while a block runs for all but its last micro-batch: fetches ahead
@@ -198,41 +178,21 @@ class Offloader:
         slot to its step instead: ``lend``)."""
         if g.slot is not None or g.fetch is not None or g.cached is not None:
             return
-        self._take_back()
-        slot = self._take_slot(g)
+        self._slots.take_back()
+        slot = self._slots.take(g)
         if slot is not None:
             self._fetch_into(g, slot, backward)
-        elif self._lent and not any(d is g for d, _ in self._deferred):  # (when a lent slot is back: poll)
+        elif self._slots.lent and not any(d is g for d, _ in self._deferred):  # (when a lent slot is back: poll)
             self._deferred.append((g, backward))
-
-    def _take_slot(self, g: OffloadedGroup) -> "Slot | None":
-        """A slot large enough for the group's weights: a free one (of the smallest size that
-        fits; among those the longest free, its last use furthest back), else the one cached
-        longest (its group must be fetched again), else None."""
-        fits = [i for i, s in enumerate(self._free) if s.nbytes >= g.nbytes]
-        if fits:
-            return self._free.pop(min(fits, key=lambda i: (self._free[i].nbytes, i)))
-        slot = next((s for s in self._cached if s.nbytes >= g.nbytes), None)
-        if slot is not None:
-            self._cached.pop(slot).cached = None
-        return slot
-
-    def _forget_cached(self, g: OffloadedGroup) -> None:
-        """The group's cached weights are stale (its step is under way) or no longer wanted."""
-        if g.cached is not None:
-            self._free.append(g.cached)
-            del self._cached[g.cached]
-            g.cached = None
 
     def forget(self, g: OffloadedGroup) -> None:
         """The group's step was submitted: weights cached from before it are stale."""
-        self._forget_cached(g)
+        self._slots.forget(g)
 
     def _reland(self, g: OffloadedGroup) -> None:
         """A cached group resident again: its slot still holds its weights (on the device too)."""
-        slot = g.cached
-        del self._cached[slot]
-        g.cached, g.slot, g.ready = None, slot, slot.uploaded
+        slot = self._slots.reclaim(g)
+        g.slot, g.ready = slot, slot.uploaded
         self.reused_bytes += g.nbytes
         self.reuses += 1
         self._point(g, slot)
@@ -240,54 +200,38 @@ class Offloader:
     def poll(self) -> None:
         """Cheap, called often (each gradient): slots lent to steps that are done are free
         again, and the fetches deferred for want of a slot start in them."""
-        if not self._lent and not self._deferred:
+        if not self._slots.lent and not self._deferred:
             return
-        self._take_back()
+        self._slots.take_back()
         waiting, self._deferred = self._deferred, []
         for g, backward in waiting:
             if g.slot is not None or g.fetch is not None or g.cached is not None:
                 continue
-            slot = self._take_slot(g)
+            slot = self._slots.take(g)
             if slot is None:
                 self._deferred.append((g, backward))
             else:
                 self._fetch_into(g, slot, backward)
 
-    def _take_back(self, wait: bool = False) -> None:
-        """Slots lent to steps that are done are free again (``wait``: the oldest is waited for)."""
-        if wait and self._lent:
-            self._lent[0][0].exception()  # (waits; whatever the step's outcome, it reads the slot no more)
-        while self._lent and self._lent[0][0].done():
-            self._free.append(self._lent.popleft()[1])
-
     def _lend(self, g: OffloadedGroup):
         """Backward is done with the group's weights, and its step will read its fp32 masters
         from the slot: the parameters let go of it as with ``release``, but the slot is out of
-        use until ``_lent_until``'s future is done. Returns the slot's shared buffer."""
+        use until its step is done (SlotPool.lent_until). Returns the slot's shared buffer."""
         slot = g.slot
         self.release(g, lend=True)
-        self._lending = slot
+        self._slots.lend(slot)
         return slot.host
-
-    def _lent_until(self, step: Future) -> None:
-        """The step that reads the slot just lent; the slot is free again once it is done."""
-        self._lent.append((step, self._lending))
-        self._lending = None
 
     def take_back_all(self) -> None:
         """(at the barrier, every step landed) Every lent slot is free again; prefetches
         still deferred are forgotten (the next forward asks again)."""
-        for step, slot in self._lent:
-            step.exception()
-            self._free.append(slot)
-        self._lent.clear()
+        self._slots.take_back_all()
         self._deferred.clear()
         self.forget_all()
 
     def forget_all(self) -> None:
         """Every cached group forgotten (at the barrier: the steps wrote new weights)."""
-        for g in list(self._cached.values()):
-            self._forget_cached(g)
+        self._slots.forget_all()
         self._entered = -1
 
     def _fetch_into(self, g: OffloadedGroup, slot: Slot, backward: bool) -> None:
@@ -324,10 +268,10 @@ class Offloader:
     def _slot_for(self, g: OffloadedGroup) -> "Slot":
         """A slot for a fetch that cannot wait: a free one, else the oldest lent one once its
         step is done, else a resident group's (evicted)."""
-        self._take_back()
-        if self._lent and not any(s.nbytes >= g.nbytes for s in (*self._free, *self._cached)):
-            self._take_back(wait=True)
-        return self._take_slot(g) or self._evict(g)
+        self._slots.take_back()
+        if self._slots.lent and not self._slots.could_take(g):
+            self._slots.take_back(wait=True)
+        return self._slots.take(g) or self._evict(g)
 
     def _land(self, g: OffloadedGroup) -> None:
         """A fetch is done (or waited for): upload it and point the parameters at it."""
@@ -378,14 +322,14 @@ class Offloader:
                    and g.slot.nbytes >= wanted.nbytes]
         if victims:
             self.release(min(victims, key=lambda g: g.last_used), cache=False)
-            return self._free.pop()
+            return self._slots.free.pop()
         ahead = [g for g in self.groups if g.fetch is not None and g is not wanted and g.fetch_slot.nbytes >= wanted.nbytes]
         if ahead:  # (prefetches hold the other slots: the one asked for first is given up, read or not)
             g = ahead[0]
             g.fetch.exception()  # (waits: the slot is written no more)
             slot, g.fetch, g.fetch_slot = g.fetch_slot, None, None
             return slot
-        raise RuntimeError(f"no weight slot for {wanted.name}: all {len(self._all)} hold blocks computing "
+        raise RuntimeError(f"no weight slot for {wanted.name}: all {self._slots.count} hold blocks computing "
                            "right now; attach with a larger prefetch or keep")
 
     def release(self, g: OffloadedGroup, keep_params: bool = False, lend: bool = False, cache: bool = True) -> None:
@@ -402,18 +346,17 @@ class Offloader:
         g.slot.released = self.device.record()  # the compute enqueued so far may still read it
         if lend:
             pass
-        elif cache and self._caching and not keep_params:
-            g.cached = g.slot
-            self._cached[g.slot] = g
+        elif cache and not keep_params:
+            self._slots.keep(g, g.slot)
         else:
-            self._free.append(g.slot)
+            self._slots.free.append(g.slot)
         g.slot, g.ready = None, DONE
 
     def release_all(self) -> None:
         for g in self.groups:
             if g.fetch is not None:  # let a prefetch land before its slot is reused
                 g.fetch.result()
-                self._free.append(g.fetch_slot)
+                self._slots.free.append(g.fetch_slot)
                 g.fetch = g.fetch_slot = None
             self.release(g, cache=False)
         self.forget_all()
@@ -540,7 +483,7 @@ class Offloader:
         its slot: ``submit(buffer)`` sends the step (returns its future); the slot is free
         again once that step is done."""
         g.busy = False
-        self._lent_until(submit(self._lend(g)))
+        self._slots.lent_until(submit(self._lend(g)))
 
     @contextmanager
     def input_gradients(self):
