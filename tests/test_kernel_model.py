@@ -197,6 +197,12 @@ def test_an_fp16_plan_prices_its_gemms_at_the_fp16_rate():
     torch = pytest.importorskip("torch")
     assert sizing.model_compute(torch.nn.Linear(2, 2).to(torch.float16)) == "fp16"
     assert sizing.model_compute(torch.nn.Linear(2, 2)) is None and sizing.model_compute(GPT3_13B) is None
+    # attach(model, plan=...): a 16-bit model in another dtype than the plan's GPU computes in is refused
+    from fuyou_client.sizing.apply import apply
+    with pytest.raises(ValueError, match="computes in torch.float16 and the model is in torch.bfloat16"):
+        apply(fp16, torch.nn.Linear(2, 2).to(torch.bfloat16), None, {})
+    options, _, _ = apply(fp16, torch.nn.Linear(2, 2).to(torch.float16), None, {})
+    assert options == fp16.attach_options()
 
 
 def test_hardware_flops_count_the_recomputation():
