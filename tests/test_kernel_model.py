@@ -245,7 +245,7 @@ def test_13b_at_64_sequences_and_12_ssds_against_the_papers_156():
     * Why model TFLOPS cannot: block-major recomputes every block (hardware FLOPs over 4/3 of
       the model's), so even every FLOP at the published fp16 rate would give 3/4 x 155.5 =
       116.6 model TFLOPS, under 117. Hardware TFLOPS could in principle (the kernel model's
-      GEMMs of these shapes run at 68% of the peak, fitted on 2048-wide runs, where square
+      GEMMs of these shapes run at 72% of the peak, fitted on 2048-wide runs, where square
       torch.matmul GEMMs are published at 94-100%: docs/design/iteration-model.md)."""
     rtx = hardware.PROFILES["rtx4090"].gemms("fp16")
     assert 0.75 * rtx.peak_tflops * rtx.efficiency.value < 0.75 * PAPERS_13B  # (116.6 < 117)
