@@ -260,6 +260,12 @@ def test_fuyouctl_plan_answers_for_a_described_host(tmp_path, capsys):
         assert p[key] is not None, key
     assert p["memory_bytes"]["gpu"] <= 0.9 * 24 * 2**30
     assert {a["change"] for a in plan["advice"]} >= {"another SSD", "twice the host memory"}
+    assert p["model_dtype"] == "torch.bfloat16" and p["settings"]["compute"] == "bf16"
+    assert p["hardware_tflops"] > 4 / 3 * p["model_tflops"]  # (recomputation; and attention, not in 6 N tokens)
+    fp16 = _ctl_here(capsys, str(cfg), *host, "--compute", "fp16")  # the model's dtype, its GEMMs' rate
+    assert fp16.returncode == 0, fp16.stderr
+    assert "model in torch.float16" in fp16.stdout and "GPU 165.2 dense fp16 TFLOPS" in fp16.stdout
+    assert "hardware TFLOPS" in fp16.stdout and "GPU 165.2 dense bf16 TFLOPS" in out
 
 
 def test_fuyouctl_plan_refuses_clearly(tmp_path, capsys):
