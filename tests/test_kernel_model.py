@@ -176,6 +176,8 @@ def test_every_profile_prices_fp16_gemms_at_its_fp16_peak_with_its_source():
     assert "330.3 with fp16 accumulate" in rtx.gemms("fp16").source
     with pytest.raises(sizing.HostError, match="compute dtype 'fp8'"):
         rtx.gemms("fp8")
+    given = sizing.host("rtx4090", gpu_efficiency=0.6, ram="64GiB", ssd="1x3GB/s", cores=8).gpu  # (either dtype)
+    assert given.gemms("bf16").efficiency == given.gemms("fp16").efficiency == hardware.Rate(0.6, "given")
 
 
 def test_an_fp16_plan_prices_its_gemms_at_the_fp16_rate():

@@ -123,6 +123,9 @@ def test_the_gpu_profiles_name_their_sources_and_a_run_measures_its_gpu():
     measured = iteration.from_gpu_run(RESULTS / "gpu-h100.json")
     assert "H100" in measured.name and measured.memory > 80e9 and measured.peak_tflops == h100.peak_tflops
     assert measured.gemm_efficiency.measured and measured.launch_s.measured and measured.pcie_h2d.value == 54.0
+    scale = measured.gemm_efficiency.value / h100.gemm_efficiency.value  # (its fp16 GEMMs scaled alike)
+    assert measured.gemms("fp16").efficiency.measured
+    assert measured.gemms("fp16").efficiency.value == pytest.approx(h100.gemms("fp16").efficiency.value * scale)
     ceiling = gpu_runs.in_gpu_runs(run)[0]
     t = gpu_runs.in_gpu_time(measured.kernels, ceiling)
     assert t.busy == pytest.approx(ceiling["busy"] * ceiling["seconds"], rel=1e-3)
