@@ -326,7 +326,8 @@ def test_the_schedule_bench_runs_and_halves_the_ssd_traffic(tmp_path):
 
     out = tmp_path / "schedule.json"
     bench = Path(__file__).resolve().parent.parent / "bench" / "schedule.py"
-    run = subprocess.run([sys.executable, str(bench), "--layers", "2", "--width", "64", "--seq", "16", "--accum", "3",
+    # (more blocks than the loop's weight slots hold: else it keeps them all from one micro-batch to the next)
+    run = subprocess.run([sys.executable, str(bench), "--layers", "8", "--width", "64", "--seq", "16", "--accum", "3",
                           "--rounds", "1", "--json", str(out), "--dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr

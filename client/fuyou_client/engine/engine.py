@@ -197,10 +197,11 @@ class Engine:
         until backward, in host memory up to ``host_budget`` bytes (on a GPU in a shared
         arena), the rest on the SSD array, read back ahead of backward (blockmajor/store.py;
         ``engine.train_step_stats`` counts it); ``host_budget`` must hold at least the
-        micro-batches of one block plus two. ``activations=`` does not apply to it, and each
-        group's gradients add up on the compute device over the micro-batches (in the
-        parameters' dtype, as torch adds them) whatever ``grad_accumulation`` says: they
-        leave it once per step. It calls each block's ``forward`` itself, so a block with
+        micro-batches of one block plus two. ``activations=`` does not apply to it. Each
+        group's gradients add up over the micro-batches in the parameters' dtype, as torch
+        adds them, on the compute device (a sub-block's sum waits on the host between them:
+        ``granularity="module"``), and leave it once per step, whatever ``grad_accumulation``
+        says. It calls each block's ``forward`` itself, so a block with
         hooks of its own (forward or backward, on the block module) is refused; hooks on
         modules inside a block run as usual."""
         if hf_checkpointing(self.model):

@@ -154,7 +154,8 @@ class HostAccumulated(GradientStrategy):
         self.acc: HostAccumulation | None = None  # once the groups' sizes are known (bind)
 
     def bind(self, session: Session, device: Device, nbytes: int, staging: int = 3) -> HostAccumulation:
-        self.acc = HostAccumulation(session, device, nbytes, staging)
+        # (the fp32 copies waiting on the device for their download: the staging buffers' worth)
+        self.acc = HostAccumulation(session, device, nbytes, staging, depth=min(2, staging - 1))
         return self.acc
 
     def host_buffer_bytes(self, numel: int, dtype: torch.dtype) -> int:
@@ -168,6 +169,13 @@ class HostAccumulated(GradientStrategy):
 
     def on_backward(self, g, first: bool) -> None:
         self.acc.add(g, first=first)  # off the device, into the host accumulator
+
+    def between_micro_batches(self, g) -> None:
+        if g.spec.module is None and g.offloaded is not None:  # (a sub-block: a block's sub-blocks all add up at once)
+            self.acc.park(g)
+
+    def before_grad(self, g) -> None:
+        self.acc.unpark(g)  # (train_step: a sub-block's sum so far, back in .grad before its next gradient)
 
     def before_step(self, g) -> None:
         self.acc.add(g, first=g.backwards == 0)

@@ -374,7 +374,7 @@ def _ladder(wanted: Wanted):
     # (what, how, whether a device with its own memory holds it too)
     return [("arena bytes", arena, False), ("the spare weight slot", spare, True), ("steps in flight", inflight, True),
             ("the master handoff (4 more SSD bytes per parameter)", handoff, True),
-            ("prefetch", prefetch, True), ("host accumulation staging", staging, False),
+            ("prefetch", prefetch, True), ("host accumulation staging", staging, True),
             ("overlap of steps with backward", last_inflight, True)]
 
 

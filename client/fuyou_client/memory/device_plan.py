@@ -145,12 +145,11 @@ def plan_device(groups: list[GroupShape], pinned: MemoryPlan, work: Work | None,
              DeviceItem("gradient buffers, blocks' own groups", min(pinned.own_grad_buffers, DEVICE_GRAD_BUFFERS),
                         pinned.own_grad_bytes, "a cut block's small modules")]
     hosted = [g for g in groups if g.strategy == "host" and g.numel]
-    if hosted:  # (each backward's gradients flattened to fp32 and queued for the host: gradients/host.py)
+    if hosted:  # (each backward's .grad, queued for its download to the host: gradients/host.py)
         n = max(g.numel for g in hosted)
-        fixed.append(DeviceItem("gradients on their way to the host", 1, n * max(g.itemsize for g in hosted),
-                                "the largest group's .grad as autograd makes it"))
-        fixed.append(DeviceItem("fp32 gradients queued for the host", pinned.staging_buffers, 4 * n,
-                                "flattened, waiting for their download"))
+        fixed.append(DeviceItem("gradients on their way to the host", 1 + min(2, pinned.staging_buffers - 1),
+                                n * max(g.itemsize for g in hosted),
+                                "the group in backward's .grad, and those waiting for their download"))
     for g in groups:
         if not g.offload and g.numel:
             fixed.append(DeviceItem(f"{g.name} weights", 1, g.weight_bytes, "resident"))
@@ -187,5 +186,8 @@ def refusal(plan: DevicePlan, other: DevicePlan | None = None) -> str:
     ways = ["give the device more (attach(device_memory=...), or free what other processes hold)"]
     if plan.granularity == "block":
         ways.append('granularity="module" (a block\'s large modules one at a time)')
+    if any(i.why == "kept until its step" and i.what != "rest gradients" for i in plan.fixed):
+        ways.append('grad_accumulation="host" (the gradients accumulation or clipping keep until the step: '
+                    'on the host)')
     ways += ["prefetch=0", "bf16 weights"]
     return text + " To fit: " + ", ".join(ways) + ".\n" + plan.describe()

@@ -307,16 +307,24 @@ def device_plan(shape: ModelShape, s: Settings, host: Host, shapes: list, plan) 
     return plan_device(shapes, plan, work, None, granularity=s.granularity)
 
 
-def _schedule(shape: ModelShape, s: Settings, host: Host) -> Schedule:
+def _schedule(shape: ModelShape, s: Settings, host: Host, plan=None) -> Schedule:
+    """The iteration model's settings for these: the memory plan's slots and gradient
+    buffers where given; gradients on the GPU in the compute dtype (the parameters')."""
     weights = "ssd" if s.offload is True else "host" if s.offload == "host" else "resident"
+    c = _compute_bytes(host)
+    parts = len(large_atoms([n for n, _ in shape.block_atoms])) \
+        if s.granularity == "module" and s.offload and shape.block_atoms else 0
+    largest = max((n for n, _ in shape.block_atoms), default=shape.block_params) if parts else shape.block_params
+    extra = {} if plan is None else {"slots": plan.weight_slots, "grad_buffers": max(1, plan.device_grad_buffers)}
     return Schedule(schedule=s.schedule, seq=s.seq, micro=s.micro_batch, accum=s.micro_batches, weights=weights,
-                    state_dtype=s.state_dtype, compute_bytes=_compute_bytes(host),
-                    prefetch=s.prefetch if s.prefetch is not None else 2, served=not chunked(shape.block_params, s, host))
+                    state_dtype=s.state_dtype, compute_bytes=c, grad_bytes=c, parts=parts,
+                    prefetch=s.prefetch if s.prefetch is not None else 2, served=not chunked(largest, s, host),
+                    **extra)
 
 
 def _time(est: Estimate, host: Host) -> None:
     r = rates(host, est.settings.compute)
-    t = simulate(est.shape, _schedule(est.shape, est.settings, host), r)
+    t = simulate(est.shape, _schedule(est.shape, est.settings, host, est.plan), r)
     spill = est.ssd["spilled inputs written"]  # (the event model's arena is unbounded: add what spills)
     if spill:
         extra = spill / r.ssd_write / GB + spill / r.ssd_read / GB

@@ -63,6 +63,8 @@ class Schedule:
     prefetch: int = 2         # weight slots are prefetch + 2 (loop, offloaded)
     served: bool = True       # block-major, weights on the SSD array: backward's weights come with the step's
     #                           read-ahead of the state (blocks that fit an optimizer buffer), else a read of their own
+    parts: int = 0            # block-major, granularity="module": a block's sub-blocks (0: whole blocks)
+    slots: int = 2            # weight slots (with parts: for sub-blocks; fewer than parts: they come again)
 
     @property
     def tokens(self) -> int:
@@ -317,7 +319,14 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
     ahead), the block recomputed, its input gradient downloaded; the block's gradient, summed on
     the GPU, downloaded once and its step sent at once (the daemon has read its state ahead).
     Then each micro-batch's tail is replayed for the head's and embeddings' gradients, and the
-    iteration ends when every step has committed."""
+    iteration ends when every step has committed.
+
+    Blocks cut into ``parts`` sub-blocks (model/cuts.py) whose slots cannot hold them all
+    come up again for every micro-batch of their forward and of their recomputation (read
+    again from the SSD array in forward; served from the step's read-ahead in backward), and
+    after a recomputation the sub-blocks the slots no longer hold come up again for the
+    backward pass itself; between micro-batches each sub-block's gradient sum goes down and
+    comes back up (gradients/pool.py's parking)."""
     block, rest, c = shape.block_params, shape.rest_params, s.compute_bytes
     # More than MERGE micro-batches are replayed as MERGE runs of m consecutive ones: each
     # run's compute, passes and checkpoint bytes are m micro-batches' (the totals exact; the
@@ -332,15 +341,27 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
     in_memory = {0 if g == "first" else g for g in s.host_state}
     on_ssd = s.weights == "ssd"
     daemon = Daemon(t, r, order, sizes, state_io(shape, s), in_memory)
-    slots, grad_bufs = deque([0.0] * 2), deque([0.0] * s.grad_buffers)
+    slots, grad_bufs = deque([0.0] * (3 if s.parts else 2)), deque([0.0] * s.grad_buffers)
     host_grads = deque([0.0] * (s.prefetch + 3))  # gradients/pool.py's host buffers, each held until its step
     ups, downs = deque([0.0] * 4), deque([0.0] * 4)  # checkpoint buffers on the GPU: uploads, downloads
     arena = {}  # checkpoint -> when its host copy is there
 
-    def weights(source: float) -> None:  # a block's weights up; its compute waits for them
-        t.move("h2d", "weights", c * block)
-        up = t.op("h2d", c * block / r.pcie_h2d / GB, (slots.popleft(), "weight slots"), (source, "weights fetch"))
+    def weights(source: float, share: float = 1.0, why: str = "weights") -> None:  # up; compute waits for them
+        t.move("h2d", why, share * c * block)
+        up = t.op("h2d", share * c * block / r.pcie_h2d / GB, (slots.popleft(), "weight slots"),
+                  (source, "weights fetch"))
         t.op("gpu", 0.0, (up, "weights upload"))
+
+    cut = s.parts > 0
+    again = cut and s.slots < s.parts  # (a block's sub-blocks do not all stay: each micro-batch brings them again)
+    evicted = max(0, s.parts - s.slots) / s.parts if cut else 0.0  # (recomputed, then gone before backward)
+
+    def again_up(what: str, read: bool) -> None:  # a cut block's sub-blocks, again for another micro-batch
+        source = 0.0
+        if read and on_ssd:
+            t.move("ssd", "read weights again", c * block)
+            source = t.op("ssd", c * block / r.ssd_read / GB, (0.0, ""))
+        weights(source, 1.0, what)
 
     def compute(seconds: float, inputs: list, outputs: list) -> None:
         ready = []
@@ -365,7 +386,11 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
     for l in range(L):
         weights(fetched.get(l, 0.0))
         for k in range(K):  # block 0's input is the embeddings' output, made here
+            if again and k:
+                again_up("weights, sub-blocks again", read=True)
             compute(fwd, [("x", l, k)] if l else [], [("x", l, k)] * (l == 0) + [("x", l + 1, k)])
+            if again and k:
+                slots.append(t.free["gpu"])
             if l == L - 1:  # the tail: forward and the gradient of its input
                 compute(tail, [], [("g", l, k)])
         slots.append(t.free["gpu"])
@@ -379,7 +404,18 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
         weights(source)
         t.op("gpu", 0.0, (grad_bufs.popleft(), "gradient download"))
         for k in range(K):
+            if again and k:
+                again_up("weights, sub-blocks again", read=False)  # (the recomputation's: served)
+            if evicted:
+                weights(0.0, evicted, "weights, sub-blocks again")  # (backward's, after the recomputation)
+            if cut and k:  # (each sub-block's sum so far, parked on the host, up again; down after)
+                t.move("h2d", "gradient sums", s.grad_bytes * block)
+                t.op("gpu", 0.0, (t.op("h2d", s.grad_bytes * block / r.pcie_h2d / GB, (0.0, "")), "gradient sums"))
             compute(bwd, [("x", l, k), ("g", l, k)], [("g", l - 1, k)])
+            slots.extend([t.free["gpu"]] * ((again and k > 0) + (evicted > 0)))
+            if cut and k < K - 1:
+                t.move("d2h", "gradient sums", s.grad_bytes * block)
+                t.op("d2h", s.grad_bytes * block / r.pcie_d2h / GB, (t.free["gpu"], "compute"))
         slots.append(t.free["gpu"])
         t.move("d2h", "gradients", s.grad_bytes * block)
         t.op("gpu", 0.0, (host_grads.popleft(), "training thread: gradient host buffers (steps behind)"))

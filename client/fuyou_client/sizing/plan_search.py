@@ -78,13 +78,19 @@ def _fastest(estimates: list[Estimate]) -> Estimate:
     return min((e for e in estimates if cost(e) <= 1.01 * least), key=lambda e: (e.memory["host_total"], cost(e)))
 
 
+def _granularities(shape: ModelShape, offload) -> tuple[str, ...]:
+    """Whole blocks, and (offloaded, where the shape's modules are known) sub-blocks."""
+    return ("block", "module") if offload and shape.block_atoms else ("block",)
+
+
 def _candidates(shape: ModelShape, host: Host, seq: int, tokens: int, dtype: str, micro: int | None,
                 offload: tuple, schedule: str, compute: str = "bf16"):
     """Each candidate's estimate without its time (memory, SSD bytes: whether it fits)."""
-    for where in offload:
+    for where, granularity in [(w, g) for w in offload for g in _granularities(shape, w)]:
         for m in (micro,) if micro else [m for m in MICRO if m == 1 or m * seq <= tokens]:
             base = Settings(seq=seq, micro_batch=m, micro_batches=max(1, math.ceil(tokens / (m * seq))),
-                            schedule=schedule, state_dtype=dtype, offload=where, compute=compute)
+                            schedule=schedule, state_dtype=dtype, offload=where, granularity=granularity,
+                            compute=compute)
             e = estimate(shape, base, host, simulate_time=False)
             yield e
             kept = kept_inputs(shape, base, 2 if host.gpu else 4)
@@ -125,7 +131,8 @@ def search(shape: ModelShape, host: Host, seq: int, tokens_per_step: int = TOKEN
     smallest = estimate(shape, Settings(seq=seq, micro_batch=micro_batch or 1, schedule=schedule,
                                         state_dtype=state_dtype or DTYPES[-1], offload=True,
                                         micro_batches=max(1, math.ceil(tokens_per_step / ((micro_batch or 1) * seq))),
-                                        host_budget=64 << 20, compute=compute), host, simulate_time=False)
+                                        host_budget=64 << 20, granularity=_granularities(shape, True)[-1],
+                                        compute=compute), host, simulate_time=False)
     plan = Plan(shape, host, asked, best, smallest, considered=considered)
     if advise:
         plan.advice = _advice(plan, seq, tokens_per_step, state_dtype, micro_batch, offload, schedule, compute)
