@@ -235,7 +235,8 @@ def test_13b_at_64_sequences_and_12_ssds_against_the_papers_156():
     """The issue's check: GPT-3 13B on the paper's box at 64 sequences of 1024 a step, within
     25% of the paper's 156 TFLOPS (117 to 195). Not met, and this is what the planner says:
 
-    * Precision: the paper's, fp16 mixed precision (``compute="fp16"``). torch accumulates
+    * Precision: the paper's as read here (not confirmed against its text), fp16 mixed
+      precision (``compute="fp16"``), and bf16 beside it. torch accumulates
       fp16 GEMMs in fp32 (``allow_fp16_accumulation`` is False by default and did not exist
       before torch 2.7, after the paper), so the 4090's fp16 peak is 165.2 TFLOPS, as bf16's
       (the whitepaper's 330.3 is with fp16 accumulate); a published torch.matmul fp16 run

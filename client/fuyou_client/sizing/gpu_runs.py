@@ -77,7 +77,8 @@ def measured_gpu(run: dict, source: str) -> GpuProfile:
     fp16 = base.gemms("fp16")
     fp16 = Gemms(fp16.peak_tflops, Rate(min(1.0, fp16.efficiency.value * scale), m + "; the profile's fp16 share, "
                                         + fp16.efficiency.source), fp16.source)
-    return replace(base, name=name, fp16=fp16, memory=mib[0] << 20 if mib else run["gpu_cap_bytes"], hbm=base.hbm * scale,
+    return replace(base, name=name, fp16=fp16, memory=mib[0] << 20 if mib else run["gpu_cap_bytes"],
+                   hbm=base.hbm * scale,
                    gemm_efficiency=Rate(k.gemm_efficiency, m), attention_efficiency=Rate(k.attention_efficiency, m),
                    launch_s=Rate(lo, f"measured: {source} (its ceiling's idle time)"), pcie_h2d=pcie,
                    pcie_d2h=Rate(run.get("pcie_d2h_GBps") or pcie.value, pcie.source),
