@@ -10,7 +10,9 @@ forward and backward on the CPU under a TorchDispatchMode that records every ope
 its kind (a matrix multiply, attention, a view that launches nothing, or a memory-bound
 kernel) and the bytes of its inputs and outputs. Two precisions: ``bf16`` (the
 parameters and activations in bf16: how Fuyou's clients train) and ``autocast`` (fp32
-parameters under torch.autocast bf16: how bench/gpu.py's in-GPU runs train). The
+parameters under torch.autocast bf16: how bench/gpu.py's in-GPU runs train); ``fp16``
+counts the same as ``bf16`` (the same operators on 2-byte elements: kernels.TRAFFIC_AS,
+checked by tests/test_kernel_model.py), so the table holds bf16's. The
 memory-bound bytes are split into a part per token (solved for as ``a * width + b * mlp``
 (+ ``c * vocab`` in the tail) bytes per token from counts at several shapes) and a part
 per parameter (autocast's weight casts, the gradients' casts). The CPU's operators are
@@ -84,7 +86,7 @@ def count(family: str, precision: str, part: str, width: int, mlp: int, vocab: i
     import transformers
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_config(family, width, mlp, vocab, seq))
-    model = model.to(torch.float32 if precision == "autocast" else torch.bfloat16).train()
+    model = model.to({"autocast": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)).train()
     dtype = next(model.parameters()).dtype
     inner = model.transformer if family == "gpt2" else model.model
     x = torch.randn(micro, seq, width, dtype=dtype, requires_grad=True)

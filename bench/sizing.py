@@ -65,7 +65,8 @@ def rows() -> tuple[list[str], str]:
                        f"{s.state_dtype}, weights: {_where(s.offload)} | {format_size(m['gpu'])} | "
                        f"{format_size(m['pinned_plan'])} / {format_size(m['host_total'])} | "
                        f"{format_size(m['ssd_capacity'])} | {wear:,.0f} TB | {e.tokens_per_second:,.0f} | "
-                       f"{e.time['model_tflops']:.0f} | {e.binds} ({e.utilisation[e.binds]:.2f}) |")
+                       f"{e.time['model_tflops']:.0f} / {e.time['hardware_tflops']:.0f} | "
+                       f"{e.binds} ({e.utilisation[e.binds]:.2f}) |")
     return out, full
 
 
@@ -89,7 +90,7 @@ def render() -> str:
     return "\n".join([
         BEGIN,
         "| model | host | micro-batch x micro-batches, state, blocks' weights | GPU | pinned / host memory | "
-        "SSD capacity | written per device per 1,000 steps | tokens/s | model TFLOPS | binds (busy share) |",
+        "SSD capacity | written per device per 1,000 steps | tokens/s | model / hardware TFLOPS | binds (busy share) |",
         "|---|---|---|---|---|---|---|---|---|---|",
         *table, "",
         f"The whole answer for {FULL[0]} on the {FULL[1]} "

@@ -151,33 +151,119 @@ def test_13b_with_one_ssd_binds_the_ssd_and_another_ssd_helps():
     assert "binds   SSD" in str(plan) and "another SSD: 1." in str(plan)
 
 
-def _13b_at_64_sequences() -> sizing.Plan:
-    return sizing.plan(GPT3_13B, on=papers_host(12), seq=1024, tokens_per_step=64 * 1024)
+def test_fp16_moves_the_bytes_bf16_does():
+    """An fp16 model's memory-bound traffic is bf16's (the same operators on 2-byte
+    elements): counted again on the CPU, so the table keeps bf16's for both."""
+    pytest.importorskip("transformers")
+    import kernel_counts
+    assert kernel_counts.coefficients("gpt2", "fp16", "block") == kernels.TRAFFIC[("gpt2", "bf16", "block")]
+    assert kernels.TRAFFIC_AS["fp16"] == "bf16"
 
 
-def test_13b_at_64_sequences_is_bound_by_the_gpu_and_recomputation():
-    """What the model says of the paper's 13B figure: with 12 SSDs the GPU binds; block-major
-    recomputes every block (hardware FLOPs 4/3 of the model's), so even with every GEMM at
-    the 4090's published rate for wide ones (160 TFLOPS) and no other kernel, the model FLOP
-    rate could not pass 3/4 of it (120): within 25% of the paper's 156 (117) only if all the
-    rest of a block took under 3% of it."""
-    plan = _13b_at_64_sequences()
-    e = plan.best
-    assert e.binds == "GPU" and e.settings.tokens == 64 * 1024
-    wide = hardware.PROFILES["rtx4090"]
-    bound = 0.75 * wide.peak_tflops * wide.gemm_efficiency.value
-    assert e.time["model_tflops"] < bound < 156
+def test_every_profile_prices_fp16_gemms_at_its_fp16_peak_with_its_source():
+    """fp16 GEMMs as torch runs them: accumulated in fp32 (allow_fp16_accumulation is False by
+    default), so each datasheet's fp16 peak is its bf16 one, and the share large GEMMs reach
+    is a published torch.matmul fp16 measurement where one is named (else bf16's, said so)."""
+    for name, p in hardware.PROFILES.items():
+        fp16 = p.gemms("fp16")
+        assert fp16.peak_tflops == pytest.approx(p.peak_tflops, rel=1e-3), name
+        assert "fp32 accumulate" in fp16.source, name
+        assert fp16.efficiency.source.startswith(("published", "assumed")) and 0 < fp16.efficiency.value <= 1, name
+        k = p.kernels_for("fp16")
+        assert (k.compute, k.peak_tflops, k.gemm_efficiency) == ("fp16", fp16.peak_tflops, fp16.efficiency.value)
+    rtx = hardware.PROFILES["rtx4090"]
+    assert rtx.gemms("fp16").efficiency.value == pytest.approx(155.50 / 165.2)  # 8192^3, bf16 160.17 in that run
+    assert "330.3 with fp16 accumulate" in rtx.gemms("fp16").source
+    with pytest.raises(sizing.HostError, match="compute dtype 'fp8'"):
+        rtx.gemms("fp8")
+    given = sizing.host("rtx4090", gpu_efficiency=0.6, ram="64GiB", ssd="1x3GB/s", cores=8).gpu  # (either dtype)
+    assert given.gemms("bf16").efficiency == given.gemms("fp16").efficiency == hardware.Rate(0.6, "given")
 
 
-@pytest.mark.xfail(strict=True, reason="not met: the model gives 78 model TFLOPS, the paper 156; block-major "
-                                       "recomputes every block, which bounds it at 3/4 of the 4090's 160 TFLOPS "
-                                       "for wide GEMMs (120) before any other kernel (the paper swaps activations)")
-def test_13b_at_64_sequences_and_12_ssds_within_25_percent_of_the_papers_156():
-    assert _13b_at_64_sequences().best.time["model_tflops"] == pytest.approx(156, rel=0.25)
+def test_an_fp16_plan_prices_its_gemms_at_the_fp16_rate():
+    """The planner's compute dtype: bf16 by default, fp16 where asked (fuyouctl plan
+    --compute fp16); the same bytes and memory, the GEMMs at the fp16 share, which on the
+    4090 is 155.5 TFLOPS against bf16's 160.2 (so fp16 is at most that much slower), and the
+    plan says the model's dtype it assumed; a model's own 16-bit dtype is the default."""
+    host = papers_host(12)
+    bf16, fp16 = (sizing.plan(GPT3_13B, on=host, seq=1024, tokens_per_step=64 * 1024, compute=c) for c in
+                  ("bf16", "fp16"))
+    assert bf16.best.settings.compute == "bf16" and fp16.best.settings.compute == "fp16"
+    assert fp16.best.memory["gpu"] == bf16.best.memory["gpu"] and fp16.best.ssd == bf16.best.ssd
+    ratio = bf16.best.tokens_per_second / fp16.best.tokens_per_second
+    assert 1 < ratio <= 160.17 / 155.50
+    assert fp16.to_dict()["plan"]["model_dtype"] == "torch.float16" and "model in torch.float16" in str(fp16)
+    assert "GPU 165.2 dense fp16 TFLOPS" in str(fp16) and "at 155.5 of 165.2 TFLOPS" in str(fp16)
+    with pytest.raises(ValueError, match="compute dtype must be one of bf16, fp16"):
+        sizing.plan(GPT3_13B, on=host, seq=1024, compute="fp32")
+    torch = pytest.importorskip("torch")
+    assert sizing.model_compute(torch.nn.Linear(2, 2).to(torch.float16)) == "fp16"
+    assert sizing.model_compute(torch.nn.Linear(2, 2)) is None and sizing.model_compute(GPT3_13B) is None
+    # attach(model, plan=...): a 16-bit model in another dtype than the plan's GPU computes in is refused
+    from fuyou_client.sizing.apply import apply
+    with pytest.raises(ValueError, match="computes in torch.float16 and the model is in torch.bfloat16"):
+        apply(fp16, torch.nn.Linear(2, 2).to(torch.bfloat16), None, {})
+    options, _, _ = apply(fp16, torch.nn.Linear(2, 2).to(torch.float16), None, {})
+    assert options == fp16.attach_options()
 
 
-@pytest.mark.xfail(strict=False, reason="needs the device plan below one block (lead)")
-def test_175b_at_16_sequences_within_25_percent_of_the_papers_87():
-    plan = sizing.plan(GPT3_175B, on=papers_host(12), seq=1024, tokens_per_step=16 * 1024)
+def test_hardware_flops_count_the_recomputation():
+    """Hardware TFLOPS (what the GPU executes) beside model TFLOPS (6 N tokens): block-major
+    runs each block's forward twice (once more before its backward) and the tail's forward
+    twice (its replay); so on a wide model hardware FLOPs are a little over 4/3 of the
+    model's (attention's S x S products and the head add to both)."""
+    from fuyou_client.sizing import iteration
+    shape = S.from_config(GPT3_13B)
+    s = iteration.Schedule(seq=1024, micro=32, accum=2)
+    f = shape.flops(1024, 32)
+    assert iteration.executed_flops(shape, s) == 2 * (40 * (2 * f["block_fwd"] + f["block_bwd"]) + 2 * f["tail_fwd"]
+                                                       + f["tail_bwd"])
+    loop = iteration.executed_flops(shape, iteration.Schedule(schedule="loop", seq=1024, micro=32, accum=2))
+    assert loop == iteration.executed_flops(shape, s) - 2 * f["tail_fwd"]
+    e = sizing.plan(GPT3_13B, on=papers_host(12), seq=1024, tokens_per_step=64 * 1024).best
+    ratio = e.time["hardware_tflops"] / e.time["model_tflops"]
+    assert 4 / 3 < ratio < 1.45, ratio
+    assert e.to_dict()["hardware_tflops"] == e.time["hardware_tflops"]
+    assert "hardware TFLOPS (what the GPU executes, recomputation included)" in str(sizing.plan(
+        GPT3_13B, on=papers_host(12), seq=1024, tokens_per_step=64 * 1024))
+
+
+PAPERS_13B = 156  # model TFLOPS (as the issue quotes it) of GPT-3 13B on the 4090, 12 SSDs
+
+
+def test_13b_at_64_sequences_and_12_ssds_against_the_papers_156():
+    """The issue's check: GPT-3 13B on the paper's box at 64 sequences of 1024 a step, within
+    25% of the paper's 156 TFLOPS (117 to 195). Not met, and this is what the planner says:
+
+    * Precision: the paper's as read here (not confirmed against its text), fp16 mixed
+      precision (``compute="fp16"``), and bf16 beside it. torch accumulates
+      fp16 GEMMs in fp32 (``allow_fp16_accumulation`` is False by default and did not exist
+      before torch 2.7, after the paper), so the 4090's fp16 peak is 165.2 TFLOPS, as bf16's
+      (the whitepaper's 330.3 is with fp16 accumulate); a published torch.matmul fp16 run
+      reaches 155.5 at 8192^3, bf16 160.2.
+    * Definition: the paper's is not known here (its text was not within reach), so both:
+      model TFLOPS (6 x parameters x tokens / s) and hardware TFLOPS (what the GPU executed,
+      block-major's recomputation included). Neither is within 25% of 156 (the planner: 78
+      and 107; bf16 80 and 110).
+    * Why model TFLOPS cannot: block-major recomputes every block (hardware FLOPs over 4/3 of
+      the model's), so even every FLOP at the published fp16 rate would give 3/4 x 155.5 =
+      116.6 model TFLOPS, under 117. Hardware TFLOPS could in principle (the kernel model's
+      GEMMs of these shapes run at 72% of the peak, fitted on 2048-wide runs, where square
+      torch.matmul GEMMs are published at 94-100%: docs/design/iteration-model.md)."""
+    rtx = hardware.PROFILES["rtx4090"].gemms("fp16")
+    assert 0.75 * rtx.peak_tflops * rtx.efficiency.value < 0.75 * PAPERS_13B  # (116.6 < 117)
+    for compute in ("fp16", "bf16"):
+        plan = sizing.plan(GPT3_13B, on=papers_host(12), seq=1024, tokens_per_step=64 * 1024, compute=compute)
+        e = plan.best
+        assert e.binds == "GPU" and e.settings.tokens == 64 * 1024 and e.settings.compute == compute
+        assert e.time["model_tflops"] < 0.75 * rtx.peak_tflops * rtx.efficiency.value < 0.75 * PAPERS_13B, compute
+        assert e.time["model_tflops"] < e.time["hardware_tflops"] < 0.75 * PAPERS_13B, compute
+
+
+@pytest.mark.parametrize("compute", ["fp16", "bf16"])
+def test_175b_at_16_sequences_within_25_percent_of_the_papers_87(compute):
+    """The issue's check: GPT-3 175B on the paper's box at 16 sequences of 1024 a step, model
+    TFLOPS within 25% of the paper's 87, in the paper's precision (fp16) and in bf16."""
+    plan = sizing.plan(GPT3_175B, on=papers_host(12), seq=1024, tokens_per_step=16 * 1024, compute=compute)
     assert plan.fits
     assert plan.best.time["model_tflops"] == pytest.approx(87, rel=0.25)

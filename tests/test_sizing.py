@@ -123,6 +123,9 @@ def test_the_gpu_profiles_name_their_sources_and_a_run_measures_its_gpu():
     measured = iteration.from_gpu_run(RESULTS / "gpu-h100.json")
     assert "H100" in measured.name and measured.memory > 80e9 and measured.peak_tflops == h100.peak_tflops
     assert measured.gemm_efficiency.measured and measured.launch_s.measured and measured.pcie_h2d.value == 54.0
+    scale = measured.gemm_efficiency.value / h100.gemm_efficiency.value  # (its fp16 GEMMs scaled alike)
+    assert measured.gemms("fp16").efficiency.measured
+    assert measured.gemms("fp16").efficiency.value == pytest.approx(h100.gemms("fp16").efficiency.value * scale)
     ceiling = gpu_runs.in_gpu_runs(run)[0]
     t = gpu_runs.in_gpu_time(measured.kernels, ceiling)
     assert t.busy == pytest.approx(ceiling["busy"] * ceiling["seconds"], rel=1e-3)
@@ -260,6 +263,12 @@ def test_fuyouctl_plan_answers_for_a_described_host(tmp_path, capsys):
         assert p[key] is not None, key
     assert p["memory_bytes"]["gpu"] <= 0.9 * 24 * 2**30
     assert {a["change"] for a in plan["advice"]} >= {"another SSD", "twice the host memory"}
+    assert p["model_dtype"] == "torch.bfloat16" and p["settings"]["compute"] == "bf16"
+    assert p["hardware_tflops"] > 4 / 3 * p["model_tflops"]  # (recomputation; and attention, not in 6 N tokens)
+    fp16 = _ctl_here(capsys, str(cfg), *host, "--compute", "fp16")  # the model's dtype, its GEMMs' rate
+    assert fp16.returncode == 0, fp16.stderr
+    assert "model in torch.float16" in fp16.stdout and "GPU 165.2 dense fp16 TFLOPS" in fp16.stdout
+    assert "hardware TFLOPS" in fp16.stdout and "GPU 165.2 dense bf16 TFLOPS" in out
 
 
 def test_fuyouctl_plan_refuses_clearly(tmp_path, capsys):

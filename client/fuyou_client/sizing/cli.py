@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="optimizer state dtype (auto: the most exact that fits)")
     t.add_argument("--offload", choices=["auto", "ssd", "host"], default="auto",
                    help="where the blocks' weights live (auto: searched)")
+    t.add_argument("--compute", choices=list(sizing.COMPUTE), default="bf16",
+                   help="the model's dtype on the GPU, which attach computes in (default bf16; fp16: torch "
+                        "accumulates its GEMMs in fp32, at the profile's fp16 rate)")
     p.add_argument("--json", action="store_true", help="the plan as JSON")
 
 
@@ -58,7 +61,7 @@ def run(args, data_dirs: list | None = None, defaults: dict | None = None) -> in
         offload = {"auto": None, "ssd": True, "host": "host"}[args.offload]
         plan = sizing.plan(args.model, seq=args.seq, tokens_per_step=args.tokens_per_step,
                            state_dtype=None if args.state_dtype == "auto" else args.state_dtype,
-                           micro_batch=args.micro_batch, offload=offload, on=host)
+                           micro_batch=args.micro_batch, offload=offload, compute=args.compute, on=host)
     except (sizing.ShapeError, sizing.HostError, ValueError) as exc:
         print(f"fuyouctl plan: {exc}", file=sys.stderr)
         return 1

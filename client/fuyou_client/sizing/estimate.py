@@ -11,7 +11,11 @@ and traffic, and (with a GPU) the step's time and what binds it.
   and backward reads the weights itself), the optimizer state read and written, the
   weights the steps write for blocks kept in a 16-bit dtype, and block-major's inputs
   spilled beyond the host arena.
-* **Time**: the discrete-event model (iteration.py) with the GPU's and host's rates.
+* **Time**: the discrete-event model (iteration.py) with the GPU's and host's rates, the
+  GPU's in the model's compute dtype (``Settings.compute``: bf16 or fp16; its bytes are 2
+  per element either way). Two rates of FLOPs: model TFLOPS (6 x parameters x tokens per
+  second, the work the model needs) and hardware TFLOPS (what the GPU executed,
+  recomputation included: iteration.executed_flops).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from fuyou_client.device import cuda_reserve
 from fuyou_client.memory import DevicePlan, Work, plan_device
 from fuyou_client.memory import budget as memory_plan
 from fuyou_client.model.cuts import large_atoms, rest_sub_blocks
-from fuyou_client.sizing.hardware import GB, GiB, Host
+from fuyou_client.sizing.hardware import COMPUTE, GB, TORCH_DTYPE, GiB, Host
 from fuyou_client.sizing.iteration import Rates, Schedule, simulate, state_bytes
 from fuyou_client.sizing.kernels import GEMM_EDGE, HBM_EFFICIENCY
 from fuyou_client.sizing.shape import ModelShape
@@ -53,13 +57,25 @@ class Settings:
     host_budget: int | None = None  # the host arena; None: the memory plan's default
     activations: str = "recompute"
     granularity: str = "block"  # what comes to the GPU at a time: "block", or "module" (model/cuts.py)
+    compute: str = "bf16"  # the model's dtype on a GPU (attach computes in it): "bf16" or "fp16"
+
+    def __post_init__(self):
+        if self.compute not in COMPUTE:
+            raise ValueError(f"compute dtype must be one of {', '.join(COMPUTE)} (the model's dtype on the GPU), "
+                             f"not {self.compute!r}")
 
     @property
     def tokens(self) -> int:
         return self.seq * self.micro_batch * self.micro_batches
 
+    def model_dtype(self, host: Host) -> str:
+        """The dtype the plan assumed the model is in: attach computes in the model's own
+        (the CPU runs in fp32)."""
+        return TORCH_DTYPE[self.compute] if host.gpu is not None else "torch.float32"
+
     def attach_options(self) -> dict:
-        """The ``attach`` keyword arguments these settings stand for."""
+        """The ``attach`` keyword arguments these settings stand for (the model's dtype is not
+        one: ``model_dtype``)."""
         out = {"offload": self.offload, "activations": self.activations}
         if self.prefetch is not None:
             out["prefetch"] = self.prefetch
@@ -120,12 +136,13 @@ class Estimate:
         s = self.settings
         return {"model": dataclasses.asdict(self.shape) | {"params": self.shape.params},
                 "settings": dataclasses.asdict(s) | {"tokens_per_step": s.tokens},
-                "attach_options": s.attach_options(), "fits": self.fits,
+                "attach_options": s.attach_options(), "model_dtype": s.model_dtype(self.host), "fits": self.fits,
                 "memory_bytes": self.memory, "needs_bytes": self.needs, "has_bytes": self.has,
                 "ssd_bytes_per_iteration": self.ssd, "ssd_bytes_per_param": self.ssd_bytes_per_param,
                 "ssd_written_per_1000_steps_per_device": 1000 * self.written_per_step / self.host.disks.count,
                 "iteration_seconds": self.seconds, "tokens_per_second": self.tokens_per_second,
                 "model_tflops": self.time["model_tflops"] if self.time else None,
+                "hardware_tflops": self.time["hardware_tflops"] if self.time else None,
                 "gpu_busy": self.time["gpu_busy"] if self.time else None,
                 "balance_tokens_per_step": self.time["balance_tokens"] if self.time else None,
                 "binds": self.binds, "utilisation": self.utilisation,
@@ -226,11 +243,13 @@ def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena
             "spilled inputs written": spill, "spilled inputs read": spill}
 
 
-def rates(host: Host) -> Rates:
+def rates(host: Host, compute: str = "bf16") -> Rates:
+    """The iteration model's rates for this host, its GPU computing in ``compute``."""
     g = host.gpu
-    k = g.kernels
-    return Rates(gpu=k, ssd_read=host.disks.read_gbps, ssd_write=host.disks.write_gbps, pcie_h2d=g.pcie_h2d.value,
-                 pcie_d2h=g.pcie_d2h.value, host_add=host.host_add.value, adam=host.adam_rate, hbm=k.hbm / GB)
+    k = g.kernels_for(compute)
+    return Rates(gpu=k, precision=compute, ssd_read=host.disks.read_gbps, ssd_write=host.disks.write_gbps,
+                 pcie_h2d=g.pcie_h2d.value, pcie_d2h=g.pcie_d2h.value, host_add=host.host_add.value,
+                 adam=host.adam_rate, hbm=k.hbm / GB)
 
 
 def estimate(shape: ModelShape, s: Settings, host: Host, simulate_time: bool = True) -> Estimate:
@@ -272,7 +291,7 @@ def estimate(shape: ModelShape, s: Settings, host: Host, simulate_time: bool = T
         needs["GPU memory"] = memory["gpu"]
         has["GPU memory"] = int(host.gpu.memory - cuda_reserve(host.gpu.memory))
     est = Estimate(shape, s, host, memory, needs, has, ssd, plan)
-    est.assumptions = _assumptions(host)
+    est.assumptions = _assumptions(host, s.compute)
     if host.gpu is not None and simulate_time:
         _time(est, host)
     return est
@@ -304,7 +323,7 @@ def _schedule(shape: ModelShape, s: Settings, host: Host, plan=None) -> Schedule
 
 
 def _time(est: Estimate, host: Host) -> None:
-    r = rates(host)
+    r = rates(host, est.settings.compute)
     t = simulate(est.shape, _schedule(est.shape, est.settings, host, est.plan), r)
     spill = est.ssd["spilled inputs written"]  # (the event model's arena is unbounded: add what spills)
     if spill:
@@ -312,6 +331,7 @@ def _time(est: Estimate, host: Host) -> None:
         t["seconds"]["SSD: spilled inputs"] = extra
         t["iteration_seconds"] += extra
         t["model_tflops"] = 6 * est.shape.params * est.settings.tokens / t["iteration_seconds"] / 1e12
+        t["hardware_tflops"] = t["hardware_flops"] / t["iteration_seconds"] / 1e12
         t["gpu_busy"] = t["seconds"]["gpu compute"] / t["iteration_seconds"]
     seconds = t["iteration_seconds"]
     ssd_seconds = sum(v for k, v in est.ssd.items() if "read" in k) / r.ssd_read / GB + \
@@ -327,18 +347,21 @@ def _time(est: Estimate, host: Host) -> None:
     est.binds = max(use, key=use.get)
 
 
-def _assumptions(host: Host) -> list[str]:
+def _assumptions(host: Host, compute: str = "bf16") -> list[str]:
     out = []
     if host.gpu is not None:
         g = host.gpu
-        out += [f"GPU {g.peak_tflops:g} dense bf16 TFLOPS, {g.hbm:,.0f} GB/s memory: {g.source}",
-                f"GPU GEMMs: {g.gemm_efficiency.value:.1%} of the peak when wide: {g.gemm_efficiency.source}; "
+        gemms = g.gemms(compute)
+        out += [f"GPU {gemms.peak_tflops:g} dense {compute} TFLOPS, {g.hbm:,.0f} GB/s memory: {gemms.source}"
+                + ("" if compute == "bf16" else f"; memory: {g.source}"),
+                f"GPU GEMMs: {gemms.efficiency.value:.1%} of the peak when wide: {gemms.efficiency.source}; "
                 f"an M x N x K one runs at 1 / (1 + E/K + E^2/(M N)) of that, E = {GEMM_EDGE:,.0f} fitted on the "
                 f"recorded in-GPU runs (bench/kernel_fit.py)",
                 f"GPU attention {g.attention_efficiency.value:.0%} of the peak (SDPA flash, causal): "
                 f"{g.attention_efficiency.source}",
                 f"GPU memory-bound kernels at {HBM_EFFICIENCY:.0%} of the bandwidth, assumed; their bytes counted on "
-                f"the operators torch runs for a GPT-2- or Llama-style block in bf16 (bench/kernel_counts.py)",
+                f"the operators torch runs for a GPT-2- or Llama-style block in bf16 (bench/kernel_counts.py)"
+                + ("" if compute == "bf16" else f"; {compute} moves the same bytes"),
                 f"GPU launch at least {g.launch_s.value * 1e6:.0f} us a kernel: {g.launch_s.source}",
                 f"PCIe {g.pcie_h2d.value:g} GB/s: {g.pcie_h2d.source}",
                 f"GPU memory: attach's device plan (memory/device_plan.py), {cuda_reserve(g.memory) / GiB:.1f} GiB "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fuyou_client.sizing.hardware import NAMES, PROFILES, GpuProfile, HostError, Rate
+from fuyou_client.sizing.hardware import NAMES, PROFILES, Gemms, GpuProfile, HostError, Rate
 from fuyou_client.sizing.kernels import GpuKernels, Time
 from fuyou_client.sizing.shape import ModelShape, from_config
 
@@ -56,7 +56,8 @@ def measured_gpu(run: dict, source: str) -> GpuProfile:
     """The run's GPU: its shipped profile's datasheet, with what its ceiling measured: the
     kernels' speed (every efficiency and the memory bandwidth scaled so that the kernel
     model's busy time is the ceiling's) and the issue time per kernel (so that its idle time
-    is), PCIe where probed, memory from the device's name."""
+    is), PCIe where probed, memory from the device's name. Its fp16 GEMMs: the profile's
+    share scaled alike."""
     base, ceiling = known_gpu(run), in_gpu_runs(run)[0]
     model = in_gpu_time(base.kernels, ceiling)
     scale = model.busy / (ceiling["busy"] * ceiling["seconds"]) if ceiling["busy"] else 1.0
@@ -73,7 +74,11 @@ def measured_gpu(run: dict, source: str) -> GpuProfile:
     pcie = Rate(run["pcie_h2d_GBps"], "measured: " + source) if run.get("pcie_h2d_GBps") else \
         Rate(54.0, "assumed: 54 GB/s each way, as measured on the H100 host (this run did not probe PCIe)")
     name = str(run.get("gpu", "measured GPU")).split(",")[0]
-    return replace(base, name=name, memory=mib[0] << 20 if mib else run["gpu_cap_bytes"], hbm=base.hbm * scale,
+    fp16 = base.gemms("fp16")
+    fp16 = Gemms(fp16.peak_tflops, Rate(min(1.0, fp16.efficiency.value * scale), m + "; the profile's fp16 share, "
+                                        + fp16.efficiency.source), fp16.source)
+    return replace(base, name=name, fp16=fp16, memory=mib[0] << 20 if mib else run["gpu_cap_bytes"],
+                   hbm=base.hbm * scale,
                    gemm_efficiency=Rate(k.gemm_efficiency, m), attention_efficiency=Rate(k.attention_efficiency, m),
                    launch_s=Rate(lo, f"measured: {source} (its ceiling's idle time)"), pcie_h2d=pcie,
                    pcie_d2h=Rate(run.get("pcie_d2h_GBps") or pcie.value, pcie.source),

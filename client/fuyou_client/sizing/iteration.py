@@ -76,7 +76,7 @@ class Rates:
     ssd_read: float           # GB/s, the array
     ssd_write: float
     gpu: GpuKernels | None = None  # the GPU's time by kernel; None: the flat rate below
-    precision: str = "bf16"   # the model's: "bf16" (Fuyou's clients) or "autocast" (fp32 parameters)
+    precision: str = "bf16"   # the model's: "bf16" or "fp16" (Fuyou's clients) or "autocast" (fp32 parameters)
     kernel_tflops: float = 0.0  # (flat) hardware FLOP rate while a kernel runs
     pass_gap_s: float = 0.0   # (flat) GPU idle per pass
     pcie_h2d: float = 54.0
@@ -433,6 +433,16 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
             "block_step_over_backward": step_s / (K * bwd)}
 
 
+def executed_flops(shape: ModelShape, s: Schedule) -> float:
+    """Hardware FLOPs of one iteration: what the GPU executes (ModelShape.flops's count of
+    each pass), recomputation included. Both schedules run each block's forward, again
+    before its backward, and its backward; the tail's forward and backward, block-major's
+    tail forward once more (its replay for the head's and embeddings' gradients)."""
+    f = shape.flops(s.seq, s.micro)
+    tail = f["tail_fwd"] * (2 if s.schedule == "block-major" else 1) + f["tail_bwd"]
+    return s.accum * (shape.layers * (2 * f["block_fwd"] + f["block_bwd"]) + tail)
+
+
 def simulate(shape: ModelShape, s: Schedule, r: Rates) -> dict:
     """Where each second of one iteration goes, and the bytes on each link."""
     t = Timeline()
@@ -442,7 +452,8 @@ def simulate(shape: ModelShape, s: Schedule, r: Rates) -> dict:
     pcie = {k: v for k, v in t.bytes.items() if k.startswith(("h2d", "d2h"))}
     ssd = sum(v for k, v in t.bytes.items() if k.startswith("ssd"))
     out = {"params": n, "tokens": s.tokens, "iteration_seconds": seconds,
-           "model_tflops": 6 * n * s.tokens / seconds / 1e12, "gpu_busy": t.busy["gpu"] / seconds,
+           "model_tflops": 6 * n * s.tokens / seconds / 1e12, "hardware_flops": executed_flops(shape, s),
+           "hardware_tflops": executed_flops(shape, s) / seconds / 1e12, "gpu_busy": t.busy["gpu"] / seconds,
            "seconds": {"gpu compute": t.busy["gpu"],
                        **{f"gpu stalled: {k}": v for k, v in sorted(t.stalls.items()) if v > 0},
                        "step exposed": seconds - gpu_end},

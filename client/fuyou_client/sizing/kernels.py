@@ -29,9 +29,17 @@
 are what the iteration model calls. Each pass's time is ``busy`` (kernels running, what
 NVML's utilisation reads) plus ``idle`` (waiting for launches).
 
-Two precisions: ``"bf16"`` (parameters and activations in bf16: Fuyou's clients) and
-``"autocast"`` (fp32 parameters under torch.autocast bf16, fp32 residual stream: how
-bench/gpu.py's in-GPU runs train, the runs this model is fitted on).
+Precisions: ``"bf16"`` and ``"fp16"`` (parameters and activations in that dtype: Fuyou's
+clients compute in the model's own dtype) and ``"autocast"`` (fp32 parameters under
+torch.autocast bf16, fp32 residual stream: how bench/gpu.py's in-GPU runs train, the runs
+this model is fitted on). fp16 moves the bytes bf16 does (2 per element, the same
+operators); its GEMMs run at the profile's fp16 peak and share (``GpuKernels.of(profile,
+"fp16")``: torch accumulates them in fp32, so on the profiles shipped the peak is bf16's).
+FlashAttention-2 runs both alike.
+
+Hardware FLOPs (what the GPU executed): each pass's GEMMs (``2 M N K``) and attention as
+shape.ModelShape.flops counts them (the ``S x S`` products whole); iteration.executed_flops
+counts a schedule's passes, recomputation included.
 """
 from __future__ import annotations
 
@@ -98,7 +106,8 @@ TRAFFIC = {
         "launches": {"forward": {"gemm": 1, "attention": 0, "memory": 12},
                      "backward": {"gemm": 2, "attention": 0, "memory": 19}}},
 }
-PRECISIONS = ("bf16", "autocast")
+PRECISIONS = ("bf16", "fp16", "autocast")
+TRAFFIC_AS = {"bf16": "bf16", "fp16": "bf16", "autocast": "autocast"}  # (fp16's bytes: bf16's)
 GATED = {"llama", "mistral", "qwen2", "gemma", "phi3"}  # SiLU-gated MLP, RMSNorm: counted as llama's
 
 
@@ -157,19 +166,22 @@ class GpuKernels:
     """The kernel-by-kernel time model for one GPU (``of(profile)``: its datasheet's peak
     and memory bandwidth, its GEMMs' and attention's published efficiencies, the launch
     floor)."""
-    peak_tflops: float
+    peak_tflops: float  # the GEMMs' dense peak in the compute dtype
     hbm_gbps: float  # the datasheet's
     gemm_efficiency: float  # of the peak, wide GEMMs
     attention_efficiency: float
     launch_s: float = LAUNCH_S
     gemm_edge: float = GEMM_EDGE
     hbm_efficiency: float = HBM_EFFICIENCY
+    compute: str = "bf16"  # whose GEMM peak and share these are
 
     @classmethod
-    def of(cls, profile, **overrides) -> "GpuKernels":
-        fields = {"peak_tflops": profile.peak_tflops, "hbm_gbps": profile.hbm,
-                  "gemm_efficiency": profile.gemm_efficiency.value,
-                  "attention_efficiency": profile.attention_efficiency.value, "launch_s": profile.launch_s.value}
+    def of(cls, profile, compute: str = "bf16", **overrides) -> "GpuKernels":
+        """The model of ``profile`` (hardware.GpuProfile) computing in ``compute``."""
+        gemms = profile.gemms(compute)
+        fields = {"peak_tflops": gemms.peak_tflops, "hbm_gbps": profile.hbm, "gemm_efficiency": gemms.efficiency.value,
+                  "attention_efficiency": profile.attention_efficiency.value, "launch_s": profile.launch_s.value,
+                  "compute": compute}
         return cls(**fields | overrides)
 
     @property
@@ -213,7 +225,7 @@ class GpuKernels:
         ``"backward"`` (the gradients alone; a recomputed backward is forward plus this),
         with the gradients' sum into the parameters' ``.grad`` in backward."""
         tokens = micro * seq
-        traffic = TRAFFIC[(layout(shape), precision, "block")]
+        traffic = TRAFFIC[(layout(shape), TRAFFIC_AS[precision], "block")]
         gemms = block_gemms(shape, tokens)
         if which == "backward":
             gemms = backward_gemms(gemms)
@@ -234,7 +246,7 @@ class GpuKernels:
         ``"input_grad"`` (backward to the tail's input: the head's input gradient and the
         memory-bound backward) or ``"weight_grad"`` (the head's weight gradient)."""
         tokens = micro * seq
-        traffic = TRAFFIC[(layout(shape), precision, "tail")]
+        traffic = TRAFFIC[(layout(shape), TRAFFIC_AS[precision], "tail")]
         head = (tokens, shape.vocab, shape.width)
         if which == "forward":
             gemms, which_traffic = [head], "forward"
