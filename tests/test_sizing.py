@@ -17,7 +17,6 @@ import torch
 import fuyou_client
 from conftest import STREAMING, merge, tiny_llama
 from fuyou_client import sizing
-from fuyou_client.device import cuda_reserve
 from fuyou_client.sizing import estimate as E
 from fuyou_client.sizing import gpu_runs, hardware, iteration, shape as S
 from fuyou_proto.units import parse_size
@@ -109,17 +108,12 @@ def test_flops_are_what_torch_counts(family):
 def test_the_gpu_profiles_name_their_sources_and_a_run_measures_its_gpu():
     """Each shipped profile's datasheet and kernel efficiencies name where they come from;
     --gpu-from a bench/gpu.py run keeps the datasheet and measures the rest on the run's
-    ceiling (the kernel model then gives that ceiling's busy and total time). And the
-    device plan (attach's, memory/device_plan.py) of the H100 run's configuration, with
-    the reserve a CUDA device keeps, covers the peak that run measured under its cap."""
+    ceiling (the kernel model then gives that ceiling's busy and total time). (The GPU
+    memory the planner gives is attach's device plan, checked against what the engine
+    allocates in tests/test_subblocks.py; the H100 run measured an older client, whose host
+    accumulation flattened gradients to fp32 on the device.)"""
     run = json.loads((RESULTS / "gpu-h100.json").read_text())
     h100 = hardware.PROFILES["h100"]
-    sys.path.insert(0, str(ROOT / "bench"))
-    import gpu_model
-    cfg = gpu_model.recorded(run)
-    plan = gpu_model.device_estimate(cfg, iteration.calibrate(run))
-    measured = run["results"]["fuyou"]["peak_bytes"]
-    assert plan < measured <= plan + cuda_reserve(cfg.cap) <= cfg.cap, (plan, measured)
     measured = iteration.from_gpu_run(RESULTS / "gpu-h100.json")
     assert "H100" in measured.name and measured.memory > 80e9 and measured.peak_tflops == h100.peak_tflops
     assert measured.gemm_efficiency.measured and measured.launch_s.measured and measured.pcie_h2d.value == 54.0
