@@ -272,3 +272,32 @@ def test_the_planners_gpu_memory_is_the_device_plan(daemon):
         theirs = E.device_plan(shape, est.settings, host, E.groups(shape, est.settings, host), est.plan)
         engine.close()
         assert (theirs.fixed_bytes, theirs.granularity) == (ours.fixed_bytes, ours.granularity), f"{theirs}\n{ours}"
+
+
+def test_each_byte_on_each_link_has_its_cause(daemon):
+    """Sub-blocks on the stand-in, three micro-batches a step: every weight byte uploaded was
+    fetched from the SSD array or served from a step's read-ahead (none for those used again
+    from their slots), the resident rest's new weights go up once, every gradient leaves once
+    at its step and once more for each time its sum waited on the host between micro-batches
+    (coming back up as often), and the kept inputs move as for whole blocks (test_blockmajor.py)."""
+    torch.manual_seed(0)
+    model = tiny_gpt2(layers=4, width=64)
+    layers, hidden = 4, SHAPE[0] * SHAPE[1] * 64 * 4
+    all_bytes = sum(p.numel() * 4 for p in model.parameters())
+    device = LateCopyDevice(seed=9)
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), socket=daemon.socket, device=device,
+                                 granularity="module")
+    off, pool = engine.offloader, engine.gradients
+    for micro_batches in batches():
+        up, down = device.bytes_up, device.bytes_down
+        fetched, served, parked = off.fetched_bytes, off.served_bytes, pool.parked_bytes
+        engine.train_step(micro_batches, lambda x: model(x, labels=x).loss / K)
+        weights_up = (off.fetched_bytes - fetched) + (off.served_bytes - served)
+        parked = pool.parked_bytes - parked
+        assert parked > 0  # (each sub-block's sum waited between the micro-batches)
+        checkpoints_down = ((layers + 1) + 1 + layers) * K * hidden
+        checkpoints_up = (layers + 2 * layers + 2) * K * hidden
+        assert device.bytes_down - down == all_bytes + parked + checkpoints_down
+        resident = sum(g.numel * 4 for g in engine.groups if g.offloaded is None)  # (their new weights, up once)
+        assert device.bytes_up - up == weights_up + resident + parked + checkpoints_up
+    engine.close()

@@ -50,6 +50,7 @@ class GradientPool:
             for b in self._sizes}
         self._inflight: deque[tuple[Future, object, object]] = deque()  # (future, host buffer, group)
         self._parked: list = []  # groups whose sums wait on the host for the next micro-batch (park)
+        self.parked_bytes = 0  # gradient bytes parked on the host (each comes back up once more before its step)
         self.results: dict[str, object] = {}  # group name -> StepInfo, since the last barrier
         self.errors: list[Exception] = []  # of steps that failed, raised at the barrier
 
@@ -120,6 +121,7 @@ class GradientPool:
         if group.grads is None:
             group.grads = self._host_buffer(size)
         group.parked = self._device.download(group.grads.tensor(group.dtype)[:group.numel], self._flat(group))
+        self.parked_bytes += group.numel * group.dtype.itemsize
         self._device_free[size].append((group.device_grads, group.parked))
         group.device_grads = None
         group.point_grads(None)  # (the device buffer is another group's from now on)

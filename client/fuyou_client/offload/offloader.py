@@ -369,15 +369,18 @@ class Offloader:
     def enter_forward(self, g: OffloadedGroup) -> None:
         """Before the block's forward: its weights resident, the next blocks' fetches started."""
         g.in_backward = False
-        self.ensure(g)
+        # A cut block recomputed in backward: its sub-blocks' fetches are backward's (served from
+        # the read-ahead of the state their steps then use), and the next block's groups are
+        # not what backward needs next.
+        recomputing = self._recomputing is not None and g.unit == self._recomputing.unit
+        self.ensure(g, backward=recomputing)
         g.busy = True
         self._touch(g)
-        # (a cut block recomputed in backward: the next block's groups are not what backward needs next)
         within = self.prefetch_within or (self._recomputing.unit if self._recomputing is not None else None)
         if len(g.uses) < 2 or g.index > self._entered:  # (a tied head, used again late: forward is past the rest)
             for nxt in self.groups[g.index + 1:g.index + 1 + self.prefetch]:
                 if within in (None, nxt.unit):
-                    self._start_fetch(nxt)
+                    self._start_fetch(nxt, backward=recomputing)
         self._entered = max(self._entered, g.index)
         self._poll()
 
