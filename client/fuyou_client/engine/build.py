@@ -163,6 +163,11 @@ def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_gr
     Raises memory.DoesNotFit or memory.DeviceDoesNotFit, naming the bytes, before any
     allocation."""
     wanted = options.granularity if options.offload else "block"
+    if parallel.strategy_kind is not None:  # (data parallelism, an optimizer host's worker)
+        if wanted == "module":
+            raise ValueError('granularity="module" with several processes (data parallelism, an optimizer host) is '
+                             'not built yet: attach with granularity="block" (or "auto", which keeps whole blocks there)')
+        wanted = "block"
     tries = ["block", "module"] if wanted == "auto" else [wanted]
     limits = memory.limits_of(session)
     budget, available = options.device_memory, device.memory_available()

@@ -115,7 +115,8 @@ class AttachOptions:
       modules one at a time, each fetched ahead of its use and dropped after it, each
       one's gradients leaving once final; the rest's embeddings and head too:
       model/cuts.py) or "auto" (the default: whole blocks where the pinned and device
-      plans hold them, else modules).
+      plans hold them, else modules). With several processes (data parallelism, an
+      optimizer host), whole blocks only.
 
     Several processes: data parallelism (docs/guide/distributed.md). When
     torch.distributed is initialised with more than one rank (or ``process_group`` is
