@@ -231,6 +231,11 @@ def test_a_device_that_runs_out_anyway_names_the_plan_and_the_state_resumes(daem
     resumed.close()
     for (name, x), y in zip(model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(x, y), name
+    # ("auto" takes the checkpoint's groups, on the CPU too; whole blocks asked for are refused, named)
+    with pytest.raises(ValueError, match=r"the checkpoint's layer groups are by module .* resume with "
+                                         r"granularity='module' or 'auto'"):
+        fuyou_client.attach(tiny_gpt2(), fuyou_client.AdamW(**HYPER), socket=daemon.socket, granularity="block",
+                            resume=tmp_path / "ckpt")
 
 
 def test_memory_plan_shows_the_device_beside_the_pinned_side(daemon):

@@ -48,7 +48,7 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
     # budget and the device's first (memory/): by whole blocks, or by their modules where
     # blocks do not fit; a budget that cannot hold the smallest plan is refused before
     # anything is allocated.
-    specs, layout, plan = plan_granularity(model, session, specs, torch_groups, options, device, parallel)
+    specs, layout, plan = plan_granularity(model, session, specs, torch_groups, options, device, parallel, resume)
     (log.warning if plan.shrunk else log.info)("%s", plan.describe())
     options = dataclasses.replace(options, prefetch=plan.prefetch, host_budget=plan.host_budget)
     if parallel.holds_state:  # (an optimizer-host worker keeps no state: its optimizer ranks check theirs)
@@ -156,18 +156,20 @@ def _create_groups(session, device, layout, torch_groups, strategies, resume, ma
 
 
 def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_groups: TorchGroups,
-                     options: AttachOptions, device: Device, parallel):
+                     options: AttachOptions, device: Device, parallel, resume: bool = False):
     """(specs, layout, memory plan): the layer groups by whole blocks, or cut into sub-blocks
     (model/cuts.py) where ``granularity`` asks or ("auto") where whole blocks do not fit the
-    pinned or the device plan; the memory plan holds the device plan (``plan.device``).
-    Raises memory.DoesNotFit or memory.DeviceDoesNotFit, naming the bytes, before any
-    allocation."""
+    pinned or the device plan (``resume``: as the checkpoint's groups are); the memory plan
+    holds the device plan (``plan.device``). Raises memory.DoesNotFit or
+    memory.DeviceDoesNotFit, naming the bytes, before any allocation."""
     wanted = options.granularity if options.offload else "block"
     if parallel.strategy_kind is not None:  # (data parallelism, an optimizer host's worker)
         if wanted == "module":
             raise ValueError('granularity="module" with several processes (data parallelism, an optimizer host) is '
                              'not built yet: attach with granularity="block" (or "auto", which keeps whole blocks there)')
         wanted = "block"
+    elif resume:
+        wanted = restored_granularity(session, specs, wanted)
     tries = ["block", "module"] if wanted == "auto" else [wanted]
     limits = memory.limits_of(session)
     budget, available = options.device_memory, device.memory_available()
@@ -210,6 +212,21 @@ def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_gr
     if isinstance(error, memory.DeviceDoesNotFit) and last is not None and last is not error.plan:
         raise memory.DeviceDoesNotFit(memory.device_refusal(error.plan, last), error.plan)
     raise error
+
+
+def restored_granularity(session, specs: list[GroupSpec], wanted: str) -> str:
+    """The granularity a checkpoint's groups were made by (a block's state whole, or its
+    own group's only: its modules are sub-blocks), checked against what attach asks."""
+    block = next((spec for spec in specs if spec.module is not None and spec.params), None)
+    if block is None:
+        return wanted
+    saved = "block" if session.group(block.parts[0].name).numel == block.parts[0].numel else "module"
+    if wanted not in ("auto", saved):
+        held = "the whole block" if saved == "block" else "the block's modules but its large ones"
+        raise ValueError(f"the checkpoint's layer groups are by {saved} (its {block.name} group holds {held}), and "
+                         f"this attach asks for granularity={wanted!r}: resume with granularity={saved!r} or 'auto' "
+                         "(the optimizer state is per group; start from engine.export's weights to change it)")
+    return saved
 
 
 def model_work(model: nn.Module, specs: list[GroupSpec], options: AttachOptions):
