@@ -10,6 +10,7 @@ their steps (4 SSD bytes per parameter fewer), counted by cause."""
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -148,15 +149,30 @@ CHUNKED = merge(SMALL, {"optimizer": {"buffer_budget": "40MiB", "buffers": 2},
                         "storage": {"capacity_per_device": "1GiB"}})
 
 
+def settled(session):
+    """The daemon's status once its reads have stopped: after a step it reads the next
+    iteration's first state ahead, on its own; whether that read lands before or after a
+    status taken at once is a race, which made an iteration's count short by that state
+    in some runs. Waiting for it puts it in the iteration that asked for it, every time."""
+    last = session.status()
+    for _ in range(100):
+        time.sleep(0.05)
+        now = session.status()
+        if now.bytes_read == last.bytes_read:
+            return now
+        last = now
+    return last
+
+
 def step_bytes(engine, model, x) -> dict:
     """One iteration's SSD bytes: the daemon's, and the client's weight reads and the
     master weights its steps took from it."""
-    before, off = engine.session.status(), engine.offloader
+    before, off = settled(engine.session), engine.offloader
     fetched = off.fetched_bytes
     model(x, labels=x).loss.backward()
     engine.step()
     engine.zero_grad()
-    after = engine.session.status()
+    after = settled(engine.session)
     return {"read": after.bytes_read - before.bytes_read, "written": after.bytes_written - before.bytes_written,
             "client_reads": off.fetched_bytes - fetched,
             "masters": sum(i.masters_bytes for i in engine.last_step_infos)}
@@ -212,18 +228,26 @@ def test_unchunked_blocks_read_their_state_once_counted_by_cause(short_tmp):
     spare; either way the daemon's reads are the client's weight reads plus each group's
     state once (less what the state cache kept: StepInfo.cached_bytes), its writes each
     group's state: 4 + 12 + 12 bytes per parameter in fp32 at most. (A read of a part of a
-    persistent object reads the checksum blocks, 1 MiB, it lies in: the daemon counts those.)"""
+    persistent object reads the checksum blocks, 1 MiB, it lies in: the daemon counts those.)
+    Counted over four iterations together: after a step the daemon reads the next
+    iteration's first states ahead on its own, so one iteration's count can hold a state
+    the next one's step uses (a step that finds its state read ahead reports it neither as
+    read nor as cached); at the window's two ends that is at most one optimizer buffer's
+    worth of states per buffer."""
     torch.manual_seed(0)
     model = tiny_llama(layers=3, width=128, vocab=256)
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     with private_daemon(SMALL) as d:
         engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), socket=d.socket, host_budget=MiB)
         assert not any(g.chunked for g in engine.groups) and not engine.memory_plan().handoff
-        state = sum(engine.session.group(part.name).state_bytes for g in engine.groups for part in g.spec.parts)
-        for _ in range(3):
+        sizes = [engine.session.group(part.name).state_bytes for g in engine.groups for part in g.spec.parts]
+        state, ahead = sum(sizes), engine.session.status().optimizer_buffers * max(sizes)
+        step_bytes(engine, model, x)  # (a first iteration: the state cache fills)
+        edges = 0
+        for _ in range(4):
             c = step_bytes(engine, model, x)
             cached = sum(i.cached_bytes for i in engine.last_step_infos)
             assert c["masters"] == 0 and c["written"] == state
-            edges = c["read"] - c["client_reads"] - (state - cached)
-            assert 0 <= edges <= 2 * 3 * MiB, (c, state, cached)  # (3 blocks, read at most twice each)
+            edges += c["read"] - c["client_reads"] - (state - cached)
+        assert -ahead <= edges <= 4 * 2 * 3 * MiB + ahead, (edges, state, ahead)  # (3 blocks, read at most twice)
         engine.close()
