@@ -34,8 +34,7 @@ from torch import nn
 
 from fuyou_client.connection.session import Session
 from fuyou_client.errors import ResourceExhausted
-from fuyou_client.groups.masters import read_masters_into
-from fuyou_client.model.blocks import flat_parts
+from fuyou_client.checkpoints.values import group_params, group_shapes, read_group
 from fuyou_client.model.weights_file import INDEX_FILE
 
 
@@ -90,7 +89,7 @@ def _write_shards(trained: "Trained", out: Path, names: dict[int, str], dtype: t
     weight_map, total, done = {}, 0, set()
     for i, g in enumerate(trained.groups):
         tensors = _group_tensors(trained.session, g, names, dtype, masters)
-        done.update(id(p) for p in (g.offloaded.params if g.offloaded is not None else [p for _, p in g.spec.params]))
+        done.update(id(p) for p in group_params(g))
         if i == count - 1:  # the parameters no group holds (frozen, resident) and the buffers
             tensors.update({names[id(p)]: p.detach().to("cpu", dtype or p.dtype, copy=True)
                             for p in model.parameters() if id(p) not in done})
@@ -144,8 +143,7 @@ def _shard_tensors(trained: "Trained", names: dict[int, str], dtype: torch.dtype
     if not trained.groups:
         return shards
     for g in trained.groups:
-        params = g.offloaded.params if g.offloaded is not None else [p for _, p in g.spec.params]
-        shapes = g.offloaded.shapes if g.offloaded is not None else [p.shape for _, p in g.spec.params]
+        params, shapes = group_params(g), group_shapes(g)
         done.update(id(p) for p in params)
         shards.append([(names[id(p)], shape, dtype or g.dtype) for p, shape in zip(params, shapes)])
     keys = set(model.state_dict().keys())
@@ -317,33 +315,9 @@ def _rank0_outcome(world, error: Exception | None, what: str) -> None:
 
 
 def _group_tensors(session: "Session", g, names: dict[int, str], dtype: torch.dtype | None, masters) -> dict:
-    """A layer group's parameters by name: the trained ones from their fp32 masters
-    (``masters(session, spec)``: a shared buffer, or a tensor), an offloaded block's
-    frozen ones from the object they were stored in."""
-    tensors = {}
-    shapes = g.offloaded.shapes if g.offloaded is not None else [p.shape for _, p in g.spec.params]
-    trained = shapes[:len(g.spec.params)]
-    if g.spec.numel and masters is None:
-        out = [torch.empty(shape, dtype=dtype or g.dtype) for shape in trained]
-        read_masters_into(session, g.spec, out)
-        tensors.update((names[id(p)], t) for (_, p), t in zip(g.spec.params, out))
-    elif g.spec.numel:  # (data parallel: gathered from the ranks' shards)
-        flat = masters(session, g.spec)[:g.spec.numel]
-        for (_, p), shape, part in zip(g.spec.params, trained, flat_parts(flat, trained)):
-            tensors[names[id(p)]] = part.view(shape).to(dtype or g.dtype, copy=True)
-    frozen = g.offloaded.params[len(g.spec.params):] if g.offloaded is not None else []
-    if frozen:
-        source = next(s for s in g.offloaded.sources if not s.part)  # (frozen/<group>: no optimizer group)
-        buf = session.allocate(source.length)
-        try:
-            session.swap_in(source.object, buf, length=source.length)
-            flat = buf.tensor(g.dtype)[:source.length // g.dtype.itemsize]
-            fshapes = shapes[len(g.spec.params):]
-            for p, shape, part in zip(frozen, fshapes, flat_parts(flat, fshapes)):
-                tensors[names[id(p)]] = part.view(shape).to(dtype or g.dtype, copy=True)
-        finally:
-            buf.free()
-    return tensors
+    """A layer group's parameters by name (values.py: the trained ones from their fp32
+    masters, an offloaded block's frozen ones from the object they were stored in)."""
+    return {names[id(p)]: t for p, t in zip(group_params(g), read_group(session, g, dtype, masters))}
 
 
 def load_exported(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
