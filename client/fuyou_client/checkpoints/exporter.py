@@ -49,9 +49,11 @@ class Trained:
 
 
 def export(trained: "Trained", directory: str | os.PathLike, dtype: torch.dtype | None = None,
-           masters=None) -> Path:
+           masters=None, transform=None) -> Path:
     """Write the trained weights, the frozen parameters and the model's persistent buffers
-    to ``directory``; holds one layer group in memory at a time. A filesystem without room
+    to ``directory``; holds one layer group in memory at a time. ``transform(tensors)``: each
+    shard's tensors by name, as they will be written (renamed, merged: a PEFT model's merged
+    export; it may only drop or shrink, as the room check counts them before). A filesystem without room
     for all of it is refused before anything is created (NotEnoughRoom); a write that fails
     anyway removes what this call wrote and names the file."""
     out = Path(directory)
@@ -70,7 +72,7 @@ def export(trained: "Trained", directory: str | os.PathLike, dtype: torch.dtype 
             error = exc
     _rank0_outcome(world, error, f"export to {out}")
     try:
-        _write_shards(trained, out, names, dtype, masters, writer)
+        _write_shards(trained, out, names, dtype, masters, writer, transform)
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -79,7 +81,7 @@ def export(trained: "Trained", directory: str | os.PathLike, dtype: torch.dtype 
 
 
 def _write_shards(trained: "Trained", out: Path, names: dict[int, str], dtype: torch.dtype | None, masters,
-                  writer: "_Writer | None") -> None:
+                  writer: "_Writer | None", transform=None) -> None:
     """Each layer group's shard (and the parameters no group holds, and the buffers, in the
     last), then the index and the model's config; ``writer`` None: this rank writes nothing."""
     model = trained.model
@@ -94,6 +96,8 @@ def _write_shards(trained: "Trained", out: Path, names: dict[int, str], dtype: t
             tensors.update({names[id(p)]: p.detach().to("cpu", dtype or p.dtype, copy=True)
                             for p in model.parameters() if id(p) not in done})
             tensors.update(buffers)
+        if transform is not None:
+            tensors = transform(tensors)
         shard = _shard_name(i, count)
         error = None
         if writer is not None:

@@ -26,7 +26,9 @@ The model is attached when the Trainer creates its optimizer, with its own argum
   continues bitwise; ``save_total_limit`` deletes old ones through fuyoud first (a
   snapshot checkpoint holds extents on the SSD array);
 * ``save_model``: ``engine.export`` (sharded safetensors streamed from the SSD array,
-  with the config), not ``state_dict()`` (offloaded parameters are empty in memory).
+  with the config); a PEFT model's as PEFT saves it (``adapter_config.json`` and
+  ``adapter_model.safetensors``, the trained adapters only: integrations/peft.py), and
+  ``save_merged_model`` the full model with the adapters merged in.
 
 Refused before training starts, naming the argument: another ``optim``, DeepSpeed or
 FSDP, ``fp16`` (its loss scaler rewrites gradients; use ``bf16``), Hugging Face
@@ -48,6 +50,7 @@ from fuyou_client.engine.attach import attach
 from fuyou_client.engine.engine import Engine
 from fuyou_client.optim import AdamW
 from fuyou_client.engine.options import AttachOptions
+from fuyou_client.integrations.peft import export_merged, is_peft_model, save_adapter
 
 FUYOU_DIR = "fuyou"  # Fuyou's checkpoint inside a Trainer checkpoint folder
 SCHEDULER_NAME = "scheduler.pt"
@@ -198,7 +201,22 @@ class FuyouTrainer(transformers.Trainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
-        self.engine.export(output_dir)
+        if is_peft_model(self.model):  # as PEFT saves it: adapter_config.json, adapter_model.safetensors
+            save_adapter(self.engine, output_dir)
+        else:
+            self.engine.export(output_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def save_merged_model(self, output_dir: str, dtype: torch.dtype | None = None) -> None:
+        """A PEFT model's adapters merged into its base weights, saved as a full model
+        (``AutoModelForCausalLM.from_pretrained`` loads it), streamed from the SSD array one
+        layer group at a time (integrations/peft.py); the tokenizer beside it."""
+        if self.engine is None:
+            raise RuntimeError("save_merged_model saves what training produced: train() first")
+        if not self.args.should_save:
+            return
+        export_merged(self.engine, output_dir, dtype)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
