@@ -32,6 +32,7 @@ from torch import nn
 
 from fuyou_client.blockmajor import StepTimes, Store, check_micro_batches, run as run_block_major
 from fuyou_client.checkpoints import Trained, restore_groups
+from fuyou_client.checkpoints.durability import checkpoint_mode
 from fuyou_client.engine.hooks import hf_checkpointing
 from fuyou_client.engine.torch_optimizer import TorchOptimizer
 from fuyou_client.groups import land_new_weights
@@ -263,8 +264,11 @@ class Engine:
         scheduler.state_dict(), the data loader's position...), given back after
         ``attach(model, resume=directory)`` as ``engine.checkpoint_extra``. ``directory``
         is a new path on the daemon's host; on the SSD array's filesystem the checkpoint is
-        a snapshot (no bytes copied), elsewhere a copy (``mode`` forces either)."""
+        a snapshot (no bytes copied), elsewhere a copy (``mode`` forces either). A daemon
+        that deletes its store when it stops (``start_daemon()`` without a ``state_dir``)
+        gets a copy in mode "auto": a snapshot would go with it (checkpoints/durability.py)."""
         self.require_idle("save_checkpoint")
+        mode = checkpoint_mode(self.session, mode)
         return self.parallel.save_checkpoint(self.session, self.groups, self.optimizer.param_groups, extra, directory,
                                              mode, timeout)  # (data parallel: every rank calls it)
 
