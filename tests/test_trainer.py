@@ -106,7 +106,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one(daemon, tmp_path):
 
 @pytest.mark.parametrize("kw, fuyou, message", [
     (dict(optim="adafactor"), None, "optim='adafactor' is not available"),
-    (dict(activation_checkpointing=True), None, "activations='recompute'"),
+    (dict(activation_checkpointing=True), {"activations": "swap"}, "activations='swap'.*gradient_checkpointing=False"),
     ({}, {"max_grad_norm": 1.0}, "sets max_grad_norm .*TrainingArguments.max_grad_norm"),
     ({}, {"accumulation_steps": 2}, "sets accumulation_steps"),
 ], ids=["optim", "checkpointing", "clipping-twice", "accumulation"])

@@ -43,6 +43,20 @@ def _check_optimizer(optimizer) -> None:
                     f"{type(optimizer).__name__}")
 
 
+def attach_frozen(model: nn.Module, **options) -> Engine:
+    """Hook up a model that is only run forward, never trained (a DPO or GRPO reference
+    model): every parameter must have ``requires_grad=False``. No optimizer state; its
+    blocks' weights are stored once on the SSD array, in their dtype, and fetched ahead of
+    each forward as a trained model's are (``offload=True``, the default), so the model
+    need not be in memory: built on the meta device with ``weights=DIR``, it never is as a
+    whole. The options are ``attach``'s; ``engine.close()`` detaches it."""
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    if trainable:
+        raise ValueError(f"attach_frozen takes a model that is not trained, but {trainable[0]!r} (and "
+                         f"{len(trainable) - 1} more) requires grad: model.requires_grad_(False) first, or attach() it")
+    return attach(model, None, _frozen=True, **options)
+
+
 def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) -> Engine:
     """Hook ``model`` up to fuyoud: its optimizer state (``optimizer``, default
     ``AdamW()``) moves to the SSD array, each layer group is stepped by the daemon as soon
@@ -62,6 +76,7 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) ->
     ``options=``: an ``AttachOptions`` to start from; the other keyword options replace
     its fields."""
     _check_optimizer(optimizer)
+    frozen = options.pop("_frozen", False)  # (attach_frozen: a model with nothing to train)
     plan = options.pop("plan", None)  # a fuyou_client.plan(...) or "auto": its settings (sizing/apply.py)
     if plan is not None:
         from fuyou_client.sizing.apply import apply
@@ -73,7 +88,7 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) ->
     try:
         par.check_options(opts)
         materializer = prepare(model, opts.weights, opts.resume is not None)  # (a meta model: CPU stand-ins now)
-        prepared = _prepare(model, optimizer, opts, materializer, par)
+        prepared = _prepare(model, optimizer, opts, materializer, par, frozen)
     except BaseException as exc:  # noqa: BLE001 - agreed below (one process: raised there)
         if materializer is not None:
             materializer.undo()
@@ -114,13 +129,13 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) ->
         raise
 
 
-def _prepare(model: nn.Module, optimizer, opts: AttachOptions, materializer, par):
+def _prepare(model: nn.Module, optimizer, opts: AttachOptions, materializer, par, frozen: bool = False):
     """(torch param groups, layer-group specs, device), checked before anything connects."""
     par.check_model(materializer)
     torch_groups = resolve_groups(model, optimizer or AdamW(), opts.param_groups, opts.no_decay)
     groups = split(model, opts.blocks, torch_groups.index)
-    if not any(g.params for g in groups):
-        raise ValueError("the model has no trainable parameters")
+    if not frozen and not any(g.params for g in groups):
+        raise ValueError("the model has no trainable parameters (a model only run forward: attach_frozen(model))")
     if opts.offload and hf_checkpointing(model):
         raise ValueError(GRADIENT_CHECKPOINTING)
     if materializer is not None:

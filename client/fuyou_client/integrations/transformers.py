@@ -30,10 +30,16 @@ The model is attached when the Trainer creates its optimizer, with its own argum
   ``adapter_model.safetensors``, the trained adapters only: integrations/peft.py), and
   ``save_merged_model`` the full model with the adapters merged in.
 
+* ``gradient_checkpointing`` / ``activation_checkpointing`` (TRL's configs default to
+  True; or ``gradient_checkpointing_enable()`` on the model): Fuyou's recomputation,
+  ``activations="recompute"`` (the same arithmetic, offloaded weights fetched again;
+  every block recomputed), with Hugging Face's turned off;
+* ``bf16``: the Trainer's autocast, as without Fuyou.
+
 Refused before training starts, naming the argument: another ``optim``, DeepSpeed or
-FSDP, ``fp16`` (its loss scaler rewrites gradients; use ``bf16``), Hugging Face
-activation checkpointing (use ``fuyou=AttachOptions(activations="recompute")``, which
-also re-fetches offloaded weights), and several processes (data parallelism: not yet).
+FSDP, ``fp16`` (its loss scaler rewrites gradients; use ``bf16``), checkpointing together
+with ``fuyou={"activations": "swap"}`` or another treatment (set
+``gradient_checkpointing=False``), and several processes (data parallelism: not yet).
 """
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints
 
 from fuyou_client.engine.attach import attach
 from fuyou_client.engine.engine import Engine
+from fuyou_client.engine.hooks import hf_checkpointing
 from fuyou_client.optim import AdamW
 from fuyou_client.engine.options import AttachOptions
 from fuyou_client.integrations.peft import export_merged, is_peft_model, save_adapter
@@ -77,12 +84,29 @@ def check_arguments(args: transformers.TrainingArguments) -> None:
     if args.fp16:
         raise ValueError("FuyouTrainer with fp16=True: its gradient scaler rewrites gradients that Fuyou's steps "
                          "read; use bf16=True")
-    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
-        raise ValueError("FuyouTrainer with Hugging Face activation checkpointing: pass "
-                         "fuyou=AttachOptions(activations='recompute') instead (the same recomputation, offloaded "
-                         "weights fetched again)")
     if args.world_size > 1:
         raise ValueError(f"FuyouTrainer with {args.world_size} processes: data-parallel training is not supported yet")
+
+
+def checkpointing_asked(args: transformers.TrainingArguments) -> bool:
+    """``activation_checkpointing`` (``gradient_checkpointing``, its old name, which TRL's
+    configs default to True)."""
+    return bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
+
+
+def map_checkpointing(args: transformers.TrainingArguments, options: AttachOptions) -> AttachOptions:
+    """Hugging Face activation (gradient) checkpointing becomes Fuyou's recomputation, the
+    same arithmetic with offloaded weights fetched again: ``activations="recompute"``, and
+    the argument off (Hugging Face's would rerun blocks outside the hooks that fetch their
+    weights). Refused where ``fuyou=`` chose another treatment, naming the argument."""
+    if not checkpointing_asked(args):
+        return options
+    if options.activations not in ("keep", "recompute"):
+        raise ValueError(f"gradient_checkpointing=True (TRL's configs default to it) is Fuyou's activations="
+                         f"'recompute', but fuyou= sets activations={options.activations!r}: set "
+                         "gradient_checkpointing=False in the TrainingArguments (or TRL config) to keep yours")
+    args.activation_checkpointing = args.gradient_checkpointing = False
+    return dataclasses.replace(options, activations="recompute")
 
 
 class FuyouTrainer(transformers.Trainer):
@@ -103,7 +127,7 @@ class FuyouTrainer(transformers.Trainer):
                  if getattr(options, k) != getattr(AttachOptions, k, None)]
         if taken:
             raise ValueError(f"FuyouTrainer(fuyou=...) sets {taken[0]}, which the Trainer decides")
-        self.fuyou_options = options
+        self.fuyou_options = map_checkpointing(self.args, options)
         self.state_dtype = state_dtype
         AdamW(state_dtype=state_dtype)  # (refused now if unknown)
         self.engine: Engine | None = None
@@ -135,11 +159,21 @@ class FuyouTrainer(transformers.Trainer):
                   {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0}]
         optimizer = AdamW(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                           weight_decay=args.weight_decay, state_dtype=self.state_dtype)
+        if hf_checkpointing(model):  # (turned on on the model itself: the same mapping as the argument's)
+            args.activation_checkpointing = True
+            self.fuyou_options = map_checkpointing(args, self.fuyou_options)
+            model.gradient_checkpointing_disable()
         self.engine = attach(model, optimizer, options=dataclasses.replace(
             self.fuyou_options, param_groups=groups, max_grad_norm=args.max_grad_norm or None,
             accumulation_steps=args.gradient_accumulation_steps, resume=self._fuyou_resume))
         self.optimizer = self.engine.optimizer
         return self.optimizer
+
+    def close(self) -> None:
+        """Detach the model from fuyoud (``self.engine.close()``; a subclass closes what else
+        it attached: a streamed reference model)."""
+        if self.engine is not None:
+            self.engine.close()
 
     def _clip_grad_norm(self, model):
         return None  # Fuyou clips, exactly, in the optimizer's step (attach(max_grad_norm=...))

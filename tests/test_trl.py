@@ -1,0 +1,126 @@
+"""TRL's trainers through Fuyou (integrations/trl.py): SFT, DPO and GRPO each train bitwise as
+the plain TRL trainer with optim="adamw_torch_fused", with TRL's own defaults
+(gradient_checkpointing=True becomes Fuyou's recomputation, bf16=True its autocast), save
+what from_pretrained loads, and resume bitwise from a checkpoint; DPO's and GRPO's reference
+model is streamed from the SSD array, not a second copy in memory."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fuyou_client
+from conftest import STREAMING, private_daemon
+
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+tokenizers = pytest.importorskip("tokenizers")
+from fuyou_client.integrations.trl import FuyouDPOTrainer, FuyouGRPOTrainer, FuyouSFTTrainer  # noqa: E402
+
+CORPUS = [line for line in (__import__("pathlib").Path(__file__).resolve().parent.parent / "examples" / "data" /
+                            "corpus.txt").read_text().splitlines() if line.strip()][:32]
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with private_daemon(STREAMING, "fy-trl-") as d:
+        yield d
+
+
+def tokenizer():
+    """A byte-level BPE tokenizer trained here on the example corpus (nothing from a hub)."""
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, tokenizers.trainers.BpeTrainer(
+        vocab_size=256, special_tokens=["<unk>", "<eos>", "<pad>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
+                                                unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny GPT-2 and its tokenizer saved as from_pretrained reads them (TRL loads the
+    reference model of DPO and GRPO from the policy's directory)."""
+    where = tmp_path_factory.mktemp("trl-base")
+    tok = tokenizer()
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=3, n_embd=64, n_head=4, vocab_size=len(tok), n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=1, eos_token_id=1, pad_token_id=2)).save_pretrained(where)
+    tok.save_pretrained(where)
+    return where
+
+
+def reward(completions, **_):
+    return [float(len(set(c))) for c in completions]
+
+
+KINDS = {
+    "sft": (trl.SFTConfig, trl.SFTTrainer, FuyouSFTTrainer, dict(max_length=32),
+            lambda: datasets.Dataset.from_dict({"text": CORPUS})),
+    "dpo": (trl.DPOConfig, trl.DPOTrainer, FuyouDPOTrainer, dict(max_length=48),
+            lambda: datasets.Dataset.from_dict({"prompt": CORPUS[:16], "chosen": CORPUS[16:32],
+                                                "rejected": CORPUS[::-1][:16]})),
+    "grpo": (trl.GRPOConfig, trl.GRPOTrainer, FuyouGRPOTrainer, dict(num_generations=2, max_completion_length=8,
+                                                                     beta=0.1),
+             lambda: datasets.Dataset.from_dict({"prompt": CORPUS[:16]})),
+}
+
+
+def trainer(kind, base, out, fuyou=None, **kw):
+    """TRL's ``kind`` trainer (``fuyou``: Fuyou's) with TRL's defaults for everything the
+    test does not set: gradient_checkpointing=True and bf16=True among them."""
+    config, plain, ours, extra, data = KINDS[kind]
+    args = config(output_dir=str(out), max_steps=4, per_device_train_batch_size=2, learning_rate=1e-3,
+                  optim="adamw_torch_fused", report_to="none", use_cpu=True, logging_steps=1, save_strategy="steps",
+                  save_steps=2, seed=0, disable_tqdm=True, **{**extra, **kw})
+    cls = plain if fuyou is None else ours
+    more = {"fuyou": fuyou} if fuyou is not None else {}
+    if kind == "grpo":
+        more["reward_funcs"] = reward
+    model = transformers.AutoModelForCausalLM.from_pretrained(base)
+    return cls(model=model, args=args, train_dataset=data(),
+               processing_class=transformers.AutoTokenizer.from_pretrained(base), **more)
+
+
+def logs(t):
+    return [(e["loss"], e["grad_norm"], e["learning_rate"]) for e in t.state.log_history if "loss" in e]
+
+
+@pytest.mark.parametrize("kind", ["sft", pytest.param("dpo", marks=pytest.mark.slow),
+                                  pytest.param("grpo", marks=pytest.mark.slow)])  # (about 20 s each)
+def test_bitwise_the_plain_trainer_with_save_and_resume(kind, base, daemon, tmp_path):
+    ref = trainer(kind, base, tmp_path / "ref")
+    assert ref.args.bf16 and ref.args.gradient_checkpointing  # (TRL's defaults, on both sides)
+    ref.train()
+    ours = trainer(kind, base, tmp_path / "ours", fuyou={"socket": daemon.socket})
+    assert ours.fuyou_options.activations == "recompute" and not ours.args.gradient_checkpointing
+    if kind != "sft":  # the reference model: streamed, its blocks not in memory
+        assert ours.reference_engine is not None and ours.ref_model is ours.reference_engine.model
+        assert all(p.numel() == 0 for p in ours.ref_model.transformer.h.parameters())
+    ours.train()
+    assert logs(ours) == logs(ref) and len(logs(ours)) == 4  # loss, gradient norm, learning rate of every step
+    ours.save_model(tmp_path / "saved")
+    want = ref.model.state_dict()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    for name, p in loaded.state_dict().items():
+        assert torch.equal(p, want[name]), name
+    ours.close()
+    resumed = trainer(kind, base, tmp_path / "ours", fuyou={"socket": daemon.socket})
+    resumed.train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-2"))
+    assert logs(resumed)[-2:] == logs(ref)[-2:]
+    resumed.save_model(tmp_path / "resumed")
+    got = fuyou_client.load_exported(tmp_path / "resumed")
+    for name, p in got.items():
+        assert torch.equal(p, want[name]), name
+    resumed.close()
+
+
+def test_what_does_not_go_with_fuyou_is_refused_naming_the_argument(base, daemon, tmp_path):
+    with pytest.raises(ValueError, match=r"gradient_checkpointing=True .*activations='swap'.*"
+                                         r"gradient_checkpointing=False"):
+        trainer("sft", base, tmp_path, fuyou={"socket": daemon.socket, "activations": "swap"})
+    with pytest.raises(ValueError, match="sync_ref_model=True.*sync_ref_model=False"):
+        trainer("dpo", base, tmp_path, fuyou={"socket": daemon.socket}, sync_ref_model=True)
