@@ -54,7 +54,9 @@ def attach_frozen(model: nn.Module, **options) -> Engine:
     if trainable:
         raise ValueError(f"attach_frozen takes a model that is not trained, but {trainable[0]!r} (and "
                          f"{len(trainable) - 1} more) requires grad: model.requires_grad_(False) first, or attach() it")
-    return attach(model, None, _frozen=True, **options)
+    base = options.pop("options", None)
+    opts = dataclasses.replace(base, **options) if base is not None else AttachOptions(**options)
+    return _attached(model, None, opts, None, frozen=True)
 
 
 def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) -> Engine:
@@ -76,13 +78,17 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) ->
     ``options=``: an ``AttachOptions`` to start from; the other keyword options replace
     its fields."""
     _check_optimizer(optimizer)
-    frozen = options.pop("_frozen", False)  # (attach_frozen: a model with nothing to train)
     plan = options.pop("plan", None)  # a fuyou_client.plan(...) or "auto": its settings (sizing/apply.py)
     if plan is not None:
         from fuyou_client.sizing.apply import apply
         options, optimizer, plan = apply(plan, model, optimizer, options)
     base = options.pop("options", None)  # attach(model, opt, options=AttachOptions(...), **overrides) too
     opts = dataclasses.replace(base, **options) if base is not None else AttachOptions(**options)
+    return _attached(model, optimizer, opts, plan)
+
+
+def _attached(model: nn.Module, optimizer, opts: AttachOptions, plan, frozen: bool = False) -> Engine:
+    """attach's work once its options are settled (``frozen``: attach_frozen's model)."""
     par = parallelism.of(opts.process_group, opts.optimizer_ranks)
     materializer, error, prepared = None, None, None
     try:
