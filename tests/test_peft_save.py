@@ -52,10 +52,10 @@ def lora_model(family, base_dir):
 
 
 def arguments(out, **kw):
-    return transformers.TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=2, learning_rate=1e-2, weight_decay=0.1, max_steps=3,
-        logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, optim="adamw_torch_fused",
-        disable_tqdm=True, max_grad_norm=1.0, **kw)
+    base = dict(output_dir=str(out), per_device_train_batch_size=2, learning_rate=1e-2, weight_decay=0.1, max_steps=3,
+                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, optim="adamw_torch_fused",
+                disable_tqdm=True, max_grad_norm=1.0)
+    return transformers.TrainingArguments(**{**base, **kw})
 
 
 @pytest.fixture(scope="module", params=["gpt2", pytest.param("llama", marks=pytest.mark.slow)])  # (10 s each)
@@ -117,3 +117,26 @@ def test_the_merged_model_is_what_peft_merges(trained):
     assert set(got) == set(want)
     for name, t in want.items():
         assert torch.equal(got[name], t), name
+
+
+@pytest.mark.slow  # (two Trainer runs with evaluations: about 15 s)
+def test_the_best_adapter_is_loaded_at_the_end(daemon, tmp_path):
+    """load_best_model_at_end with a PEFT model: the engine is attached again from the best
+    checkpoint, its offloaded frozen base weights held for that moment; the adapters equal the
+    plain Trainer's best ones."""
+    best = dict(eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+                metric_for_best_model="eval_loss", greater_is_better=True)
+    ref = transformers.Trainer(model=lora_model("llama", tmp_path / "base"),
+                               args=arguments(tmp_path / "ref", max_steps=6, **best),
+                               train_dataset=Tokens(), eval_dataset=Tokens(4))
+    ref.train()
+    ours = FuyouTrainer(model=lora_model("llama", tmp_path / "base"), args=arguments(tmp_path / "ours", max_steps=6,
+                                                                                     **best),
+                        train_dataset=Tokens(), eval_dataset=Tokens(4), fuyou={"socket": daemon.socket})
+    ours.train()
+    name = lambda t: t.state.best_model_checkpoint.rsplit("/", 1)[1]  # noqa: E731
+    assert name(ours) == name(ref) != "checkpoint-6"  # (not the last: loading it changes the model)
+    got = peft.get_peft_model_state_dict(ours.model)
+    want = peft.get_peft_model_state_dict(ref.model)
+    assert set(got) == set(want) and all(torch.equal(got[n], t) for n, t in want.items())
+    ours.close()

@@ -129,3 +129,25 @@ def test_a_plain_trainer_clipping_after_the_steps_went_is_refused(daemon, tmp_pa
     with pytest.raises(RuntimeError, match="after its layer group's step went to fuyoud.*max_grad_norm"):
         trainer.train()
     engine.close()
+
+
+def test_the_best_checkpoint_is_loaded_at_the_end_and_early_stopping_stops(daemon, tmp_path):
+    """load_best_model_at_end with EarlyStoppingCallback, bitwise the plain Trainer: the best
+    checkpoint (here the first: a metric made to prefer a higher eval loss) is loaded into the
+    engine at the end, and early stopping ends the run where the plain one ends."""
+    best = dict(eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+                metric_for_best_model="eval_loss", greater_is_better=True, max_steps=10)
+    stop = lambda: [transformers.EarlyStoppingCallback(early_stopping_patience=2)]  # noqa: E731
+    ref = transformers.Trainer(model=model(), args=arguments(tmp_path / "ref", **best), train_dataset=Tokens(),
+                               eval_dataset=Tokens(4), callbacks=stop())
+    ref.train()
+    ours = FuyouTrainer(model=model(), args=arguments(tmp_path / "ours", **best), train_dataset=Tokens(),
+                        eval_dataset=Tokens(4), callbacks=stop(), fuyou={"socket": daemon.socket})
+    ours.train()
+    assert ours.state.global_step == ref.state.global_step < 10  # stopped early, at the same step
+    assert ours.state.best_model_checkpoint.endswith("checkpoint-2")
+    assert logs(ours) == logs(ref)
+    got, want = weights(ours, tmp_path / "ours-out"), weights(ref, tmp_path / "ref-out")
+    for name, p in want.items():
+        assert torch.equal(got[name], p), name
+    ours.close()

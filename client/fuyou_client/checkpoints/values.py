@@ -31,15 +31,15 @@ def group_shapes(g) -> list[torch.Size]:
 
 
 def read_group(session: Session, g, dtype: torch.dtype | None = None, masters=None,
-               frozen: bool = True) -> list[torch.Tensor]:
+               frozen: bool = True, trained: bool = True) -> list[torch.Tensor]:
     """New CPU tensors holding the values of ``group_params(g)``, in that order (``frozen``
-    False: the trained ones only): the trained ones from their fp32 masters (``masters(session,
+    False: the trained ones only; ``trained`` False: the frozen ones only): the trained ones from their fp32 masters (``masters(session,
     spec)``, data parallelism: the gathered flat masters; default: read from this session's
     state objects), the frozen ones of an offloaded block from the object they were stored
     in. ``dtype``: default, the group's."""
     shapes = group_shapes(g)
     trained = shapes[:len(g.spec.params)]
-    if not g.spec.numel:
+    if not g.spec.numel or not trained:
         out = []
     elif masters is None:
         out = [torch.empty(shape, dtype=dtype or g.dtype) for shape in trained]

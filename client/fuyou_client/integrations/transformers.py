@@ -34,7 +34,10 @@ The model is attached when the Trainer creates its optimizer, with its own argum
   True; or ``gradient_checkpointing_enable()`` on the model): Fuyou's recomputation,
   ``activations="recompute"`` (the same arithmetic, offloaded weights fetched again;
   every block recomputed), with Hugging Face's turned off;
-* ``bf16``: the Trainer's autocast, as without Fuyou.
+* ``bf16``: the Trainer's autocast, as without Fuyou;
+* ``load_best_model_at_end`` (which ``EarlyStoppingCallback`` needs): at the end the model
+  is attached again from the best checkpoint's ``fuyou/``, its weights and moments bitwise
+  those of that step.
 
 Refused before training starts, naming the argument: another ``optim``, DeepSpeed or
 FSDP, ``fp16`` (its loss scaler rewrites gradients; use ``bf16``), checkpointing together
@@ -52,6 +55,7 @@ import torch
 import transformers
 from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints
 
+from fuyou_client.checkpoints.values import group_bytes, group_params, group_shapes, host_memory_available, read_group
 from fuyou_client.engine.attach import attach
 from fuyou_client.engine.engine import Engine
 from fuyou_client.engine.hooks import hf_checkpointing
@@ -109,6 +113,22 @@ def map_checkpointing(args: transformers.TrainingArguments, options: AttachOptio
     return dataclasses.replace(options, activations="recompute")
 
 
+def _stand_ins(engine: Engine) -> list:
+    """What an offloaded parameter holds while the model is attached again (its shape: an
+    empty placeholder has none): its value for a frozen one (stored again at attach), an
+    allocation never written for a trained one (attach(resume=...) writes the masters into
+    it one group at a time, so its pages are touched, then freed, one group at a time)."""
+    out = []
+    for g in engine.groups:
+        if g.offloaded is None:
+            continue
+        params, shapes, n = group_params(g), group_shapes(g), len(g.spec.params)
+        frozen = read_group(engine.session, g, trained=False) if len(params) > n else []
+        out += [(p, torch.empty(shape, dtype=g.dtype, device=p.device)) for p, shape in zip(params[:n], shapes[:n])]
+        out += list(zip(params[n:], frozen))
+    return out
+
+
 class FuyouTrainer(transformers.Trainer):
     """``transformers.Trainer`` whose optimizer is Fuyou's (see the module's docstring).
     ``self.engine`` is the attached Engine once training has begun.
@@ -151,6 +171,30 @@ class FuyouTrainer(transformers.Trainer):
     def create_optimizer(self, model=None):
         if self.optimizer is not None:
             return self.optimizer
+        self.engine = self._attach(self._fuyou_resume)
+        self.optimizer = self.engine.optimizer
+        if self.args.load_best_model_at_end:
+            self._check_best_model_fits()
+        return self.optimizer
+
+    def _check_best_model_fits(self) -> None:
+        """Before the first step: loading the best checkpoint at the end attaches the model
+        again, and the frozen parameters of its offloaded blocks (a PEFT model's base) are
+        held in memory for that moment (attach stores them from the parameters)."""
+        frozen = sum(group_bytes(g) - group_bytes(g, frozen=False) for g in self.engine.groups if g.offloaded is not None)
+        available = host_memory_available()
+        if frozen > available:
+            self.engine.close(materialize=False)
+            self.engine = None
+            raise ValueError(
+                f"load_best_model_at_end=True: loading the best checkpoint attaches the model again, holding the "
+                f"{frozen / 2**30:.1f} GiB of its offloaded frozen parameters in host memory for that moment, more than "
+                f"the {available / 2**30:.1f} GiB available; set load_best_model_at_end=False (and drop "
+                "EarlyStoppingCallback), then resume from the best checkpoint (trainer.state.best_model_checkpoint) "
+                "with train(resume_from_checkpoint=...) or load its adapter with PeftModel.from_pretrained")
+
+    def _attach(self, resume: str | None) -> Engine:
+        """The model attached with the Trainer's arguments (``resume``: from a Fuyou checkpoint)."""
         model = self.model
         args = self.args
         decay = set(self.get_decay_parameter_names(model))
@@ -163,11 +207,9 @@ class FuyouTrainer(transformers.Trainer):
             args.activation_checkpointing = True
             self.fuyou_options = map_checkpointing(args, self.fuyou_options)
             model.gradient_checkpointing_disable()
-        self.engine = attach(model, optimizer, options=dataclasses.replace(
+        return attach(model, optimizer, options=dataclasses.replace(
             self.fuyou_options, param_groups=groups, max_grad_norm=args.max_grad_norm or None,
-            accumulation_steps=args.gradient_accumulation_steps, resume=self._fuyou_resume))
-        self.optimizer = self.engine.optimizer
-        return self.optimizer
+            accumulation_steps=args.gradient_accumulation_steps, resume=resume))
 
     def close(self) -> None:
         """Detach the model from fuyoud (``self.engine.close()``; a subclass closes what else
@@ -199,6 +241,23 @@ class FuyouTrainer(transformers.Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         pass  # the weights come with attach(resume=...), from Fuyou's checkpoint in the folder
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end`` (and so ``EarlyStoppingCallback``): the best checkpoint's
+        Fuyou state (master weights, moments, step counts) becomes the engine's, bitwise: the
+        model is attached again from it (``load_state_dict`` would not reach the masters)."""
+        best = Path(self.state.best_model_checkpoint) / FUYOU_DIR
+        if not best.is_dir():
+            raise ValueError(f"the best checkpoint {self.state.best_model_checkpoint} has no {FUYOU_DIR}/ (it was not "
+                             "written by FuyouTrainer)")
+        old, self.engine = self.engine, None
+        stand_ins = _stand_ins(old)
+        old.close(materialize=False)
+        with torch.no_grad():
+            for p, data in stand_ins:
+                p.data = data
+        self.engine = self._attach(str(best.resolve()))
+        self.optimizer = self.engine.optimizer
 
     def _save_checkpoint(self, model, trial) -> None:
         """The Trainer's, with its rotation (save_total_limit) done here: a folder's Fuyou
