@@ -9,7 +9,11 @@
 3. Per block, around its forward (also when a block is called directly): the offloader's
    fetch (``enter_forward``) before the activation policy's set-up (saved-tensor hooks:
    offloaded weights become markers, activations are kept or swapped; ``auto``
-   profiles), and after it the policy's tear-down after the offloader's release.
+   profiles), and after it the policy's tear-down after the offloader's release. Both
+   are kept out of ``torch.compile``'s graphs (``torch.compiler.disable``): a compiled
+   model breaks its graph there and runs them as they are, so each block's compute is
+   compiled with its weights resident (traced, the fetch put empty placeholders in the
+   graph: an assertion in inductor's generated code).
 
 The activation policy (activations/policy.py) says which blocks swap; a recomputed
 block's ``forward`` is the policy's.
@@ -58,10 +62,10 @@ class ModelHooks:
                 self._handles.append(p.register_post_accumulate_grad_hook(lambda p, g=g: self._on_grad(g)))
         for g in blocks:
             name, og, module = g.spec.name, g.offloaded, g.spec.module
-            self._handles.append(module.register_forward_pre_hook(
-                lambda m, a, k, n=name, og=og: self._enter_forward(n, og, a, k), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(
-                lambda m, a, o, n=name, og=og: self._exit_forward(n, og), always_call=True))
+            self._handles.append(module.register_forward_pre_hook(torch.compiler.disable(
+                lambda m, a, k, n=name, og=og: self._enter_forward(n, og, a, k)), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(torch.compiler.disable(
+                lambda m, a, o, n=name, og=og: self._exit_forward(n, og)), always_call=True))
         self._ours = {h.id for h in self._handles}  # (told from the user's hooks: foreign)
 
     # -- gradients -------------------------------------------------------------------------

@@ -35,6 +35,10 @@ The model is attached when the Trainer creates its optimizer, with its own argum
   ``activations="recompute"`` (the same arithmetic, offloaded weights fetched again;
   every block recomputed), with Hugging Face's turned off;
 * ``bf16``: the Trainer's autocast, as without Fuyou;
+* ``torch_compile``: the model compiled as the Trainer compiles it, attach's hooks (the
+  fetches of offloaded weights) outside the graph; bitwise the plain Trainer with
+  ``torch_compile_backend="aot_eager"``, within a stated tolerance with inductor
+  (docs/guide/trl.md); CUDA-graph modes refused with offloaded weights;
 * ``load_best_model_at_end`` (which ``EarlyStoppingCallback`` needs): at the end the model
   is attached again from the best checkpoint's ``fuyou/``, its weights and moments bitwise
   those of that step.
@@ -90,6 +94,22 @@ def check_arguments(args: transformers.TrainingArguments) -> None:
                          "read; use bf16=True")
     if args.world_size > 1:
         raise ValueError(f"FuyouTrainer with {args.world_size} processes: data-parallel training is not supported yet")
+
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def check_compile(args: transformers.TrainingArguments, options: AttachOptions) -> None:
+    """``torch_compile``: the model is compiled as the Trainer compiles it; attach's hooks (the
+    fetches of offloaded weights) stay out of the graph (engine/hooks.py), so each block's
+    compute is compiled between them. Modes that capture CUDA graphs are refused with
+    offloaded weights: a graph replays the addresses it captured, and an offloaded block's
+    weights are in another slot at each fetch."""
+    mode = getattr(args, "torch_compile_mode", None)
+    if getattr(args, "torch_compile", False) and mode in CUDA_GRAPH_MODES and options.offload is not False:
+        raise ValueError(f"torch_compile_mode={mode!r} captures CUDA graphs, which replay the weights' addresses, but "
+                         "offloaded weights are in another slot at each fetch: use torch_compile_mode='default' or "
+                         "'max-autotune-no-cudagraphs', or fuyou={'offload': False}")
 
 
 def checkpointing_asked(args: transformers.TrainingArguments) -> bool:
@@ -148,6 +168,7 @@ class FuyouTrainer(transformers.Trainer):
         if taken:
             raise ValueError(f"FuyouTrainer(fuyou=...) sets {taken[0]}, which the Trainer decides")
         self.fuyou_options = map_checkpointing(self.args, options)
+        check_compile(self.args, self.fuyou_options)
         self.state_dtype = state_dtype
         AdamW(state_dtype=state_dtype)  # (refused now if unknown)
         self.engine: Engine | None = None
