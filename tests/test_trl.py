@@ -124,3 +124,25 @@ def test_what_does_not_go_with_fuyou_is_refused_naming_the_argument(base, daemon
         trainer("sft", base, tmp_path, fuyou={"socket": daemon.socket, "activations": "swap"})
     with pytest.raises(ValueError, match="sync_ref_model=True.*sync_ref_model=False"):
         trainer("dpo", base, tmp_path, fuyou={"socket": daemon.socket}, sync_ref_model=True)
+
+
+@pytest.mark.slow  # (two DPO runs: about 15 s)
+def test_preference_tuning_of_a_model_never_whole_in_memory(base, daemon, tmp_path):
+    """The policy built on the meta device (attach streams its weights in from its directory,
+    one layer group at a time) and the reference streamed from the same directory: neither is
+    ever whole in memory, and DPO trains bitwise as the plain trainer with both in memory."""
+    ref = trainer("dpo", base, tmp_path / "ref")
+    ref.train()
+    config, _, _, extra, data = KINDS["dpo"]
+    with torch.device("meta"):
+        policy = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(base))
+    ours = FuyouDPOTrainer(model=policy, args=config(
+        output_dir=str(tmp_path / "ours"), max_steps=4, per_device_train_batch_size=2, learning_rate=1e-3,
+        optim="adamw_torch_fused", report_to="none", use_cpu=True, logging_steps=1, save_strategy="no", seed=0,
+        disable_tqdm=True, **extra), train_dataset=data(), processing_class=transformers.AutoTokenizer.from_pretrained(
+        base), fuyou={"socket": daemon.socket, "weights": str(base)})
+    assert all(p.is_meta for p in policy.parameters()) and ours.reference_engine is not None
+    ours.train()
+    assert logs(ours) == logs(ref)
+    assert all(p.numel() == 0 for p in policy.transformer.h.parameters())  # (offloaded: placeholders between uses)
+    ours.close()

@@ -155,14 +155,17 @@ class FuyouTrainer(transformers.Trainer):
 
     Its arguments are the Trainer's, and:
       ``fuyou``: ``AttachOptions`` (or a dict of them) for everything the Trainer's
-      arguments do not decide (socket, offload, activations, ...).
+      arguments do not decide (socket, offload, activations, ...). A model built on the
+      meta device (larger than memory) takes ``fuyou={"weights": DIR}``: attach streams
+      its weights in one layer group at a time, and it is never whole in memory.
       ``state_dtype``: what the AdamW moments are kept in: "fp32", "bf16" or "int8".
     """
 
     def __init__(self, *args, fuyou: AttachOptions | dict | None = None, state_dtype: str = "fp32", **kwargs):
+        options = fuyou if isinstance(fuyou, AttachOptions) else AttachOptions(**(fuyou or {}))
+        self.fuyou_options_given = options  # (the Trainer's __init__ asks it: a model on the meta device)
         super().__init__(*args, **kwargs)
         check_arguments(self.args)
-        options = fuyou if isinstance(fuyou, AttachOptions) else AttachOptions(**(fuyou or {}))
         taken = [f"{k} ({why})" for k, why in DECIDED.items()
                  if getattr(options, k) != getattr(AttachOptions, k, None)]
         if taken:
@@ -232,6 +235,17 @@ class FuyouTrainer(transformers.Trainer):
             self.fuyou_options, param_groups=groups, max_grad_norm=args.max_grad_norm or None,
             accumulation_steps=args.gradient_accumulation_steps, resume=resume))
 
+    def _move_model_to_device(self, model, device):
+        """A model built on the meta device stays there until attach makes it real, one
+        layer group at a time, from ``fuyou={"weights": DIR}`` (the Trainer's ``model.to``
+        would fail on it: a meta tensor has no data to copy)."""
+        if any(p.is_meta for p in model.parameters()):
+            if self.fuyou_options_given.weights is None:
+                raise ValueError("the model is on the meta device: pass fuyou={'weights': DIR} (its from_pretrained "
+                                 "directory) to have attach stream its weights in one layer group at a time")
+            return
+        super()._move_model_to_device(model, device)
+
     def close(self) -> None:
         """Detach the model from fuyoud (``self.engine.close()``; a subclass closes what else
         it attached: a streamed reference model)."""
@@ -277,6 +291,7 @@ class FuyouTrainer(transformers.Trainer):
         with torch.no_grad():
             for p, data in stand_ins:
                 p.data = data
+        self.fuyou_options = dataclasses.replace(self.fuyou_options, weights=None)  # (the stand-ins hold the values)
         self.engine = self._attach(str(best.resolve()))
         self.optimizer = self.engine.optimizer
 

@@ -20,8 +20,9 @@ so preference tuning of a model larger than host memory works. Where it comes fr
   directory): that one, attached frozen (a model on the meta device takes
   ``reference_weights=DIR``);
 * none given: what TRL itself would load, the policy's ``from_pretrained`` directory
-  (``config._name_or_path``), built on the meta device and streamed from it one layer
-  group at a time, never whole in memory;
+  (``config._name_or_path``; a policy on the meta device: its ``fuyou={"weights": DIR}``),
+  built on the meta device and streamed from it one layer group at a time, never whole
+  in memory;
 * a PEFT policy, or ``precompute_ref_log_probs=True``: none (TRL disables the adapter, or
   computes the reference's log-probabilities before training).
 
@@ -131,6 +132,8 @@ class _Reference:
             if policy_calls[0]:
                 policy_calls[0] -= 1
                 return original(path, *args, **kwargs)
+            if (not path or not Path(path).is_dir()) and options.weights is not None and Path(options.weights).is_dir():
+                path = options.weights  # (a policy on the meta device: its weights' directory)
             ref, self.reference_engine = stream_reference(path, options, **kwargs)
             return ref
 
