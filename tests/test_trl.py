@@ -69,15 +69,23 @@ KINDS = {
 }
 
 
-def trainer(kind, base, out, fuyou=None, **kw):
-    """TRL's ``kind`` trainer (``fuyou``: Fuyou's) with TRL's defaults for everything the
-    test does not set: gradient_checkpointing=True and bf16=True among them."""
-    config, plain, ours, extra, data = KINDS[kind]
-    args = config(output_dir=str(out), max_steps=4, per_device_train_batch_size=2, learning_rate=1e-3,
-                  optim="adamw_torch_fused", report_to="none", use_cpu=True, logging_steps=1, save_strategy="steps",
-                  save_steps=2, seed=0, disable_tqdm=True, **{**extra, **kw})
+def config(kind, out, **kw):
+    """TRL's ``kind`` config with TRL's defaults for everything the test does not set:
+    gradient_checkpointing=True and bf16=True among them."""
+    cls, _, _, extra, _ = KINDS[kind]
+    return cls(**{**dict(output_dir=str(out), max_steps=4, per_device_train_batch_size=2, learning_rate=1e-3,
+                         optim="adamw_torch_fused", report_to="none", use_cpu=True, logging_steps=1,
+                         save_strategy="steps", save_steps=2, seed=0, disable_tqdm=True), **extra, **kw})
+
+
+def trainer(kind, base, out, fuyou=None, peft_config=None, **kw):
+    """TRL's ``kind`` trainer (``fuyou``: Fuyou's) on the base model, TRL's defaults otherwise."""
+    _, plain, ours, _, data = KINDS[kind]
+    args = config(kind, out, **kw)
     cls = plain if fuyou is None else ours
     more = {"fuyou": fuyou} if fuyou is not None else {}
+    if peft_config is not None:
+        more["peft_config"] = peft_config
     if kind == "grpo":
         more["reward_funcs"] = reward
     model = transformers.AutoModelForCausalLM.from_pretrained(base)
@@ -133,16 +141,37 @@ def test_preference_tuning_of_a_model_never_whole_in_memory(base, daemon, tmp_pa
     ever whole in memory, and DPO trains bitwise as the plain trainer with both in memory."""
     ref = trainer("dpo", base, tmp_path / "ref")
     ref.train()
-    config, _, _, extra, data = KINDS["dpo"]
     with torch.device("meta"):
         policy = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(base))
-    ours = FuyouDPOTrainer(model=policy, args=config(
-        output_dir=str(tmp_path / "ours"), max_steps=4, per_device_train_batch_size=2, learning_rate=1e-3,
-        optim="adamw_torch_fused", report_to="none", use_cpu=True, logging_steps=1, save_strategy="no", seed=0,
-        disable_tqdm=True, **extra), train_dataset=data(), processing_class=transformers.AutoTokenizer.from_pretrained(
-        base), fuyou={"socket": daemon.socket, "weights": str(base)})
+    ours = FuyouDPOTrainer(model=policy, args=config("dpo", tmp_path / "ours", save_strategy="no"),
+                           train_dataset=KINDS["dpo"][4](),
+                           processing_class=transformers.AutoTokenizer.from_pretrained(base),
+                           fuyou={"socket": daemon.socket, "weights": str(base)})
     assert all(p.is_meta for p in policy.parameters()) and ours.reference_engine is not None
     ours.train()
     assert logs(ours) == logs(ref)
     assert all(p.numel() == 0 for p in policy.transformer.h.parameters())  # (offloaded: placeholders between uses)
+    ours.close()
+
+
+@pytest.mark.slow  # (two SFT runs: about 10 s)
+def test_sft_with_a_peft_config_saves_the_adapter_as_peft_does(base, daemon, tmp_path):
+    """TRL's peft_config (LoRA, TRL's defaults otherwise): bitwise the plain SFTTrainer, and
+    save_model writes the adapter that PeftModel.from_pretrained loads equal to its adapters."""
+    peft = pytest.importorskip("peft")
+    lora = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True,
+                init_lora_weights="gaussian")
+    torch.manual_seed(1)
+    ref = trainer("sft", base, tmp_path / "ref", peft_config=peft.LoraConfig(**lora))
+    ref.train()
+    torch.manual_seed(1)
+    ours = trainer("sft", base, tmp_path / "ours", fuyou={"socket": daemon.socket}, peft_config=peft.LoraConfig(**lora))
+    ours.train()
+    assert logs(ours) == logs(ref)
+    ours.save_model(tmp_path / "adapter")
+    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base),
+                                            tmp_path / "adapter")
+    want = {n: p for n, p in ref.model.named_parameters() if "lora_" in n}
+    got = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+    assert want and set(got) == set(want) and all(torch.equal(got[n], p) for n, p in want.items())
     ours.close()

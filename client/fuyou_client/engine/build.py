@@ -88,7 +88,8 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
     coordinator = StepCoordinator(session, device, groups, lambda: engine.optimizer.param_groups, torch_groups,
                                   offloader, in_use,
                                   parallel.clipper(model, groups), options.accumulation_steps,
-                                  options.max_grad_norm, frozen)
+                                  options.max_grad_norm, frozen,
+                                  recomputed=lambda name: policy.treatments.get(name) == "recompute")
     blocks = [g for g in groups if g.spec.module is not None]
     weights = {(g.device_weights if g.device_weights is not None else g.weights.tensor(torch.uint8))
                .untyped_storage().data_ptr() for g in groups if g.weights is not None}
