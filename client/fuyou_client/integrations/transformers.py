@@ -246,11 +246,24 @@ class FuyouTrainer(transformers.Trainer):
             return
         super()._move_model_to_device(model, device)
 
-    def close(self) -> None:
-        """Detach the model from fuyoud (``self.engine.close()``; a subclass closes what else
-        it attached: a streamed reference model)."""
-        if self.engine is not None:
-            self.engine.close()
+    def close(self, materialize: bool = True) -> None:
+        """Detach the model from fuyoud (a subclass closes what else it attached: a streamed
+        reference model). ``materialize`` (the default): the model's parameters become
+        ordinary tensors holding the trained weights, the whole model in memory; more than
+        the host has available is refused (MemoryError), since the model could not be used
+        after it anyway: save it first (``save_model``), then ``close(materialize=False)``,
+        which leaves an offloaded block's parameters empty."""
+        if self.engine is None:
+            return
+        if materialize:
+            need = sum(group_bytes(g) for g in self.engine.groups if g.offloaded is not None)
+            available = host_memory_available()
+            if need > available:
+                raise MemoryError(f"close() would put the model's {need / 2**30:.1f} GiB of offloaded weights in host "
+                                  f"memory, more than the {available / 2**30:.1f} GiB available: save it first "
+                                  "(save_model), then close(materialize=False)")
+        self.engine.close(materialize=materialize)
+        self.engine = None
 
     def _clip_grad_norm(self, model):
         return None  # Fuyou clips, exactly, in the optimizer's step (attach(max_grad_norm=...))

@@ -145,13 +145,15 @@ class _Reference:
 
     def _close_reference(self) -> None:
         if self.reference_engine is not None:
-            self.reference_engine.close()
+            self.reference_engine.close(materialize=False)  # (the reference is the trainer's own: it goes)
             self.reference_engine = None
 
-    def close(self) -> None:
-        """Detach the model and the streamed reference model from fuyoud."""
-        super().close()
-        self._close_reference()
+    def close(self, materialize: bool = True) -> None:
+        """Detach the model (``FuyouTrainer.close``) and the streamed reference model from fuyoud."""
+        try:
+            super().close(materialize)
+        finally:
+            self._close_reference()
 
 
 class FuyouSFTTrainer(FuyouTrainer, trl.SFTTrainer):
