@@ -62,8 +62,7 @@ if not os.path.isdir(base):
 def status(pid, key):
     with open(f"/proc/{pid}/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key + ":"))
-daemon = fuyou_client.start_daemon(os.path.join(work, "state-" + case),
-                                   config={"storage": {"capacity_per_device": "16GiB"}})
+daemon = fuyou_client.start_daemon(config={"storage": {"capacity_per_device": "auto"}})  # (temporary: it goes)
 config = transformers.AutoConfig.from_pretrained(base)
 with torch.device("meta"):  # (the policy: attach streams its weights in, one layer group at a time)
     model = transformers.AutoModelForCausalLM.from_config(config)
