@@ -6,7 +6,8 @@
                              [--schedule loop|block-major] [--micro-batches K] [--host-budget BYTES]
                              [--check-loop] [--over 1.3] [--dir DIR]
                              [--pinned-budget SIZE] [--buffer-budget SIZE] [--capacity SIZE]
-                             [--device cpu|cuda|stand-in] [--dtype fp32|bf16]
+                             [--device cpu|cuda|stand-in] [--dtype fp32|bf16] [--tied]
+                             [--cap SIZE] [--granularity auto|block|module] [--check-uncapped]
 
 A GPT-2-style (Hugging Face ``GPT2LMHeadModel``) or Llama-style (``LlamaForCausalLM``) model,
 untied head, sized so that its fp32 weights, gradients and AdamW moments (16 bytes per
@@ -24,6 +25,14 @@ the ordinary loop (``accumulation_steps``) or with ``engine.train_step`` (``--sc
 block-major``; ``--host-budget`` smaller than the step's kept inputs makes it spill them to the
 SSD array; ``--check-loop`` then runs the ordinary loop on the same micro-batches from the same
 initial weights in a fresh daemon and checks that the losses are bitwise the same).
+``--tied``: the head tied to the token embeddings (GPT-3's). ``--cap``: the compute device's
+memory (the stand-in's capacity; on CUDA torch's per-process fraction), below one block's
+bytes where the blocks come to it by their modules (``--granularity``, attach's; "auto"
+chooses); ``--check-uncapped`` then runs the same training without the cap in a fresh daemon
+and checks that the losses are bitwise the same (the device plan then takes more slots and
+overlap; the arithmetic must not change). The stand-in reports its peak (what the engine
+allocated on it: weight slots, gradient buffers, resident groups, kept inputs) and the
+bytes up and down per step.
 
 The daemon runs with its defaults for memory and storage unless ``--pinned-budget``,
 ``--buffer-budget`` or ``--capacity`` say otherwise. The script reports:
@@ -91,12 +100,13 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def model_params(family: str, width: int, layers: int, vocab: int, seq: int, mlp: int) -> int:
-    """Parameters of the model the worker builds (untied head)."""
+def model_params(family: str, width: int, layers: int, vocab: int, seq: int, mlp: int, tied: bool = False) -> int:
+    """Parameters of the model the worker builds (an untied head, unless ``tied``)."""
+    head = 0 if tied else vocab * width
     if family == "llama":  # attention 4 w^2, MLP 3 w m, two RMS norms; embeddings, final norm, head
-        return layers * (4 * width * width + 3 * width * mlp + 2 * width) + 2 * vocab * width + width
+        return layers * (4 * width * width + 3 * width * mlp + 2 * width) + vocab * width + head + width
     block = 4 * width * width + 4 * width + 2 * width * mlp + mlp + width + 4 * width  # attention, MLP, two norms
-    return layers * block + vocab * width + seq * width + 2 * width + vocab * width  # wte, wpe, ln_f, lm_head
+    return layers * block + vocab * width + seq * width + 2 * width + head  # wte, wpe, ln_f, lm_head
 
 
 def default_mlp(family: str, width: int) -> int:
@@ -109,7 +119,7 @@ def size_model(args, memory: int) -> tuple[int, int]:
     layers = args.layers
 
     def count(n: int) -> int:
-        return model_params(args.family, args.width, n, args.vocab, args.seq, args.mlp)
+        return model_params(args.family, args.width, n, args.vocab, args.seq, args.mlp, args.tied)
     while STATE_BYTES_PER_PARAM * count(layers) < args.over * memory:
         layers += 1
     return layers, count(layers)
@@ -128,6 +138,8 @@ class RssSampler:
         self.pids: dict[str, int] = {}
         self.peak: dict[str, int] = {}
         self.at_peak: dict = {}
+        self.phases: dict[str, int] = {}  # the peak of both together in each phase (mark)
+        self._phase_peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, args=(interval,))
         self._thread.start()
@@ -142,11 +154,16 @@ class RssSampler:
                     self.peak[name] = max(self.peak.get(name, 0), status["VmRSS"])
             if len(now) == 2:  # the client's own pages, and the daemon's with every segment
                 both = now["client"]["RssAnon"] + now["client"]["RssFile"] + now["daemon"]["VmRSS"]
+                self._phase_peak = max(self._phase_peak, both)
                 if both > self.peak.get("together", 0):
                     self.peak["together"] = both
                     self.at_peak = {f"{name}_{key}": now[name].get(key, 0) for name in now
                                     for key in ("RssAnon", "RssFile", "RssShmem")}
                     self.at_peak["monotonic"] = time.monotonic()
+
+    def mark(self, phase: str) -> None:
+        """The peak of both together since the last mark is ``phase``'s."""
+        self.phases[phase], self._phase_peak = self._phase_peak, 0
 
     def stop(self) -> None:
         self._stop.set()
@@ -209,10 +226,19 @@ def parse(argv):
     p.add_argument("--device", choices=["cpu", "cuda", "stand-in"], default="cpu",
                    help="where the model computes (stand-in: the CUDA code path on the tests' stand-in device)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the model's compute dtype")
+    p.add_argument("--tied", action="store_true", help="the head tied to the token embeddings (GPT-3's)")
+    p.add_argument("--cap", help="the compute device's memory (the stand-in's capacity; CUDA: a per-process cap)")
+    p.add_argument("--granularity", choices=["auto", "block", "module"], help="attach's (default: its own, auto)")
+    p.add_argument("--check-uncapped", action="store_true",
+                   help="then the same run without --cap in a fresh daemon: the losses must be bitwise the same")
     args = p.parse_args(argv)
     args.mlp = args.mlp or default_mlp(args.family, args.width)
     if args.check_loop and args.schedule != "block-major":
         p.error("--check-loop compares a block-major run with the loop: pass --schedule block-major")
+    if args.check_uncapped and not args.cap:
+        p.error("--check-uncapped compares a run under --cap with one without it: pass --cap")
+    if args.cap and args.device == "cpu":
+        p.error("--cap caps a device with its own memory: pass --device stand-in or cuda")
     return args
 
 
@@ -233,7 +259,8 @@ def daemon_config(args) -> dict:
     return config
 
 
-def train(args, layers: int, work: Path, sampler: "RssSampler", schedule: str, tag: str) -> tuple[dict, list, int]:
+def train(args, layers: int, work: Path, sampler: "RssSampler", schedule: str, tag: str,
+          capped: bool = True) -> tuple[dict, list, int]:
     """One run in a fresh daemon: (events by kind, step events, the daemon's peak)."""
     import fuyou_client
 
@@ -245,7 +272,9 @@ def train(args, layers: int, work: Path, sampler: "RssSampler", schedule: str, t
                  "lr": args.lr, "prefetch": args.prefetch, "activations": args.activations,
                  "state_dtype": args.state_dtype, "schedule": schedule, "micro_batches": args.micro_batches,
                  "host_budget": parse_size(args.host_budget) if args.host_budget else None,
-                 "socket": daemon.socket, "disk": disk_name(work), "device": args.device, "dtype": args.dtype}
+                 "socket": daemon.socket, "disk": disk_name(work), "device": args.device, "dtype": args.dtype,
+                 "tied": args.tied, "granularity": args.granularity,
+                 "cap": parse_size(args.cap) if args.cap and capped else None}
         proc = subprocess.Popen([sys.executable, str(WORKER), json.dumps(child)], stdout=subprocess.PIPE, text=True)
         sampler.pids["client"] = proc.pid
         steps, events = [], {}
@@ -259,8 +288,11 @@ def train(args, layers: int, work: Path, sampler: "RssSampler", schedule: str, t
                       f"{format_size(event['written'])} written", flush=True)
                 print(f"  [{tag}] {json.dumps(event)}", flush=True)  # (all of it: a run cut short keeps its steps)
             elif event["event"] == "attached":
+                sampler.mark(f"{tag}: attach")
                 print(f"  [{tag}] attached from the meta device in {event['seconds']:.1f} s\n{event['plan']}",
                       flush=True)
+            elif event["event"] == "done":
+                sampler.mark(f"{tag}: training")
         if proc.wait() != 0:
             raise RuntimeError(f"the training process failed (exit code {proc.returncode}): "
                                f"{events.get('error', {}).get('error', 'see its output above')}")
@@ -330,8 +362,14 @@ def main(argv=None) -> int:
         daemon_peak = max(sampler.peak.get("daemon", 0), daemon_hwm)
         together = sampler.peak.get("together", client_peak + daemon_peak)
         bare.append(bare_bandwidth(work, bare_size))
+        if args.check_uncapped:
+            shutil.rmtree(work / f"state-{args.schedule}", ignore_errors=True)
+            _, uncapped_steps, _ = train(args, layers, work, sampler, args.schedule, "uncapped", capped=False)
+            result["uncapped_losses"] = [s["losses"] for s in uncapped_steps]
+            result["uncapped_steps"] = uncapped_steps
         if args.check_loop:
             shutil.rmtree(work / f"state-{args.schedule}", ignore_errors=True)
+            shutil.rmtree(work / "state-uncapped", ignore_errors=True)
             try:
                 _, loop_steps, _ = train(args, layers, work, sampler, "loop", "loop")
                 result["loop_losses"] = [s["losses"] for s in loop_steps]
@@ -370,10 +408,17 @@ def main(argv=None) -> int:
                                                                   events["attached"]["init_draw_seconds"]),
         "memory_plan": {k: events["attached"][k] for k in ("plan", "plan_bytes", "prefetch", "weight_slots",
                                                            "grad_buffers", "handoff", "host_budget",
-                                                           "chunked_groups")},
+                                                           "chunked_groups", "groups", "device_plan",
+                                                           "device_plan_fixed_bytes", "device_budget_bytes",
+                                                           "granularity")},
+        "device_peak_bytes": events["done"].get("device_peak_bytes"),
+        "device_capacity_bytes": events["done"].get("device_capacity_bytes"),
+        "pcie_bytes_per_step": {"up": statistics.median(s.get("pcie_up", 0) for s in timed),
+                                "down": statistics.median(s.get("pcie_down", 0) for s in timed)},
         "peak_rss_client_bytes": client_peak, "peak_rss_daemon_bytes": daemon_peak,
         "peak_rss_together_bytes": together, "peak_rss_over_state": together / (STATE_BYTES_PER_PARAM * params),
         "peak_rss_together_parts": sampler.at_peak,
+        "peak_rss_together_by_phase": sampler.phases,
         "resident_gib_per_billion_params": gib_per_b,
         "seconds_per_step": statistics.median(s["seconds"] for s in timed),
         "optimizer_seconds": optimizer, "ssd_bound_seconds": bound, "optimizer_over_ssd_bound": optimizer / bound,
@@ -394,6 +439,12 @@ def main(argv=None) -> int:
     if args.check_loop:
         result["targets_met"]["block_major_bitwise_loop"] = \
             result.get("loop_losses") == [s["losses"] for s in steps]
+    if args.check_uncapped:
+        result["targets_met"]["capped_bitwise_uncapped"] = \
+            result.get("uncapped_losses") == [s["losses"] for s in steps]
+        cap = parse_size(args.cap)
+        result["targets_met"]["device_below_cap"] = (result["device_peak_bytes"] or 0) <= cap if \
+            args.device == "stand-in" else None
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"params {params / 1e9:.2f}B; peak RSS client {format_size(client_peak)}, daemon "
@@ -407,6 +458,9 @@ def main(argv=None) -> int:
           f"{', '.join(f'{x:.3f}' for x in result['losses'])}"
           + (f"; block-major bitwise the loop: {result['targets_met']['block_major_bitwise_loop']}"
              if args.check_loop else "")
+          + (f"; under the {args.cap} cap (device peak {format_size(result['device_peak_bytes'] or 0)}, "
+             f"{result['memory_plan']['granularity']}) bitwise uncapped: "
+             f"{result['targets_met']['capped_bitwise_uncapped']}" if args.check_uncapped else "")
           + (f"; GPU: {result['model_tflops']:.1f} model TFLOPS, busy {result['gpu_busy_fraction']}, peak "
              f"{format_size(result['gpu_peak_bytes'])}" if args.device == "cuda" else ""))
     return 0
@@ -422,7 +476,7 @@ def group_sizes(args, layers: int) -> list[int]:
     """The parameters of each layer group: the blocks, then the rest."""
     block = model_params(args.family, args.width, 1, 0, 0, args.mlp) - (args.width if args.family == "llama" else
                                                                         2 * args.width)
-    return [block] * layers + [model_params(args.family, args.width, layers, args.vocab, args.seq, args.mlp)
+    return [block] * layers + [model_params(args.family, args.width, layers, args.vocab, args.seq, args.mlp, args.tied)
                                - layers * block]
 
 

@@ -36,7 +36,7 @@ def build(args: dict):
     else:
         cfg = transformers.GPT2Config(
             n_embd=args["width"], n_layer=args["layers"], n_head=args["heads"], n_inner=args["mlp"],
-            vocab_size=args["vocab"], n_positions=args["seq"], tie_word_embeddings=False, resid_pdrop=0.0,
+            vocab_size=args["vocab"], n_positions=args["seq"], tie_word_embeddings=bool(args.get("tied")), resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         cls = transformers.GPT2LMHeadModel
     with torch.device("meta"):
@@ -44,14 +44,22 @@ def build(args: dict):
     return model.to(torch.bfloat16) if args.get("dtype") == "bf16" else model
 
 
-def compute_device(name: str):
-    """attach's device: the CPU (None: where the model is), CUDA, or (``stand-in``) the
-    tests' stand-in for a device with its own memory, which runs the CUDA code path here."""
+def compute_device(name: str, cap: int | None = None):
+    """attach's device: the CPU (None: where the model is), CUDA (``cap``: its memory capped
+    by torch's per-process fraction), or (``stand-in``) the tests' stand-in for a device
+    with its own memory, which runs the CUDA code path here (``cap``: its capacity)."""
     if name == "stand-in":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         from discrete_device import LateCopyDevice
-        return LateCopyDevice(max_delay=0.0)
+        return LateCopyDevice(max_delay=0.0, capacity=cap)
+    if name == "cuda" and cap:
+        torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)
     return None if name == "cpu" else name
+
+
+def link_bytes(device) -> dict:
+    """A stand-in's bytes up and down so far (running totals; none elsewhere)."""
+    return {"pcie_up": getattr(device, "bytes_up", 0), "pcie_down": getattr(device, "bytes_down", 0)}
 
 
 def disk_ticks(disk: str | None) -> float:
@@ -101,7 +109,8 @@ def counters(engine) -> dict:
         "forward_weight_reads": off.fetched_forward if off is not None else 0,
         "backward_weight_reads": off.fetched_bytes - off.fetched_forward if off is not None else 0,
         "backward_weights_served": off.served_bytes if off is not None else 0,
-    }
+        "weights_reused_from_slots": off.reused_bytes if off is not None else 0,
+    } | link_bytes(engine.device)
 
 
 def draw_seconds(model) -> float:
@@ -133,13 +142,15 @@ def main() -> None:
     model = build(args)
     params = sum(p.numel() for p in model.parameters())
     init_floor = draw_seconds(model)
-    options = {k: args[k] for k in ("prefetch", "host_budget") if args.get(k) is not None}
+    options = {k: args[k] for k in ("prefetch", "host_budget", "granularity") if args.get(k) is not None}
+    if args["layers"] == 1:  # (one block is no repeated list: name it, or it would be the rest's)
+        options["blocks"] = list(model.model.layers if args["family"] == "llama" else model.transformer.h)
     k = args["micro_batches"]
     t0 = time.perf_counter()
     engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=args["lr"], weight_decay=0.01,
                                                            state_dtype=args["state_dtype"]),
                                  socket=args["socket"], namespace="bigmodel", weights="init", offload=True,
-                                 device=compute_device(args.get("device", "cpu")),
+                                 device=compute_device(args.get("device", "cpu"), args.get("cap")),
                                  activations=args["activations"],
                                  accumulation_steps=k if args["schedule"] == "loop" else 1, **options)
     attach_s = time.perf_counter() - t0
@@ -148,7 +159,11 @@ def main() -> None:
                       "init_draw_seconds": init_floor, "plan": plan.describe(),
                       "plan_bytes": plan.total, "prefetch": plan.prefetch, "weight_slots": plan.weight_slots,
                       "grad_buffers": plan.grad_buffers, "handoff": plan.handoff, "host_budget": plan.host_budget,
-                      "chunked_groups": sum(1 for g in engine.groups if g.chunked)}), flush=True)
+                      "chunked_groups": sum(1 for g in engine.groups if g.chunked), "groups": len(engine.groups),
+                      "device_plan": plan.device.describe() if plan.device else None,
+                      "device_plan_fixed_bytes": plan.device.fixed_bytes if plan.device else None,
+                      "device_budget_bytes": plan.device.budget if plan.device else None,
+                      "granularity": plan.device.granularity if plan.device else None}), flush=True)
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, args["vocab"], (args["batch"], args["seq"]), generator=gen) for _ in range(k)]
     cuda = args.get("device") == "cuda"
@@ -197,7 +212,8 @@ def main() -> None:
                       "spill_read_wait": stats.read_wait_s if stats is not None else 0.0})
         print(json.dumps(event), flush=True)
     peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-    print(json.dumps({"event": "done", "vmhwm": peak}), flush=True)
+    print(json.dumps({"event": "done", "vmhwm": peak, "device_peak_bytes": getattr(engine.device, "peak", None),
+                      "device_capacity_bytes": getattr(engine.device, "capacity", None)}), flush=True)
     engine.close(materialize=False)
 
 

@@ -30,9 +30,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 import fuyou_client.sizing.estimate as sizing_estimate  # noqa: E402
-from fuyou_client.sizing.hardware import Disks, GpuProfile, Host, Rate  # noqa: E402
+from fuyou_client.sizing.hardware import PROFILES, Disks, Host, Rate  # noqa: E402
 from fuyou_client.sizing.iteration import (Rates, Schedule, at_ceiling_rate, calibrate,  # noqa: E402,F401
-                                           device_estimate as _device_estimate, gpt2_family, simulate)
+                                           gpt2_family, simulate)
 from fuyoud.units import parse_size  # noqa: E402
 
 GB, GiB = 1e9, 1 << 30
@@ -79,16 +79,12 @@ def recorded(run: dict) -> Config:
                   accum=a["accum"], cap=run["gpu_cap_bytes"], weights="resident")
 
 
-def device_estimate(cfg: Config) -> float:
-    """Peak bytes on the GPU, before ``device_factor``."""
-    return _device_estimate(cfg.shape, cfg.product)
-
-
-def host_needed(cfg: Config, r: Rates) -> float:
-    """Host memory the product's estimate gives this configuration (block-major: every kept
-    input in the host arena, as bench/gpu.py's host_budget keeps them)."""
-    gpu = GpuProfile("capped", cfg.cap, r.ceiling_hw_tflops, Rate(r.kernel_tflops, "run"), Rate(r.pass_gap_s, "run"),
-                     Rate(r.pcie_h2d, "run"), Rate(r.pcie_d2h, "run"))
+def product_estimate(cfg: Config, r: Rates):
+    """The product's estimate of this configuration's memory (sizing/estimate.py; block-major:
+    every kept input in the host arena, as bench/gpu.py's host_budget keeps them): its GPU
+    memory is the device plan attach makes (memory/device_plan.py)."""
+    gpu = replace(PROFILES["h100"], name="capped", memory=cfg.cap, pcie_h2d=Rate(r.pcie_h2d, "run"),
+                  pcie_d2h=Rate(r.pcie_d2h, "run"))  # (memory only: its rates are not used)
     host = Host(gpu, r.host_bytes or 1 << 40, Disks(1, 1 << 50, Rate(r.ssd_read, "run"), Rate(r.ssd_write, "run")),
                 16, pinned_budget=r.host_bytes or 1 << 40)
     offload = {"resident": False, "host": "host", "ssd": True}[cfg.weights]
@@ -96,7 +92,17 @@ def host_needed(cfg: Config, r: Rates) -> float:
                                  schedule="loop" if cfg.schedule == "today" else "block-major", offload=offload)
     kept = sizing_estimate.kept_inputs(cfg.shape, s, 2)
     s = replace(s, host_budget=kept or None)
-    return sizing_estimate.estimate(cfg.shape, s, host, simulate_time=False).memory["host_total"]
+    return sizing_estimate.estimate(cfg.shape, s, host, simulate_time=False)
+
+
+def device_estimate(cfg: Config, r: Rates) -> float:
+    """Peak bytes on the GPU: the device plan's."""
+    return product_estimate(cfg, r).memory["gpu"]
+
+
+def host_needed(cfg: Config, r: Rates) -> float:
+    """Host memory the product's estimate gives this configuration."""
+    return product_estimate(cfg, r).memory["host_total"]
 
 
 def breakdown(config: Config | dict, rates: Rates | None = None) -> dict:
@@ -106,7 +112,7 @@ def breakdown(config: Config | dict, rates: Rates | None = None) -> dict:
     r = rates or calibrate(load(RUN))
     out = {"config": dataclasses.asdict(cfg), **simulate(cfg.shape, cfg.product, r)}
     out["over_ceiling"] = out["model_tflops"] / r.ceiling_tflops
-    peak = device_estimate(cfg) * r.device_factor
+    peak = device_estimate(cfg, r)
     # today: the run's own peak, under its cap, is the estimate's scale; block-major: bench/gpu.py's
     # searches leave 10% spare
     fits = peak <= cfg.cap if cfg.schedule == "today" else peak <= 0.9 * cfg.cap
@@ -124,15 +130,44 @@ def load(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
+TIMED = ("micro_batch_seconds", "step_seconds", "model_tflops")  # what the model reproduces (calibration_error)
+
+
+def kernel_share(cfg: Config, rates: Rates, got: dict) -> float | None:
+    """The share of the iteration the model's own kernels run (NVML's kind of busy: the
+    launches' waits left out) for "today" (the loop, weights resident): per micro-batch each
+    block's forward, again before its backward, its backward, the tail, each group's
+    gradients flattened to fp32. None without a kernel model."""
+    k = rates.gpu
+    if k is None or cfg.schedule != "today":
+        return None
+    shape, m, seq = cfg.shape, cfg.micro, cfg.seq
+    fwd, bwd = (k.block_pass(shape, m, seq, w, rates.precision).busy for w in ("forward", "backward"))
+    tail = sum(k.tail_pass(shape, m, seq, p, rates.precision).busy for p in ("forward", "input_grad", "weight_grad"))
+    flatten = 6 * got["params"] / rates.hbm / GB
+    return cfg.accum * (cfg.layers * (2 * fwd + bwd) + tail + flatten) / got["iteration_seconds"]
+
+
 def calibration(run: dict, rates: Rates) -> dict:
-    """The model of "today" against the run: the relative error of each measured figure."""
-    got, fuyou = breakdown(recorded(run), rates), run["results"]["fuyou"]
+    """The model of "today" against the run: the relative error of each measured figure;
+    ``calibration_error`` the largest of the timed ones (TIMED), which the model reproduces.
+    NVML's busy share is bounded, not reproduced (``gpu_busy_bounds``): from below by the
+    share the model's own kernels run; from above by the compute stream's share plus the
+    time the model has it waiting on the host path, where kernels the model does not know of
+    (Fuyou's own, beyond the model's) could run without changing the micro-batch's time."""
+    cfg = recorded(run)
+    got, fuyou = breakdown(cfg, rates), run["results"]["fuyou"]
     pairs = {"micro_batch_seconds": (got["micro_batch_seconds"], fuyou["micro_batch_seconds"]),
              "step_seconds": (got["step_seconds"], fuyou["step_seconds"]),
              "model_tflops": (got["model_tflops"], fuyou["tflops"]), "gpu_busy": (got["gpu_busy"], fuyou["busy"])}
     errors = {k: abs(m / v - 1) for k, (m, v) in pairs.items()}
+    stalled = sum(v for k, v in got["seconds"].items() if k.startswith("gpu stalled")) / got["iteration_seconds"]
+    kernels = kernel_share(cfg, rates, got)
+    bounds = (kernels if kernels is not None else got["gpu_busy"], got["gpu_busy"] + stalled)
     return {"model": {k: m for k, (m, _) in pairs.items()}, "run": {k: v for k, (_, v) in pairs.items()},
-            "relative_error": errors, "calibration_error": max(errors.values())}
+            "relative_error": errors, "calibration_error": max(errors[k] for k in TIMED),
+            "model_kernel_share": kernels, "gpu_busy_bounds": bounds,
+            "gpu_busy_within_bounds": bounds[0] <= fuyou["busy"] <= bounds[1]}
 
 
 def choose(base: Config, rates: Rates, min_tokens: int = 300_000, tolerance: float = 0.03) -> dict:
@@ -144,7 +179,7 @@ def choose(base: Config, rates: Rates, min_tokens: int = 300_000, tolerance: flo
         k = math.ceil(min_tokens / (micro * base.seq))
         while k * micro * base.seq <= max(min_tokens, base.tokens):
             cfg = replace(base, schedule="block-major", micro=micro, accum=k)
-            on_gpu = device_estimate(cfg) * rates.device_factor <= 0.9 * cfg.cap  # (before simulating it)
+            on_gpu = device_estimate(cfg, rates) <= 0.9 * cfg.cap  # (before simulating it)
             if on_gpu and (got := breakdown(cfg, rates))["fits_host"]:
                 fits.append(got)
             k = 1 << k.bit_length() if k & (k - 1) else 2 * k  # the next power of two
@@ -219,6 +254,8 @@ def main(argv=None) -> int:
     for flag, fields in overrides.items():
         for name in fields * (getattr(args, flag.replace("-", "_")) is not None):
             setattr(rates, name, getattr(args, flag.replace("-", "_")))
+    if args.kernel_tflops is not None:  # (the flat model: every pass at that rate, no idle)
+        rates.gpu, rates.pass_gap_s = None, 0.0
     cal = calibration(run, rates)
     base = recorded(run)
     base = replace(base, **{k: v for k in ("width", "layers", "seq", "micro", "accum", "cap")
@@ -235,7 +272,10 @@ def main(argv=None) -> int:
     bm, bw = rows["block-major"], wide["block-major"]
     flat = [breakdown(Config(**b["config"]), at_ceiling_rate(rates))["over_ceiling"] for b in (bm, bw)]
     print(f"calibration on {args.run.name}, today's schedule: " + ", ".join(
-        f"{k} {cal['model'][k]:.4g} vs {cal['run'][k]:.4g} ({cal['relative_error'][k]:.1%})" for k in cal["model"]))
+        f"{k} {cal['model'][k]:.4g} vs {cal['run'][k]:.4g} ({cal['relative_error'][k]:.1%})" for k in cal["model"])
+        + f"; NVML's busy {cal['run']['gpu_busy']:.3f} within [{cal['gpu_busy_bounds'][0]:.3f}, "
+          f"{cal['gpu_busy_bounds'][1]:.3f}] (the model's kernels; its compute stream plus its waits on the host path): "
+        + ("yes" if cal["gpu_busy_within_bounds"] else "NO"))
     print(table(rows) + "\n\nwider family (4x the cap in state):" + table(wide))
     print(f"\nblock-major (predicted, not measured): {bm['model_tflops']:.1f} TFLOPS = {bm['over_ceiling']:.3f}x "
           f"the ceiling's {rates.ceiling_tflops:.1f} ({flat[0]:.3f}x if larger micro-batches were no faster per "

@@ -3,10 +3,12 @@
     python bench/sizing.py            # print the examples' Markdown
     python bench/sizing.py --write    # and replace them in docs/guide/sizing.md
 
-7B, 13B, 70B and a 175B-class model on a workstation (one 24 GB GPU, 128 GiB, two NVMe)
-and a server (one 80 GB GPU, 512 GiB, four NVMe), sequences of 2048 tokens, half a million
-tokens per step; beside them, the largest models trained here, read from their committed
-results. tests/test_sizing.py checks that the page holds what this prints.
+7B, 13B, 70B, a 175B-class model and Llama-3.1-405B on a workstation (one 24 GB GPU, 128 GiB,
+two NVMe) and a server (one 80 GB GPU, 512 GiB, four NVMe), sequences of 2048 tokens, half a
+million tokens per step; GPT-3 175B and Llama-3.1-405B on the Fuyou paper's box (one RTX 4090,
+768 GB, twelve NVMe) as the paper trains 175B there (16 sequences of 1024 a step); beside them,
+the largest models trained here, read from their committed results. tests/test_sizing.py
+checks that the page holds what this prints.
 """
 from __future__ import annotations
 
@@ -32,7 +34,12 @@ MODELS = {  # the published configs' shapes
                     "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 32000},
     "GPT-3 175B shape": {"model_type": "gpt2", "n_embd": 12288, "n_layer": 96, "n_head": 96, "vocab_size": 50257,
                          "n_positions": 2048},
+    "Llama-3.1-405B": {"model_type": "llama", "hidden_size": 16384, "num_hidden_layers": 126,
+                       "num_attention_heads": 128, "num_key_value_heads": 8, "intermediate_size": 53248,
+                       "vocab_size": 128256, "tie_word_embeddings": False},
 }
+PAPER_BOX = dict(gpu="rtx4090", ram="768GiB", ssd="12x6.5/3.4GB/s", ssd_size="3.84TB", cores=32)
+PAPER_SEQ, PAPER_TOKENS = 1024, 16 * 1024  # (the paper's 175B runs: 16 sequences of 1024 a step)
 HOSTS = {
     "workstation": dict(gpu="rtx4090", ram="128GiB", ssd="2x7GB/s", ssd_size="4TB", cores=16),
     "server": dict(gpu="h100", ram="512GiB", ssd="4x7GB/s", ssd_size="7.68TB", cores=64),
@@ -44,6 +51,23 @@ def _where(offload) -> str:
     return {True: "SSD", "host": "host"}[offload]
 
 
+def row(model_name: str, host_name: str, plan) -> str:
+    """One example's table row: the plan chosen, or what does not fit and the least it needs."""
+    e, host = plan.best, plan.host
+    if e is None:
+        short = "; ".join(f"{k} needs {format_size(n)}, has {format_size(h)}" for k, (n, h) in plan.minimums().items()
+                          if n > h)
+        return f"| {model_name} | {host_name} | does not fit: {short} | | | | | | | |"
+    s, m = e.settings, e.memory
+    wear = 1000 * e.written_per_step / host.disks.count / 1e12
+    return (f"| {model_name} ({e.shape.params / 1e9:.1f}B) | {host_name} | {s.micro_batch} x {s.micro_batches}, "
+            f"{s.state_dtype}, weights: {_where(s.offload)}{', by module' if s.granularity == 'module' else ''} | "
+            f"{format_size(m['gpu'])} | {format_size(m['pinned_plan'])} / {format_size(m['host_total'])} | "
+            f"{format_size(m['ssd_capacity'])} | {wear:,.0f} TB | {e.tokens_per_second:,.0f} | "
+            f"{e.time['model_tflops']:.0f} / {e.time['hardware_tflops']:.0f} | "
+            f"{e.binds} ({e.utilisation[e.binds]:.2f}) |")
+
+
 def rows() -> tuple[list[str], str]:
     """The examples' table rows, and the whole output of the FULL example."""
     out, full = [], ""
@@ -53,20 +77,16 @@ def rows() -> tuple[list[str], str]:
             plan = sizing.plan(cfg, on=host, seq=SEQ)
             if (model_name, host_name) == FULL:
                 full = str(plan)
-            e = plan.best
-            if e is None:
-                short = "; ".join(f"{k} {format_size(n)} > {format_size(h)}" for k, (n, h) in plan.minimums().items()
-                                  if n > h)
-                out.append(f"| {model_name} | {host_name} | does not fit: {short} | | | | | | |")
-                continue
-            s, m = e.settings, e.memory
-            wear = 1000 * e.written_per_step / host.disks.count / 1e12
-            out.append(f"| {model_name} ({e.shape.params / 1e9:.1f}B) | {host_name} | {s.micro_batch} x {s.micro_batches}, "
-                       f"{s.state_dtype}, weights: {_where(s.offload)} | {format_size(m['gpu'])} | "
-                       f"{format_size(m['pinned_plan'])} / {format_size(m['host_total'])} | "
-                       f"{format_size(m['ssd_capacity'])} | {wear:,.0f} TB | {e.tokens_per_second:,.0f} | "
-                       f"{e.time['model_tflops']:.0f} | {e.binds} ({e.utilisation[e.binds]:.2f}) |")
+            out.append(row(model_name, host_name, plan))
     return out, full
+
+
+def paper_rows() -> list[str]:
+    """GPT-3 175B and Llama-3.1-405B on the paper's box, as the paper trains 175B there."""
+    host = sizing.host(**PAPER_BOX)
+    return [row(name, "the paper's box", sizing.plan(MODELS[name], on=host, seq=PAPER_SEQ,
+                                                     tokens_per_step=PAPER_TOKENS))
+            for name in ("GPT-3 175B shape", "Llama-3.1-405B")]
 
 
 def trained() -> list[str]:
@@ -89,12 +109,20 @@ def render() -> str:
     return "\n".join([
         BEGIN,
         "| model | host | micro-batch x micro-batches, state, blocks' weights | GPU | pinned / host memory | "
-        "SSD capacity | written per device per 1,000 steps | tokens/s | model TFLOPS | binds (busy share) |",
+        "SSD capacity | written per device per 1,000 steps | tokens/s | model / hardware TFLOPS | binds (busy share) |",
         "|---|---|---|---|---|---|---|---|---|---|",
         *table, "",
         f"The whole answer for {FULL[0]} on the {FULL[1]} "
         f"(`fuyouctl plan llama-2-70b/config.json --gpu rtx4090 --ram 128GiB --ssd 2x7GB/s --ssd-size 4TB "
         f"--cores 16 --seq {SEQ}`):", "", "```", full, "```", "",
+        f"On the Fuyou paper's box (one RTX 4090, 768 GB, twelve 3.84 TB NVMe drives at 6.5/3.4 GB/s, 32 "
+        f"cores; `fuyouctl plan ... --gpu rtx4090 --ram 768GiB --ssd 12x6.5/3.4GB/s --ssd-size 3.84TB --cores 32 "
+        f"--seq {PAPER_SEQ} --tokens-per-step {PAPER_TOKENS}`), the paper's 175B run and Llama-3.1-405B, which no "
+        "published system fine-tunes on one 24 GB GPU:", "",
+        "| model | host | micro-batch x micro-batches, state, blocks' weights | GPU | pinned / host memory | "
+        "SSD capacity | written per device per 1,000 steps | tokens/s | model / hardware TFLOPS | binds (busy share) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *paper_rows(), "",
         "The largest models trained so far, for comparison (measured, not planned):", "",
         "| model | host | figures | result |", "|---|---|---|---|", *trained(),
         END])

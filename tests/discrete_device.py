@@ -66,10 +66,18 @@ class _Worker:
 
 
 class LateCopyDevice(Device):
+    """``capacity``: its memory, in bytes (None: unbounded). With one, what the engine
+    allocates on it (weight slots, gradient buffers, resident groups, uploaded kept inputs)
+    is counted while alive, an allocation beyond it raises ``torch.OutOfMemoryError`` as
+    CUDA's allocator does, ``peak`` is the most ever held, and ``memory_available`` is
+    what is left (the device plan's budget). The model's activations are the CPU's and
+    not counted."""
     torch_device = torch.device("cpu")
     shares_host_memory = False
+    computes_in_its_memory = False  # (its compute is the CPU's: only what the engine allocates is on it)
 
-    def __init__(self, seed: int = 0, max_delay: float = 0.003, helper_delay: float | None = None):
+    def __init__(self, seed: int = 0, max_delay: float = 0.003, helper_delay: float | None = None,
+                 capacity: int | None = None):
         rng = random.Random(seed)
         self._up = _Worker("upload", rng, max_delay)
         self._down = _Worker("download", rng, max_delay)
@@ -78,7 +86,10 @@ class LateCopyDevice(Device):
         self.ever_registered = 0
         self.uploads = self.downloads = 0
         self.bytes_up = self.bytes_down = 0  # per link, since construction (tests difference them per iteration)
-        self.allocated: list[torch.Tensor] = []
+        self.allocated: list[torch.Tensor] = []  # (unbounded only: every allocation, kept alive)
+        self.capacity = capacity
+        self._live: list[tuple[int, int]] = []  # (storage weak reference, bytes)
+        self.peak = 0
         self.turns_done: list[str] = []  # thread_turn_done's callers' names, in order
 
     def register(self, address: int, nbytes: int) -> None:
@@ -97,9 +108,35 @@ class LateCopyDevice(Device):
         super().thread_turn_done()
         self.turns_done.append(threading.current_thread().name)
 
+    def live_bytes(self) -> int:
+        """Bytes of its allocations still alive."""
+        alive = []
+        for ref, n in self._live:
+            if torch.UntypedStorage._expired(ref):
+                torch.UntypedStorage._free_weak_ref(ref)
+            else:
+                alive.append((ref, n))
+        self._live = alive
+        return sum(n for _, n in alive)
+
+    def memory_available(self) -> int | None:
+        return None if self.capacity is None else self.capacity - self.live_bytes()
+
+    def memory_allocated(self) -> int | None:
+        return None if self.capacity is None else self.live_bytes()
+
     def empty(self, nbytes: int) -> torch.Tensor:
+        if self.capacity is not None:
+            live = self.live_bytes()
+            if live + nbytes > self.capacity:
+                raise torch.OutOfMemoryError(f"stand-in device out of memory: tried to allocate {nbytes} bytes with "
+                                             f"{live} of its {self.capacity} in use")
         t = torch.full((nbytes,), 0xA5, dtype=torch.uint8)  # garbage, as device memory would be
-        self.allocated.append(t)
+        if self.capacity is None:
+            self.allocated.append(t)
+        else:
+            self._live.append((t.untyped_storage()._weak_ref(), nbytes))
+            self.peak = max(self.peak, live + nbytes)
         return t
 
     def _copy(self, worker: _Worker, dst, src, after, host: torch.Tensor) -> Event:

@@ -200,7 +200,8 @@ def test_cuda_device_memory_does_not_grow_with_the_micro_batches(daemon):
 @pytest.mark.parametrize("grad_accumulation", ["device", "host"])
 def test_bytes_on_each_link_are_the_schedules(daemon, grad_accumulation):
     """Per iteration on the stand-in: weights up once per block in forward and once in
-    backward (the last block stays between them), the rest's new weights up once, every
+    backward (the last block stays between them, and blocks whose slots no fetch took since
+    forward are used again: the offloader counts them), the rest's new weights up once, every
     gradient down once; and the checkpoints: each micro-batch's input to every block, the
     last output, the head's and every block's input gradient down once; inputs up once in
     forward (block 0's too: each prologue's output leaves the device as it is made, so the
@@ -220,11 +221,13 @@ def test_bytes_on_each_link_are_the_schedules(daemon, grad_accumulation):
     hidden = SHAPE[0] * SHAPE[1] * model.config.n_embd * 4
     loop_device = LateCopyDevice(seed=6)
     reference = fuyou_client.attach(twin, fuyou_client.AdamW(**HYPER), socket=daemon.socket,
-                                    device=loop_device, accumulation_steps=K)
+                                    device=loop_device, accumulation_steps=K, prefetch=0)  # (fewer slots than blocks)
     for micro_batches in batches():
-        up, down = device.bytes_up, device.bytes_down
+        up, down, reused = device.bytes_up, device.bytes_down, engine.offloader.reused_bytes
         engine.train_step(micro_batches, lambda x: model(x, labels=x).loss / K)
-        weights_up = 2 * sum(block_bytes) - block_bytes[-1] + (all_bytes - sum(block_bytes))
+        reused = engine.offloader.reused_bytes - reused  # (blocks backward found still in their slots)
+        assert 0 < reused < sum(block_bytes)
+        weights_up = 2 * sum(block_bytes) - block_bytes[-1] - reused + (all_bytes - sum(block_bytes))
         checkpoints_down = ((layers + 1) + 1 + layers) * K * hidden
         checkpoints_up = (layers + 2 * layers + 2) * K * hidden
         assert device.bytes_up - up == weights_up + checkpoints_up
@@ -323,7 +326,8 @@ def test_the_schedule_bench_runs_and_halves_the_ssd_traffic(tmp_path):
 
     out = tmp_path / "schedule.json"
     bench = Path(__file__).resolve().parent.parent / "bench" / "schedule.py"
-    run = subprocess.run([sys.executable, str(bench), "--layers", "2", "--width", "64", "--seq", "16", "--accum", "3",
+    # (more blocks than the loop's weight slots hold: else it keeps them all from one micro-batch to the next)
+    run = subprocess.run([sys.executable, str(bench), "--layers", "8", "--width", "64", "--seq", "16", "--accum", "3",
                           "--rounds", "1", "--json", str(out), "--dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr

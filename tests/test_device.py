@@ -99,7 +99,8 @@ def test_weights_on_the_host_are_uploaded_per_use_and_never_read_from_ssd(daemon
     engine, _, _, _ = train_pair(gpt2, daemon, steps=2, device=device, offload="host")
     blocks = [g for g in engine.groups if g.offloaded is not None]
     assert blocks and all(g.offloaded.host is not None and g.device_weights is None for g in blocks)
-    assert device.uploads >= 2 * 2 * len(blocks)  # each block, forward and backward, each step
+    # each block, forward and backward, each step (or used again from its slot, still there)
+    assert device.uploads + engine.offloader.reuses >= 2 * 2 * len(blocks)
     assert engine.offloader.fetched_bytes == 0 and engine.offloader.served_bytes == 0
     assert engine.session.objects("weights/") == []
     engine.close()
@@ -109,26 +110,31 @@ def test_weights_on_the_host_are_uploaded_per_use_and_never_read_from_ssd(daemon
 
 
 def test_host_accumulation_bounds_the_gradients_waiting_to_leave(daemon):
-    """Backward can outrun the download stream; each gradient waiting for it holds its
-    fp32 copy in device memory, so no more than two may wait (the H100 ran out of memory
-    before this bound: every group of a backward queued at once)."""
+    """Backward can outrun the download stream; each group's gradients waiting for it hold
+    their device memory, so no more than two groups' may wait (the H100 ran out of memory
+    before this bound: every group of a backward queued at once). Counted per group: its
+    parameters' downloads, pending while its last one is."""
     device = LateCopyDevice(max_delay=0.01)  # copies much slower than this backward
     waiting, download = [], device.download
+    from fuyou_client.gradients.host import HostAccumulation
+    add = HostAccumulation.add
 
-    def counted(dst, src, after=None):
-        event = download(dst, src, after)
-        waiting.append(event)
+    def counted(self, group, first):
+        add(self, group, first)
+        waiting.append(self._last[group.spec.name])
         device.peak_waiting = max(getattr(device, "peak_waiting", 0), sum(not e.query() for e in waiting))
-        return event
 
-    device.download = counted
+    HostAccumulation.add = counted
     model = gpt2()
     engine = fuyou_client.attach(model, socket=daemon.socket, device=device, accumulation_steps=2,
                                  offload=False, grad_accumulation="host")
     x = torch.randint(0, 512, (2, 32))
-    for _ in range(2):
-        model(x, labels=x).loss.backward()
-    engine.step()
+    try:
+        for _ in range(2):
+            model(x, labels=x).loss.backward()
+        engine.step()
+    finally:
+        HostAccumulation.add = add
     engine.close()
     assert len(waiting) >= 2 * len(engine.groups)
     assert device.peak_waiting <= 3  # two waiting and the one just queued

@@ -54,7 +54,7 @@ def test_a_tight_budget_gives_up_in_order_and_always_fits():
         assert plan.total <= room and plan.total <= last
         last = plan.total
         seen = [s for s in plan.shrunk]
-    order = [what for what, _ in mp._ladder(mp.Wanted())]
+    order = [what for what, _, _ in mp._ladder(mp.Wanted())]
     assert seen == [w for w in order if w in seen] and len(seen) >= 5  # a prefix of the ladder, in its order
     assert "prefetch" in seen and "the spare weight slot" in seen
 

@@ -56,12 +56,15 @@ def assert_equal_to(state: dict, ref, skip=()):
             assert state[name].shape == value.shape and torch.equal(state[name], value), name
 
 
-@pytest.mark.parametrize("make, dtype", [(tiny_gpt2, torch.float32), (tiny_llama, torch.bfloat16)],
-                         ids=["gpt2-fp32", "llama-bf16"])
-def test_state_dict_and_save_pretrained_give_the_trained_weights(daemon, tmp_path, make, dtype):
-    """Offloaded blocks (tied embeddings: GPT-2; untied, bf16: Llama): state_dict() holds every
-    trained value, and save_pretrained -> from_pretrained gives them back."""
-    ours, ref, engine = trained(daemon, make, dtype=dtype)
+@pytest.mark.parametrize("make, dtype, granularity", [(tiny_gpt2, torch.float32, "block"),
+                                                      (tiny_llama, torch.bfloat16, "block"),
+                                                      (tiny_gpt2, torch.float32, "module")],
+                         ids=["gpt2-fp32", "llama-bf16", "gpt2-sub-blocks"])
+def test_state_dict_and_save_pretrained_give_the_trained_weights(daemon, tmp_path, make, dtype, granularity):
+    """Offloaded blocks (tied embeddings: GPT-2; untied, bf16: Llama; cut into sub-blocks, the
+    tied embeddings one of them: granularity="module"): state_dict() holds every trained value,
+    and save_pretrained -> from_pretrained gives them back."""
+    ours, ref, engine = trained(daemon, make, dtype=dtype, granularity=granularity)
     assert any(p.numel() == 0 for p in ours.parameters())  # (offloaded: placeholders between uses)
     assert_equal_to(ours.state_dict(), ref)
     ours.save_pretrained(tmp_path / "saved")

@@ -18,7 +18,7 @@ import fuyou_client
 from conftest import STREAMING, merge, tiny_llama
 from fuyou_client import sizing
 from fuyou_client.sizing import estimate as E
-from fuyou_client.sizing import hardware, iteration, shape as S
+from fuyou_client.sizing import gpu_runs, hardware, iteration, shape as S
 from fuyou_proto.units import parse_size
 
 transformers = pytest.importorskip("transformers")
@@ -105,17 +105,32 @@ def test_flops_are_what_torch_counts(family):
         want["block_bwd"], rel=0.01)
 
 
-def test_the_h100_profile_is_its_run():
-    rates = iteration.calibrate(json.loads((RESULTS / "gpu-h100.json").read_text()))
+def test_the_gpu_profiles_name_their_sources_and_a_run_measures_its_gpu():
+    """Each shipped profile's datasheet and kernel efficiencies name where they come from;
+    --gpu-from a bench/gpu.py run keeps the datasheet and measures the rest on the run's
+    ceiling (the kernel model then gives that ceiling's busy and total time). (The GPU
+    memory the planner gives is attach's device plan, checked against what the engine
+    allocates in tests/test_subblocks.py; the H100 run measured an older client, whose host
+    accumulation flattened gradients to fp32 on the device.)"""
+    run = json.loads((RESULTS / "gpu-h100.json").read_text())
     h100 = hardware.PROFILES["h100"]
-    assert h100.kernel_tflops.value == pytest.approx(rates.kernel_tflops, rel=1e-3) and h100.kernel_tflops.measured
-    assert h100.pass_gap_s.value == pytest.approx(rates.pass_gap_s, rel=1e-3)
-    assert h100.device_factor == pytest.approx(rates.device_factor, rel=1e-3)
-    measured = iteration.from_gpu_run(RESULTS / "gpu-h100.json")  # (--gpu-from: the same numbers)
-    assert measured.kernel_tflops.value == pytest.approx(h100.kernel_tflops.value, rel=1e-3)
-    assert "H100" in measured.name and measured.memory > 80e9
-    for name, p in hardware.PROFILES.items():  # each says where its numbers come from
-        assert p.source and p.kernel_tflops.source.startswith(("measured", "assumed")), name
+    measured = iteration.from_gpu_run(RESULTS / "gpu-h100.json")
+    assert "H100" in measured.name and measured.memory > 80e9 and measured.peak_tflops == h100.peak_tflops
+    assert measured.gemm_efficiency.measured and measured.launch_s.measured and measured.pcie_h2d.value == 54.0
+    scale = measured.gemm_efficiency.value / h100.gemm_efficiency.value  # (its fp16 GEMMs scaled alike)
+    assert measured.gemms("fp16").efficiency.measured
+    assert measured.gemms("fp16").efficiency.value == pytest.approx(h100.gemms("fp16").efficiency.value * scale)
+    ceiling = gpu_runs.in_gpu_runs(run)[0]
+    t = gpu_runs.in_gpu_time(measured.kernels, ceiling)
+    assert t.busy == pytest.approx(ceiling["busy"] * ceiling["seconds"], rel=1e-3)
+    assert t.seconds == pytest.approx(ceiling["seconds"], rel=1e-3)
+    for name, p in hardware.PROFILES.items():
+        assert p.source and p.peak_tflops > 0 and p.hbm > 0, name
+        for rate in (p.gemm_efficiency, p.attention_efficiency, p.launch_s, p.pcie_h2d):
+            assert rate.source.startswith(("measured", "published", "fitted", "assumed")), (name, rate)
+        assert 0 < p.gemm_efficiency.value <= 1 and 0 < p.attention_efficiency.value <= 1, name
+    with pytest.raises(sizing.HostError, match="no profile for it"):
+        gpu_runs.known_gpu(run | {"gpu": "NVIDIA B200, 183359 MiB"})
 
 
 CPU_RUNS = ["bigmodel-gpt2-2b-cpu.json", "bigmodel-llama7b-int8-cpu.json", "bigmodel-llama7b-int8-bb512-cpu.json",
@@ -230,7 +245,8 @@ def test_fuyouctl_plan_answers_for_a_described_host(tmp_path, capsys):
     for head in ("model", "host", "plan", "memory", "SSD", "time", "binds", "helps", "assumed"):
         assert any(line.startswith(head) for line in out.splitlines()), (head, out)
     assert "6.74B parameters" in out and "rtx4090" in out and "tokens/s" in out
-    assert "assumed: the H100's measured" in out  # (the 4090's rate is not measured here: it says so)
+    assert "GPU GEMMs: 97.0% of the peak when wide: published" in out  # (each GPU figure says where it is from)
+    assert "GPU launch at least 30 us a kernel: fitted" in out
     js = _ctl_here(capsys, str(cfg), *host, "--json")
     assert js.returncode == 0, js.stderr
     plan = json.loads(js.stdout)
@@ -241,6 +257,12 @@ def test_fuyouctl_plan_answers_for_a_described_host(tmp_path, capsys):
         assert p[key] is not None, key
     assert p["memory_bytes"]["gpu"] <= 0.9 * 24 * 2**30
     assert {a["change"] for a in plan["advice"]} >= {"another SSD", "twice the host memory"}
+    assert p["model_dtype"] == "torch.bfloat16" and p["settings"]["compute"] == "bf16"
+    assert p["hardware_tflops"] > 4 / 3 * p["model_tflops"]  # (recomputation; and attention, not in 6 N tokens)
+    fp16 = _ctl_here(capsys, str(cfg), *host, "--compute", "fp16")  # the model's dtype, its GEMMs' rate
+    assert fp16.returncode == 0, fp16.stderr
+    assert "model in torch.float16" in fp16.stdout and "GPU 165.2 dense fp16 TFLOPS" in fp16.stdout
+    assert "hardware TFLOPS" in fp16.stdout and "GPU 165.2 dense bf16 TFLOPS" in out
 
 
 def test_fuyouctl_plan_refuses_clearly(tmp_path, capsys):

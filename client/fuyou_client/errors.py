@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import grpc
+import torch
 
 
 class FuyouClientError(Exception):
@@ -34,6 +35,12 @@ class NamespaceBusy(FuyouClientError):
 class ResourceExhausted(FuyouClientError):
     """A pinned-memory budget is spent or the SSD array is full."""
     code = "RESOURCE_EXHAUSTED"
+
+
+class DeviceOutOfMemory(ResourceExhausted, torch.OutOfMemoryError):
+    """The compute device ran out of memory in a step the device plan admitted (something
+    else took memory after attach): the message names the plan's figures and what was
+    allocated; it is a ``torch.OutOfMemoryError`` too, as the error it stands for."""
 
 
 class DataLoss(FuyouClientError):

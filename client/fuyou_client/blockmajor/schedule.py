@@ -247,8 +247,9 @@ class BlockMajor:
                                            "train_step needs every block called once, in order")
                     leaves = self._last_leaves.pop(i)
                     wanted = [t for t in leaves if t is not None and t.requires_grad]
-                    grads = torch.autograd.grad(loss, wanted, allow_unused=True) if loss.requires_grad and wanted \
-                        else [None] * len(wanted)
+                    with self.offloader.input_gradients() if self.offloader is not None else nullcontext():
+                        grads = torch.autograd.grad(loss, wanted, allow_unused=True) \
+                            if loss.requires_grad and wanted else [None] * len(wanted)
                     it = iter(grads)
                     self.store.put(("g", n - 1, i), [next(it) if t is not None and t.requires_grad else None
                                                      for t in leaves])
@@ -308,6 +309,8 @@ class BlockMajor:
         if not early:
             call, carried = self._record(l, i, args, kwargs)
             carried = [t.detach() for t in carried]
+        if og is not None:  # (a cut block's sub-blocks stay for the next micro-batch: nothing else fetched ahead)
+            self.offloader.prefetch_within = og.unit if i < k - 1 else None
         if i == 0 and og is not None:
             self.offloader.enter_forward(og)  # (weights in, the next blocks' fetches started)
         if l > 0 or early:
@@ -424,6 +427,8 @@ class BlockMajor:
                 offloader.begin_backward(og)
             _, floating = self.out_specs[l]
             for i in range(k):
+                if og is not None:  # (as in forward)
+                    offloader.prefetch_within = og.unit if i < k - 1 else None
                 for nxt in ([("x", l, i + 1), ("g", l, i + 1)] if i + 1 < k else
                             [("x", l - 1, 0), ("g", l - 1, 0)] if l > 0 else []):
                     self.store.prefetch(nxt)
@@ -448,6 +453,8 @@ class BlockMajor:
                 del stored, inputs, args, kwargs
             if og is not None and og.slot is not None:  # (a frozen block: no gradient released it)
                 offloader.let_go(og)
+        if offloader is not None:
+            offloader.prefetch_within = None
 
     # -- the rest -------------------------------------------------------------------------
     def _rest_backward(self, micro_batches, loss_fn, micros) -> None:

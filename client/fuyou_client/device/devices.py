@@ -60,6 +60,7 @@ class Device:
 
     torch_device: torch.device
     shares_host_memory: bool  # tensors on the device may be views of shared memory
+    computes_in_its_memory = True  # the model's activations take its memory (the device plan counts them)
 
     def register(self, address: int, nbytes: int) -> None:
         """Host memory (a shared segment) that copies will use; before its first use."""
@@ -122,6 +123,15 @@ class Device:
         """Bytes the framework has allocated on the device (None where it cannot tell)."""
         return None
 
+    def memory_available(self) -> int | None:
+        """Bytes this process may plan on the device now (None: the device is host memory,
+        planned as such): what is free, with what this process's allocator holds."""
+        return None
+
+    def memory_reserve(self) -> int:
+        """Bytes of ``memory_available`` the device needs for itself beyond what is planned."""
+        return 0
+
     def block_done(self) -> None:
         """A block's forward or backward has ended (its temporaries are freed)."""
 
@@ -178,6 +188,13 @@ class _Thread:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=60)
+
+
+def cuda_reserve(total: int) -> int:
+    """What a CUDA device of ``total`` bytes keeps beyond the device plan (memory/device_plan.py):
+    cuBLAS workspaces (32 MiB per handle and stream on Hopper), kernels' own scratch and
+    the caching allocator's fragmentation: 512 MiB and 5% of the device, stated, not measured."""
+    return (512 << 20) + total // 20
 
 
 class CudaDevice(Device):
@@ -282,6 +299,19 @@ class CudaDevice(Device):
 
     def memory_allocated(self) -> int | None:
         return torch.cuda.memory_allocated(self.torch_device)
+
+    def _limit(self) -> int:
+        """What this process's allocator may hold: the device, or the share of it
+        ``torch.cuda.set_per_process_memory_fraction`` allows."""
+        total = torch.cuda.get_device_properties(self.torch_device).total_memory
+        return int(total * torch.cuda.get_per_process_memory_fraction(self.torch_device))
+
+    def memory_available(self) -> int | None:
+        free, _ = torch.cuda.mem_get_info(self.torch_device)
+        return min(free + torch.cuda.memory_reserved(self.torch_device), self._limit())
+
+    def memory_reserve(self) -> int:
+        return cuda_reserve(self._limit())
 
     def thread_turn_done(self) -> None:
         # torch keeps a cuBLAS workspace per (handle, stream), a handle per thread, until the

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fuyou_proto.contract import stepped_in_chunks
+from fuyou_proto.units import format_size
 
 from fuyou_client import memory
 from fuyou_client.activations import ActivationPolicy, ActivationSwapper, AutoPlanner, treatments
@@ -29,7 +30,7 @@ from fuyou_client.engine.trained_values import TrainedValues
 from fuyou_client.gradients import HostAccumulated, Pooled, Resident
 from fuyou_client.groups import LayerGroup, Scratch, create
 from fuyou_client.groups.placement import hands_over, placement, weights_rewritten
-from fuyou_client.model import GroupSpec, TorchGroups
+from fuyou_client.model import GroupSpec, TorchGroups, cut
 from fuyou_client.offload import Offloader
 from fuyou_client.steps import StepCoordinator
 
@@ -44,13 +45,11 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
     from fuyou_client.engine.engine import Engine  # (the API this module builds)
 
     options = options.for_device(device.shares_host_memory)
-    pool_grads = bool(options.offload) and options.accumulation_steps == 1 and options.max_grad_norm is None
-    layout = [(spec, *where) for spec in specs
-              if (where := placement(spec, options.offload, pool_grads, options.grad_accumulation,
-                                     parallel.strategy_kind)) is not None]
-    # Every shared buffer below, planned from the session's budget first (memory/budget.py):
-    # a budget that cannot hold the smallest plan is refused before anything is allocated.
-    plan = plan_memory(session, layout, torch_groups, options, device, parallel)
+    # Every shared buffer below, and the compute device's memory, planned from the session's
+    # budget and the device's first (memory/): by whole blocks, or by their modules where
+    # blocks do not fit; a budget that cannot hold the smallest plan is refused before
+    # anything is allocated.
+    specs, layout, plan = plan_granularity(model, session, specs, torch_groups, options, device, parallel)
     (log.warning if plan.shrunk else log.info)("%s", plan.describe())
     options = dataclasses.replace(options, prefetch=plan.prefetch, host_budget=plan.host_budget)
     if parallel.holds_state:  # (an optimizer-host worker keeps no state: its optimizer ranks check theirs)
@@ -62,7 +61,15 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
         strategies[parallel.strategy_kind] = parallel.gradient_strategy(options, device,
                                                                         lambda: engine.optimizer.param_groups)
     groups = _create_groups(session, device, layout, torch_groups, strategies, resume, materializer, parallel)
-    offloaded = [g.offloaded for g in groups if g.offloaded is not None]
+    by_spec = {g.spec.name: g.spec for g in groups}
+    # The order fetches follow: the rest's embeddings before the blocks (they are made after them)
+    offloaded = sorted((g.offloaded for g in groups if g.offloaded is not None),
+                       key=lambda og: not by_spec[og.name].early)
+    cut_blocks = {id(spec.block) for spec in specs if spec.block is not None and spec.module is None}
+    for i, og in enumerate(offloaded):
+        og.index = i
+        og.cut = id(by_spec[og.name].module) in cut_blocks
+        og.unit = by_spec[og.name].unit
     for g in groups:  # (blocks stepped in chunks: their steps take the masters their backward read)
         if g.offloaded is not None:
             g.offloaded.hands_over = plan.handoff and hands_over(g)
@@ -72,15 +79,13 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
     def on_backward(og) -> None:  # (a frozen block has no gradients)
         if by_name[og.name].strategy is pooled:
             pooled.pool.assign(by_name[og.name])
-    offloader = Offloader(session, device, offloaded, plan.prefetch, plan.keep, slots=plan.weight_slots,
+    offloader = Offloader(session, device, offloaded, plan.prefetch, plan.keep, slots=plan.slot_sizes,
                           on_backward=on_backward, gather=parallel.fetch_gather(session, groups)) \
         if offloaded else None
     accumulated = [g for g in groups if g.strategy is host]
     host_grads = host.bind(session, device, max(g.numel for g in accumulated) * 4, plan.staging_buffers) \
         if accumulated else None
-    gradients = pooled.bind(session, device, plan.grad_buffers,
-                            max(g.numel * g.dtype.itemsize for g in groups if g.strategy is pooled)) \
-        if any(g.strategy is pooled for g in groups) else None
+    gradients = pooled.bind(session, device, plan.grad_classes) if any(g.strategy is pooled for g in groups) else None
     in_use = [st for st in strategies.values() if st is not None and any(g.strategy is st for g in groups)]
     grouped = {id(p) for g in groups for _, p in g.spec.params}
     frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in grouped]  # (at attach)
@@ -153,11 +158,82 @@ def _create_groups(session, device, layout, torch_groups, strategies, resume, ma
     return groups
 
 
-def plan_memory(session, layout, torch_groups: TorchGroups, options: AttachOptions, device: Device,
-                parallel) -> memory.MemoryPlan:
-    """The shared buffers of an engine, planned from the session's budget and the groups'
-    sizes (memory/budget.py); raises memory.DoesNotFit before any allocation."""
+def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_groups: TorchGroups,
+                     options: AttachOptions, device: Device, parallel):
+    """(specs, layout, memory plan): the layer groups by whole blocks, or cut into sub-blocks
+    (model/cuts.py) where ``granularity`` asks or ("auto") where whole blocks do not fit the
+    pinned or the device plan; the memory plan holds the device plan (``plan.device``).
+    Raises memory.DoesNotFit or memory.DeviceDoesNotFit, naming the bytes, before any
+    allocation."""
+    wanted = options.granularity if options.offload else "block"
+    if parallel.strategy_kind is not None:  # (data parallelism, an optimizer host's worker)
+        if wanted == "module":
+            raise ValueError('granularity="module" with several processes (data parallelism, an optimizer host) is '
+                             'not built yet: attach with granularity="block" (or "auto", which keeps whole blocks there)')
+        wanted = "block"
+    tries = ["block", "module"] if wanted == "auto" else [wanted]
     limits = memory.limits_of(session)
+    budget, available = options.device_memory, device.memory_available()
+    if budget is None and available is not None:
+        budget = max(0, available - device.memory_reserve())
+    elif budget is not None and available is not None and budget > available:
+        raise memory.DeviceDoesNotFit(f"device_memory={budget} ({format_size(budget)}) is more than the compute "
+                                      f"device has for this process ({format_size(available)} free, with what its "
+                                      "allocator holds): leave device_memory to attach, or free the device's memory")
+    elif budget is not None and device.shares_host_memory:
+        raise ValueError(f"device_memory={budget}: the model computes on the CPU, whose memory is the host's (the "
+                         "daemon's pinned budget plans it); leave device_memory out")
+    error, last = None, None
+    for granularity in tries:
+        cut_specs = cut(specs, model, torch_groups.index) if granularity == "module" else specs
+        pool_grads = bool(options.offload) and options.accumulation_steps == 1 and options.max_grad_norm is None
+        layout = [(spec, *where) for spec in cut_specs
+                  if (where := placement(spec, options.offload, pool_grads, options.grad_accumulation,
+                                         parallel.strategy_kind)) is not None]
+        shapes = group_shapes(layout, torch_groups, limits, parallel, cut=granularity == "module")
+        work = model_work(model, cut_specs, options)
+        reserve = device.memory_reserve() if options.device_memory is None else 0
+
+        def device_side(p, shapes=shapes, work=work, reserve=reserve, granularity=granularity):
+            return memory.plan_device(shapes, p, work, budget, reserve, granularity)
+        try:
+            plan = plan_memory(shapes, layout, limits, options, device,
+                               None if device.shares_host_memory else lambda p: device_side(p).fits)
+        except memory.DoesNotFit as exc:
+            error = exc
+            continue
+        dplan = None
+        if not device.shares_host_memory:
+            dplan = device_side(plan)
+            if not dplan.fits:
+                error = memory.DeviceDoesNotFit(memory.device_refusal(dplan, None), dplan)
+                last = last or dplan
+                continue
+        return cut_specs, layout, dataclasses.replace(plan, device=dplan)
+    if isinstance(error, memory.DeviceDoesNotFit) and last is not None and last is not error.plan:
+        raise memory.DeviceDoesNotFit(memory.device_refusal(error.plan, last), error.plan)
+    raise error
+
+
+def model_work(model: nn.Module, specs: list[GroupSpec], options: AttachOptions):
+    """What a micro-batch computes, for the device plan's activations (memory.Work): the
+    model's width and vocabulary from its largest embedding outside the blocks (None: no
+    embedding, the activations are not estimated)."""
+    blocks = {id(m) for spec in specs if spec.block is not None for m in spec.block.modules()}
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding) and id(m) not in blocks]
+    if not embeddings:
+        return None
+    emb = max(embeddings, key=lambda m: m.num_embeddings)
+    layers = len({id(spec.block) for spec in specs if spec.block is not None})
+    dtype = next((p.dtype for spec in specs for _, p in spec.params), torch.float32)
+    acts = options.activations
+    return memory.Work(emb.embedding_dim, emb.num_embeddings, layers, dtype.itemsize, schedule="block-major",
+                       recompute=acts == "recompute")
+
+
+def group_shapes(layout, torch_groups: TorchGroups, limits, parallel, cut: bool = False) -> list[memory.GroupShape]:
+    """What the plans need of each layer group (memory.GroupShape); ``cut``: the blocks
+    are cut into sub-blocks (their own groups are ``held``)."""
     shapes = []
     for spec, mode, kind in layout:
         dtype = (spec.params or spec.frozen)[0][1].dtype
@@ -170,13 +246,22 @@ def plan_memory(session, layout, torch_groups: TorchGroups, options: AttachOptio
                       for part in spec.parts)
         shapes.append(memory.GroupShape(
             spec.name, numel, dtype.itemsize, chunked=chunked, offload=mode, strategy=kind, shard=shard,
-            frozen_bytes=spec.frozen_numel * dtype.itemsize if mode is True else 0))
+            frozen_bytes=spec.frozen_numel * dtype.itemsize if mode is True else 0,
+            held=cut and spec.module is not None, unit=spec.unit if cut and spec.module is None else ""))
+    return shapes
+
+
+def plan_memory(shapes: list, layout, limits, options: AttachOptions, device: Device,
+                device_fits=None) -> memory.MemoryPlan:
+    """The shared buffers of an engine, planned from the session's budget and the groups'
+    sizes (memory/budget.py), the device's own memory checked by ``device_fits``; raises
+    memory.DoesNotFit before any allocation."""
     acts = options.activations
     swaps = acts in ("swap", "auto") or (isinstance(acts, dict) and "swap" in acts.values())
     wanted = memory.Wanted(options.prefetch, options.keep, options.host_budget,
                            arena=any(spec.module is not None for spec, _, _ in layout), swaps=swaps,
                            shares_host_memory=device.shares_host_memory)
-    return memory.plan(shapes, limits, wanted)
+    return memory.plan(shapes, limits, wanted, device_fits)
 
 
 def check_capacity(session, specs: list[GroupSpec], torch_groups: TorchGroups, offload, resume: bool,
@@ -193,7 +278,7 @@ def check_capacity(session, specs: list[GroupSpec], torch_groups: TorchGroups, o
     need += sum(g.numel * g.params[0][1].dtype.itemsize for g in specs
                 if g.params and weights_rewritten(offload, g.params[0][1].dtype))
     if offload is True:
-        need += sum(g.frozen_numel * g.frozen[0][1].dtype.itemsize for g in specs if g.module is not None and g.frozen)
+        need += sum(g.frozen_numel * g.frozen[0][1].dtype.itemsize for g in specs if g.block is not None and g.frozen)
     status = session.daemon_status
     free = sum(d.available_bytes if d.HasField("available_bytes") else d.capacity_bytes - d.used_bytes
                for d in status.devices)

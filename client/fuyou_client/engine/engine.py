@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.utils._pytree import tree_flatten
 from torch import nn
 
 from fuyou_client.blockmajor import StepTimes, Store, check_micro_batches, run as run_block_major
@@ -36,7 +37,28 @@ from fuyou_client.checkpoints.durability import checkpoint_mode
 from fuyou_client.engine.hooks import hf_checkpointing
 from fuyou_client.engine.torch_optimizer import TorchOptimizer
 from fuyou_client.groups import land_new_weights
+from fuyou_client.errors import DeviceOutOfMemory, ResourceExhausted
 from fuyou_client.optim import StepInfo
+from fuyou_proto.units import format_size
+
+
+def micro_batch_tokens(micro_batch) -> int:
+    """A micro-batch's tokens: its largest tensor of integers (token ids, labels), 0 if it has none."""
+    ints = [t.numel() for t in tree_flatten(micro_batch)[0]
+            if isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex()]
+    return max(ints, default=0)
+
+
+def out_of_device_memory(dplan, device, exc) -> str:
+    allocated = device.memory_allocated()
+    return (f"the compute device ran out of memory during train_step ({str(exc).splitlines()[0][:200]}): "
+            + (f"{format_size(allocated)} allocated now; " if allocated is not None else "")
+            + (f"the device plan counted on {format_size(dplan.fixed_bytes)} fixed within a budget of "
+               f"{format_size(dplan.budget)}, so something else took device memory after attach (another process, "
+               "or tensors of this one). " if dplan is not None and dplan.budget is not None else "")
+            + "The steps already sent landed and the rest were dropped: the state on the SSD array is that of the "
+              "last complete step (resumable from a checkpoint, or train_step again once memory is free)"
+            + (f"\n{dplan.describe()}" if dplan is not None else ""))
 
 
 class Engine:
@@ -177,10 +199,11 @@ class Engine:
         until backward, in host memory up to ``host_budget`` bytes (on a GPU in a shared
         arena), the rest on the SSD array, read back ahead of backward (blockmajor/store.py;
         ``engine.train_step_stats`` counts it); ``host_budget`` must hold at least the
-        micro-batches of one block plus two. ``activations=`` does not apply to it, and each
-        group's gradients add up on the compute device over the micro-batches (in the
-        parameters' dtype, as torch adds them) whatever ``grad_accumulation`` says: they
-        leave it once per step. It calls each block's ``forward`` itself, so a block with
+        micro-batches of one block plus two. ``activations=`` does not apply to it. Each
+        group's gradients add up over the micro-batches in the parameters' dtype, as torch
+        adds them, on the compute device (a sub-block's sum waits on the host between them:
+        ``granularity="module"``), and leave it once per step, whatever ``grad_accumulation``
+        says. It calls each block's ``forward`` itself, so a block with
         hooks of its own (forward or backward, on the block module) is refused; hooks on
         modules inside a block run as usual."""
         if hf_checkpointing(self.model):
@@ -190,6 +213,7 @@ class Engine:
         check_micro_batches(micro_batches, loss_fn)
         self.require_idle("train_step")
         self._refuse_block_hooks()
+        self._check_device_room(micro_batches)
         if self._train_step_store is None:
             self._train_step_store = Store(self.session, self.device, self.options.host_budget)
         by_module = {id(g.spec.module): g for g in self.groups if g.spec.module is not None}
@@ -198,12 +222,35 @@ class Engine:
             g = by_module.get(id(module))
             blocks.append((module, g.offloaded if g is not None else None,
                            self.activation_policy.forward_of(g.spec.name, module) if g is not None else module.forward))
-        rest_trains = any(g.spec.module is None and g.spec.params for g in self.groups)
-        losses, self.train_step_times = run_block_major(
-            self.model, self.device, self.coordinator, self.offloader, self._train_step_store, blocks, rest_trains,
-            micro_batches, loss_fn, barrier=self.step, on_failure=self.zero_grad)
+        rest_trains = any(g.spec.is_rest and g.spec.params for g in self.groups)
+        try:
+            losses, self.train_step_times = run_block_major(
+                self.model, self.device, self.coordinator, self.offloader, self._train_step_store, blocks,
+                rest_trains, micro_batches, loss_fn, barrier=self.step, on_failure=self.zero_grad)
+        except torch.OutOfMemoryError as exc:  # (another process took device memory the plan counted on)
+            raise DeviceOutOfMemory(out_of_device_memory(self.memory.device, self.device, exc)) from exc
         self.zero_grad()
         return losses
+
+    def _check_device_room(self, micro_batches) -> None:
+        """train_step's micro-batches against the device plan, before any work: its tokens'
+        activations (memory/device_plan.py), and with several micro-batches a cut block's
+        sub-blocks' gradients, kept on the device until the last one."""
+        dplan = self.memory.device
+        if dplan is None or dplan.budget is None:
+            return
+        tokens = micro_batch_tokens(micro_batches[0])
+        need = dplan.total(tokens, activations=self.device.computes_in_its_memory)
+        why = [f"{format_size(dplan.fixed_bytes)} fixed"]
+        if tokens:
+            why.append(f"{format_size(need - dplan.fixed_bytes)} for {tokens} tokens a micro-batch")
+        if need > dplan.budget:
+            fit = dplan.max_tokens(self.device.computes_in_its_memory)
+            raise ResourceExhausted(
+                f"train_step's micro-batches do not fit the device plan: {format_size(need)} "
+                f"({', '.join(why)}) against a budget of {format_size(dplan.budget)}; pass micro-batches of at most "
+                f"{fit} tokens"
+                + ", or give the device more (attach(device_memory=...))\n" + dplan.describe(tokens))
 
     def _refuse_block_hooks(self) -> None:
         """train_step calls each block's ``forward`` itself (blockmajor/schedule.py), so hooks

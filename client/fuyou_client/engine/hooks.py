@@ -9,11 +9,16 @@
 3. Per block, around its forward (also when a block is called directly): the offloader's
    fetch (``enter_forward``) before the activation policy's set-up (saved-tensor hooks:
    offloaded weights become markers, activations are kept or swapped; ``auto``
-   profiles), and after it the policy's tear-down after the offloader's release. Both
-   are kept out of ``torch.compile``'s graphs (``torch.compiler.disable``): a compiled
-   model breaks its graph there and runs them as they are, so each block's compute is
-   compiled with its weights resident (traced, the fetch put empty placeholders in the
-   graph: an assertion in inductor's generated code).
+   profiles), and after it the policy's tear-down after the offloader's release.
+4. Per module a sub-block is used by (model/cuts.py), around its forward: the sub-block's
+   fetch and release; with gradients on and no block's saved-tensor hooks active (the
+   rest's embeddings and head, a block that train_step recomputes), saved-tensor hooks
+   for that module's call, so that its weights are saved as markers there too.
+
+The hooks of 3 and 4 are kept out of ``torch.compile``'s graphs (``torch.compiler.disable``):
+a compiled model breaks its graph there and runs them as they are, so each block's compute
+is compiled with its weights resident (traced, the fetch put empty placeholders in the
+graph: an assertion in inductor's generated code).
 
 The activation policy (activations/policy.py) says which blocks swap; a recomputed
 block's ``forward`` is the policy's.
@@ -66,6 +71,14 @@ class ModelHooks:
                 lambda m, a, k, n=name, og=og: self._enter_forward(n, og, a, k)), with_kwargs=True))
             self._handles.append(module.register_forward_hook(torch.compiler.disable(
                 lambda m, a, o, n=name, og=og: self._exit_forward(n, og)), always_call=True))
+        self._use_ctx: list = []  # (saved-tensor hooks a sub-block's use entered, innermost last)
+        for g in groups:
+            if g.offloaded is not None and g.spec.module is None:  # (a sub-block: model/cuts.py)
+                for module in g.spec.uses:
+                    self._handles.append(module.register_forward_pre_hook(torch.compiler.disable(
+                        lambda m, a, og=g.offloaded: self._enter_use(og))))
+                    self._handles.append(module.register_forward_hook(torch.compiler.disable(
+                        lambda m, a, o, og=g.offloaded: self._exit_use(og)), always_call=True))
         self._ours = {h.id for h in self._handles}  # (told from the user's hooks: foreign)
 
     # -- gradients -------------------------------------------------------------------------
@@ -105,6 +118,21 @@ class ModelHooks:
         if self._saved_ctx is not None:
             self._saved_ctx.__exit__(None, None, None)
             self._saved_ctx = None
+
+    def _enter_use(self, og) -> None:
+        self.offloader.enter_forward(og)
+        ctx = None
+        if torch.is_grad_enabled() and self._saved_ctx is None:
+            ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            ctx.__enter__()
+        self._use_ctx.append(ctx)
+
+    def _exit_use(self, og) -> None:
+        ctx = self._use_ctx.pop() if self._use_ctx else None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+        self.offloader.exit_forward(og)
+        torch.clear_autocast_cache()  # (this thread's casts of the module's weights: see offload.SavedCast)
 
     def _pack(self, t: torch.Tensor):
         """A block's saved tensor: offloaded weights become markers (offload/), the rest

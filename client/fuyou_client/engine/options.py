@@ -28,6 +28,9 @@ def check_optimizer_ranks(ranks) -> None:
                          "share of the layer groups")
 
 
+GRANULARITIES = ("auto", "block", "module")
+
+
 @dataclass(frozen=True)
 class AttachOptions:
     """How ``attach`` hooks a model up to fuyoud: each field is an option of ``attach``.
@@ -102,6 +105,18 @@ class AttachOptions:
       less when the budget is tight).
       ``device_budget``: with ``activations="auto"``, the bytes of activations the planner
       may keep on the compute device (None: no limit).
+      ``device_memory``: on a device with its own memory (a GPU), the bytes the device
+      plan may take (memory/device_plan.py: weight slots, gradient buffers, resident
+      groups, activations per token); default: the device's free memory at attach (with
+      what this process's allocator holds: the model's own parameters, which attach
+      replaces) less the device's reserve. A plan larger is refused before any work.
+      ``granularity``: with ``offload``, what comes to the device at a time: "block" (a
+      whole block's weights; its gradients leave together), "module" (a block's large
+      modules one at a time, each fetched ahead of its use and dropped after it, each
+      one's gradients leaving once final; the rest's embeddings and head too:
+      model/cuts.py) or "auto" (the default: whole blocks where the pinned and device
+      plans hold them, else modules). With several processes (data parallelism, an
+      optimizer host), whole blocks only.
 
     Several processes: data parallelism (docs/guide/distributed.md). When
     torch.distributed is initialised with more than one rank (or ``process_group`` is
@@ -141,6 +156,8 @@ class AttachOptions:
     activations: str | dict[str, str] = "keep"
     host_budget: int | None = None
     device_budget: int | None = None
+    device_memory: int | None = None
+    granularity: str = "auto"
     process_group: Any = None
     reduce: str = "step"
     check_collectives: bool = False
@@ -156,6 +173,8 @@ class AttachOptions:
             _count("host_budget", self.host_budget, 1)
         if self.device_budget is not None:
             _count("device_budget", self.device_budget, 1)
+        if self.device_memory is not None:
+            _count("device_memory", self.device_memory, 1)
         mgn = self.max_grad_norm
         if mgn is not None and (isinstance(mgn, bool) or not isinstance(mgn, numbers.Real) or not mgn > 0):
             raise ValueError(f"max_grad_norm must be a number > 0 (float('inf') to check the gradients for NaN and "
@@ -169,6 +188,8 @@ class AttachOptions:
             check_optimizer_ranks(self.optimizer_ranks)
         if self.reduce not in ("step", "backward"):
             raise ValueError(f"reduce must be 'step' or 'backward', not {self.reduce!r}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, not {self.granularity!r}")
         if self.grad_accumulation not in ("device", "host"):
             raise ValueError(f"grad_accumulation must be 'device' or 'host', not {self.grad_accumulation!r}")
         acts = self.activations

@@ -45,14 +45,21 @@ class TrainedValues:
         self.session, self._require_idle, self._world = session, require_idle, world
         self.limit: int | None = None
         self._groups = [g for g in groups if g.offloaded is not None]
-        self._by_module = {id(g.spec.module): g for g in self._groups if g.spec.module is not None}
+        # Each offloaded group's hook goes on the modules holding its parameters: its block, or the
+        # modules a sub-block is used by (model/cuts.py); a group with neither, on the model itself.
+        self._by_module: dict[int, list] = {}
+        hooked = []
+        for g in self._groups:
+            for module in g.spec.uses or (model,):
+                if id(module) not in self._by_module:
+                    hooked.append(module)
+                self._by_module.setdefault(id(module), []).append(g)
         # (functions, not bound methods: torch marks the hooks it is given)
         self._handles = [model.register_state_dict_pre_hook(lambda *a: self._before_model(*a))] \
             if self._groups else []
-        for g in self._groups:
-            if g.spec.module is not None:
-                self._handles.append(g.spec.module.register_state_dict_pre_hook(lambda *a: self._before_block(*a)))
-                self._handles.append(g.spec.module.register_state_dict_post_hook(lambda *a: self._after(*a)))
+        for module in hooked:
+            self._handles.append(module.register_state_dict_pre_hook(lambda *a: self._before_module(*a)))
+            self._handles.append(module.register_state_dict_post_hook(lambda *a: self._after(*a)))
 
     # -- state_dict() -------------------------------------------------------------------------
     def _before_model(self, module, prefix, keep_vars) -> None:
@@ -60,23 +67,23 @@ class TrainedValues:
         if not keep_vars:  # (keep_vars: the parameters themselves, as torch gives them)
             self._check("state_dict() of the attached model", self._groups)
 
-    def _before_block(self, module, prefix, keep_vars) -> None:
+    def _before_module(self, module, prefix, keep_vars) -> None:
         """(also when a block's own state_dict() is asked for)"""
         if not keep_vars:
-            self._check("state_dict() of the attached model", [self._by_module[id(module)]])
+            self._check("state_dict() of the attached model", self._by_module[id(module)])
 
     def _after(self, module, state_dict, prefix, local_metadata) -> None:
-        g = self._by_module[id(module)]
         keys: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             keys.setdefault(id(p), []).append(prefix + name)
-        params = group_params(g)
-        if not any(k in state_dict and state_dict[k] is not p for p in params for k in keys.get(id(p), [])):
-            return  # keep_vars=True: the parameters themselves
-        for p, value in zip(params, read_group(self.session, g)):
-            for key in keys.get(id(p), []):
-                if key in state_dict:
-                    state_dict[key] = value
+        for g in self._by_module[id(module)]:
+            params = group_params(g)
+            if not any(k in state_dict and state_dict[k] is not p for p in params for k in keys.get(id(p), [])):
+                continue  # keep_vars=True: the parameters themselves (or none of the group's here)
+            for p, value in zip(params, read_group(self.session, g)):
+                for key in keys.get(id(p), []):
+                    if key in state_dict:
+                        state_dict[key] = value
 
     # -- gathered() ---------------------------------------------------------------------------
     @contextlib.contextmanager

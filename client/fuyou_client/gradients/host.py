@@ -6,12 +6,12 @@ device memory as the weights themselves. With ``"host"``, on a device with its o
 memory, each group's gradients leave the device as soon as a backward pass has finished
 them:
 
-* on the compute stream they are flattened into one fp32 tensor and the parameters'
-  ``.grad`` is dropped (the caching allocator gets the memory back once the copy ran);
-* on the download stream they go into the group's fp32 accumulator in shared memory
-  (the first backward since the last step: straight into it), or into a staging buffer
-  that the device's helper thread then adds into the accumulator (``then`` runs calls
-  in order, so a group's additions happen in backward order);
+* on the download stream each parameter's ``.grad`` goes, as it is, into the group's fp32
+  accumulator in shared memory (the first backward since the last step of an fp32 group:
+  straight into it), or into a staging buffer that the device's helper thread then adds
+  into the accumulator, casting (``then`` runs calls in order, so a group's additions happen
+  in backward order); the ``.grad`` is dropped at once (the caching allocator gets the
+  memory back once the copy ran), and no flattened copy is made on the device;
 * the step reads the accumulator as an fp32 gradient, once the group's last addition
   has run.
 
@@ -22,6 +22,12 @@ an unbounded queue ran out of memory in the first backward). The host holds 4 by
 parameter, plus ``staging`` buffers of the largest group. Summation is in fp32 whatever the
 compute dtype (torch accumulates bf16 gradients in bf16): for fp32 models it is the
 same sequence of additions as torch's, so training is bitwise alike.
+
+``train_step`` sums a group's micro-batches in ``.grad`` on the device, as torch does,
+and sends the sum once; a sub-block's sum (``granularity="module"``: a block's modules
+are in backward together) waits between micro-batches in its accumulator, in its own
+dtype, and comes back into ``.grad`` before its next gradient (``park``, ``unpark``), so
+that the device holds one sub-block's gradient at a time.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from concurrent.futures import Future
 import torch
 
 from fuyou_client.device.devices import DONE, Device, after
+from fuyou_client.model.blocks import set_grad
 from fuyou_client.connection.session import Session
 
 
@@ -43,35 +50,59 @@ class HostAccumulation:
         self._last: dict[str, object] = {}  # group -> event of its last download (its addition follows it)
         self._failed: BaseException | None = None  # the first addition that failed since the last discard()
 
-    def add(self, group, first: bool) -> None:
-        """``group``'s gradients (its parameters' ``.grad``) into its accumulator; ``first``:
-        the first backward since the step (the accumulator is overwritten)."""
-        n = group.numel
-        flat = torch.empty(n, dtype=torch.float32, device=self._device.torch_device)
+    def _download(self, group, dst: torch.Tensor) -> object:
+        """Each parameter's ``.grad`` (its dtype) into its range of ``dst`` (a missing one:
+        zeros), the ``.grad`` dropped; the last copy's event."""
+        event = DONE
         with torch.no_grad():
-            for (_, p), part in zip(group.spec.params, group.views(flat)):
+            for (_, p), part in zip(group.spec.params, group.views(dst)):
                 if p.grad is not None:
-                    part.copy_(p.grad.reshape(-1))  # (cast to fp32)
+                    event = self._device.download(part, p.grad.reshape(-1))
                 else:
                     part.zero_()
                 p.grad = None
+        return event
+
+    def add(self, group, first: bool) -> None:
+        """``group``'s gradients (its parameters' ``.grad``) into its accumulator; ``first``:
+        the first backward since the step (the accumulator is overwritten)."""
+        n, dtype = group.numel, group.dtype
         acc = group.grads.tensor(torch.float32)[:n]
-        if first:
-            event = self._device.download(acc, flat)
+        if first and dtype == torch.float32:
+            event = self._download(group, acc)
         else:
             buf = self._staging()
-            staged = buf.tensor(torch.float32)[:n]
-            event = self._device.download(staged, flat)
-            addition = self._device.then(event, lambda: acc.add_(staged))
+            staged = buf.tensor(dtype)[:n]
+            event = self._download(group, staged)
+            addition = self._device.then(event, (lambda: acc.copy_(staged)) if first else (lambda: acc.add_(staged)))
             # (noted on the helper thread as it fails, before any step queued behind it goes)
             addition.add_done_callback(self._note)
             self._busy.append((addition, buf))
         self._last[group.spec.name] = event
         # Backward can produce gradients faster than they cross to the host; each one
-        # queued holds its fp32 copy in device memory, so at most ``depth`` wait.
+        # queued holds its .grad in device memory, so at most ``depth`` groups wait.
         self._downloads.append(event)
         while len(self._downloads) > self._depth:
             self._downloads.popleft().synchronize()
+
+    def park(self, group) -> None:
+        """train_step, between micro-batches: the group's sum so far (its ``.grad``, in its
+        dtype) waits in its accumulator's buffer; ``unpark`` brings it back."""
+        group.parked = self._download(group, group.grads.tensor(group.dtype)[:group.numel])
+
+    def unpark(self, group) -> None:
+        """Before the group's next gradient: its parked sum back into ``.grad`` on the device
+        (autograd then adds on to it, in torch's order)."""
+        if group.parked is None:
+            return
+        sums = group.views(group.grads.tensor(group.dtype)[:group.numel])
+        event = group.parked
+        with torch.no_grad():
+            for (_, p), part, shape in zip(group.spec.params, sums, group.shapes):
+                grad, event = self._device.upload_new(part.view(shape), after=event)
+                set_grad(p, grad)
+        self._device.wait(event)
+        group.parked = None
 
     def _note(self, addition: Future) -> None:
         if addition.exception() is not None and self._failed is None:

@@ -49,6 +49,10 @@ class GradientStrategy:
         """A backward pass has produced all of the group's gradients (``first``: the first
         since the last step)."""
 
+    def between_micro_batches(self, g) -> None:
+        """train_step: a micro-batch's backward has produced the group's gradients, and more
+        micro-batches add to them (its sum stays where the strategy keeps it)."""
+
     def before_step(self, g) -> None:
         """At ``engine.step()``, for a group whose last backward left some of its
         parameters without a gradient (so ``on_backward`` never came)."""
@@ -113,8 +117,8 @@ class Pooled(GradientStrategy):
     def __init__(self):
         self.pool: GradientPool | None = None  # once the groups' sizes are known (bind)
 
-    def bind(self, session: Session, device: Device, count: int, nbytes: int) -> GradientPool:
-        self.pool = GradientPool(session, device, count, nbytes)
+    def bind(self, session: Session, device: Device, classes: list[tuple[int, int]]) -> GradientPool:
+        self.pool = GradientPool(session, device, classes)
         return self.pool
 
     def host_buffer_bytes(self, numel: int, dtype: torch.dtype) -> int:
@@ -125,6 +129,14 @@ class Pooled(GradientStrategy):
 
     def on_backward(self, g, first: bool) -> None:
         self.pool.collect(g)  # (before the weights go: views need the parameters' shapes)
+
+    def between_micro_batches(self, g) -> None:
+        if g.spec.module is None and g.offloaded is not None:  # (a sub-block: a block's sub-blocks all add up at once)
+            self.pool.park(g)
+
+    def discard(self) -> None:
+        if self.pool is not None:
+            self.pool.drop_parked()
 
     keeps_steps = True  # (the pool waits for the step to take its buffer back)
 
@@ -142,7 +154,8 @@ class HostAccumulated(GradientStrategy):
         self.acc: HostAccumulation | None = None  # once the groups' sizes are known (bind)
 
     def bind(self, session: Session, device: Device, nbytes: int, staging: int = 3) -> HostAccumulation:
-        self.acc = HostAccumulation(session, device, nbytes, staging)
+        # (the fp32 copies waiting on the device for their download: the staging buffers' worth)
+        self.acc = HostAccumulation(session, device, nbytes, staging, depth=min(2, staging - 1))
         return self.acc
 
     def host_buffer_bytes(self, numel: int, dtype: torch.dtype) -> int:
@@ -156,6 +169,13 @@ class HostAccumulated(GradientStrategy):
 
     def on_backward(self, g, first: bool) -> None:
         self.acc.add(g, first=first)  # off the device, into the host accumulator
+
+    def between_micro_batches(self, g) -> None:
+        if g.spec.module is None and g.offloaded is not None:  # (a sub-block: a block's sub-blocks all add up at once)
+            self.acc.park(g)
+
+    def before_grad(self, g) -> None:
+        self.acc.unpark(g)  # (train_step: a sub-block's sum so far, back in .grad before its next gradient)
 
     def before_step(self, g) -> None:
         self.acc.add(g, first=g.backwards == 0)

@@ -121,7 +121,7 @@ def create(session: Session, device: Device, spec: GroupSpec, optimizers: list, 
                        created=created)
     _point_parameters(group, device, params, shapes, frozen, offload, padded)
     if offload:
-        group.offloaded = OffloadedGroup(index, spec.name, spec.module, params + frozen, dtype, sources,
+        group.offloaded = OffloadedGroup(index, spec.name, spec.uses, params + frozen, dtype, sources,
                                          padded + (spec.frozen_numel if frozen else 0), shapes=shapes + frozen_shapes,
                                          host=weights if offload == "host" else None)
     return group

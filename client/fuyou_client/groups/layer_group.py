@@ -53,6 +53,7 @@ class LayerGroup:
     shard_padded: int = 0  # data parallelism: the flat vectors' length, padded to the shards' sum
     chunked: frozenset[str] = frozenset()  # its parts the daemon steps in chunks
     created: Future | None = None  # its parts' creation in the daemon, still going on (upload with scratch)
+    parked: object = None  # event: its gradient sum's download between train_step's micro-batches (gradients/pool.py)
 
     @property
     def numel(self) -> int:

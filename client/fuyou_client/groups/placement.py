@@ -1,8 +1,9 @@
 """Where a layer group's weights and gradients live: the one owner of the placement rule
 and of the names of the objects a group's weights are kept in on the SSD array.
 
-* Blocks follow ``attach(offload=...)``; the rest group (embeddings, final norm, head)
-  stays resident.
+* Blocks and sub-blocks (model/cuts.py: the rest's large modules too) follow
+  ``attach(offload=...)``; the rest group (embeddings, final norm, head; cut, its small
+  parameters) stays resident.
 * An offloaded group's compute weights between uses: in fp32 they *are* the master
   weights, read in place from the first slot of its optimizer state object
   (``fuyou_proto.contract.state_object``); in any other dtype they are the transient
@@ -47,12 +48,12 @@ def step_weights_object(offload: bool | str, dtype: torch.dtype, part: str) -> s
 def placement(spec, offload: bool | str, pool_grads: bool, grad_accumulation: str,
               parallel_kind: str | None) -> tuple[bool | str, str] | None:
     """Where a layer group's weights and gradients live: (offload mode, strategy kind), or
-    None for a frozen block left as it is. Blocks follow ``offload``, the rest group stays
-    resident; offloaded groups borrow pooled gradient buffers when nothing keeps gradients
+    None for a frozen block left as it is. Blocks and sub-blocks follow ``offload``, the
+    rest group stays resident; offloaded groups borrow pooled gradient buffers when nothing keeps gradients
     until the step (``pool_grads``: no accumulation, no exact clipping), else each group
     keeps its own (on the device, or summed on the host); with several processes the
     parallelism seam's strategy moves them (``parallel_kind``: "sharded", "remote")."""
-    mode = offload if spec.module is not None else False
+    mode = offload if spec.uses else False
     if not spec.params and mode is not True:
         return None
     if not spec.params:

@@ -70,6 +70,8 @@ class GroupShape:
     offload: bool | str = False  # True: weights on the SSD array; "host": in shared memory; False: resident
     strategy: str = "resident"  # where its gradients live: resident | pooled | host | sharded | remote (gradients/strategy.py)
     shard: int = 0  # data parallelism: this rank's shard, elements
+    held: bool = False  # a cut block's own group (model/cuts.py): held while its sub-blocks come, small slots of its own
+    unit: str = ""  # the block (or "rest") a sub-block is cut from: train_step sums a unit's sub-blocks at once
 
     @property
     def weight_bytes(self) -> int:
@@ -138,6 +140,9 @@ class Item:
         return self.count * self.each
 
 
+OWN_SLOTS = 2  # cut blocks: slots for their own groups (the block computing, the next one's ahead)
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     prefetch: int
@@ -155,6 +160,28 @@ class MemoryPlan:
     limits: Limits
     shrunk: tuple[str, ...] = ()  # what was given up to fit, in order
     segment: int = field(default=64 << 20, repr=False)
+    device: "object | None" = None  # the compute device's plan (device_plan.DevicePlan; None: the CPU)
+    # Blocks cut into sub-blocks (model/cuts.py): their own groups' slots and gradient buffers,
+    # sized for them (a block's norms need not take a slot of its largest module)
+    own_slots: int = 0
+    own_slot_bytes: int = 0
+    own_grad_buffers: int = 0
+    own_grad_bytes: int = 0
+    device_grad_buffers: int = 0  # of the gradient buffers, how many on a device with its own memory
+
+    DEVICE_GRAD_BUFFERS = 2  # at most: the group in backward, the one whose gradients go down
+
+    @property
+    def slot_sizes(self) -> list[int]:
+        """Each weight slot's bytes (offload/offloader.py)."""
+        return [self.slot_bytes] * self.weight_slots + [self.own_slot_bytes] * self.own_slots
+
+    @property
+    def grad_classes(self) -> list[tuple[int, int, int]]:
+        """The gradient buffers, (host count, device count, bytes) per size (gradients/pool.py)."""
+        return [(n, d, b) for n, d, b in ((self.grad_buffers, self.device_grad_buffers, self.grad_bytes),
+                                          (self.own_grad_buffers, min(self.own_grad_buffers, self.DEVICE_GRAD_BUFFERS),
+                                           self.own_grad_bytes)) if n and b]
 
     def _at(self, *phases: str) -> int:
         return pinned_bytes([i for i in self.items if i.phase in phases], self.segment)
@@ -180,7 +207,8 @@ class MemoryPlan:
                 f"{self.prefetch}, {self.weight_slots} weight slot(s), {self.grad_buffers} gradient buffer(s)"
                 f"{', master weights handed to the steps' if self.handoff else ''}")
         tail = [f"  to fit, gave up: {', '.join(self.shrunk)}"] if self.shrunk else []
-        return "\n".join([head, *rows, *tail])
+        device = [self.device.describe()] if self.device is not None else []
+        return "\n".join([head, *rows, *tail, *device])
 
     def __str__(self) -> str:
         return self.describe()
@@ -215,14 +243,21 @@ class DoesNotFit(ResourceExhausted):
         self.smallest = smallest
 
 
-def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted()) -> MemoryPlan:
-    """The largest plan of at most the wanted counts that fits ``limits.room``."""
+def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted(), device_fits=None) -> MemoryPlan:
+    """The largest plan of at most the wanted counts that fits ``limits.room`` and, where
+    given, ``device_fits(plan)`` (the compute device's budget: device_plan.py; its slots
+    and gradient buffers are the device's too). Only what a device holds is given up for
+    the device's sake. Raises DoesNotFit when the smallest plan is too large for the
+    session; returns it when only the device's check fails (the caller refuses it, naming
+    the device's figures)."""
     offloaded = [g for g in groups if g.offload and g.numel + g.frozen_bytes]
     from_ssd = [g for g in offloaded if g.offload is True]
     pooled = [g for g in groups if g.strategy == "pooled"]
     hosted = [g for g in groups if g.strategy == "host"]
-    slot = max((g.fetched_bytes for g in offloaded), default=0)
-    grad = max((g.weight_bytes for g in pooled), default=0)
+    slot = max((g.fetched_bytes for g in offloaded if not g.held), default=0)
+    grad = max((g.weight_bytes for g in pooled if not g.held), default=0)
+    own_slot, own_grad, summed = _sub_block_sizes(offloaded, pooled)
+    n_own_slots, n_own_grads = (OWN_SLOTS if own_slot else 0), (OWN_SLOTS if own_grad else 0)
     staging = max((g.numel * 4 for g in hosted), default=0)
     chunked_fp32 = [g for g in from_ssd if g.strategy == "pooled" and g.itemsize == 4 and g.chunked]
     fixed = _fixed(groups, wanted.shares_host_memory)
@@ -235,17 +270,22 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted()) ->
         shared = held_by_steps and slot >= WINDOW
         extra = max(k.prefetch, held_by_steps) if shared else k.prefetch + (held_by_steps or k.spare)
         n_slots = (1 + extra + wanted.keep) if offloaded else 0
-        n_grads = (1 + k.inflight) if pooled else 0
+        n_grads = max(1 + k.inflight, summed) if pooled else 0
         n_staging = k.staging if hosted else 0
         items = list(fixed)
         items.append(Item("weight slots", n_slots if from_ssd else 0, slot,  # (offload="host": device memory only)
-                          f"the block computing, {k.prefetch} ahead"
+                          f"the {'sub-block' if own_slot else 'block'} computing, {k.prefetch} ahead"
                           + (f", {wanted.keep} kept" if wanted.keep else "")
                           + (f" (or lent to the {held_by_steps} step(s) in flight: master handoff)" if shared else
                              f", {held_by_steps} lent to steps in flight (master handoff)" if held_by_steps else
                              ", a spare" if k.spare else ""), "train"))
-        items.append(Item("gradient buffers", n_grads, grad, f"the block in backward, {k.inflight} step(s) in flight",
+        items.append(Item("weight slots, blocks' own groups", n_own_slots if from_ssd else 0, own_slot,
+                          "a cut block's small modules: the block computing, the next one's ahead", "train"))
+        items.append(Item("gradient buffers", n_grads, grad, f"the block in backward, {k.inflight} step(s) in flight"
+                          + (f" (or a cut block's {summed} sums over train_step's micro-batches)" if summed > 1 else ""),
                           "train"))
+        items.append(Item("gradient buffers, blocks' own groups", n_own_grads, own_grad,
+                          "a cut block's small modules: the block in backward, the one before in flight", "train"))
         items.append(Item("host accumulation staging", n_staging, staging, "gradients added on the host", "train"))
         if wanted.arenas:
             items.append(Item("host arena (host_budget)", wanted.arenas, k.arena,
@@ -259,25 +299,51 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted()) ->
                           "while export reads master weights", phase="export"))
         return MemoryPlan(k.prefetch, wanted.keep, n_slots, slot, bool(from_ssd), n_grads, grad, n_staging, staging,
                           k.arena, k.handoff, tuple(i for i in items if i.count and i.each), limits, shrunk,
-                          limits.segment)
+                          limits.segment, own_slots=n_own_slots, own_slot_bytes=own_slot, own_grad_buffers=n_own_grads,
+                          own_grad_bytes=own_grad,
+                          device_grad_buffers=min(1 + k.inflight, MemoryPlan.DEVICE_GRAD_BUFFERS) if pooled else 0)
 
     p0 = wanted.prefetch if wanted.prefetch is not None else depth(slot, MAX_PREFETCH)
     arena = wanted.host_budget if wanted.host_budget is not None else ARENA_DEFAULT
     knobs = _Knobs(prefetch=p0, spare=1 if from_ssd and slot < WINDOW else 0, inflight=depth(grad, p0 + 2),
                    handoff=bool(chunked_fp32), arena=arena, staging=depth(staging, MAX_STAGING))
-    shrunk: list[str] = []
-    best = build(knobs)
-    for what, smaller in _ladder(wanted):
-        while best.total > limits.room and (nxt := smaller(knobs)) is not None:
-            knobs = nxt
-            trial = build(knobs, tuple(shrunk))
-            if trial.total < best.total and what not in shrunk:  # (named only where it saved bytes)
-                shrunk.append(what)
-            best = build(knobs, tuple(shrunk))
+    best = _shrink(knobs, build, limits, wanted, device_fits or (lambda p: True))
     if best.total <= limits.room:
         return best
     kept = sum(g.weight_bytes for g in groups if g.offload is True and g.strategy in ("resident", "host"))
     raise DoesNotFit(_refusal(best, wanted, limits, kept), best)
+
+
+def _shrink(knobs: _Knobs, build, limits: Limits, wanted: Wanted, device_ok) -> MemoryPlan:
+    """``build(knobs)``'s plan, given up step by step along the ladder while it is larger
+    than the session's room, or (steps a device holds only) than ``device_ok`` allows."""
+    shrunk: list[str] = []
+    best = build(knobs)
+    for what, smaller, on_device in _ladder(wanted):
+        while (nxt := smaller(knobs)) is not None:
+            short_pinned, short_device = best.total > limits.room, not device_ok(best)
+            if not (short_pinned or short_device and on_device):
+                break
+            knobs = nxt
+            trial = build(knobs, tuple(shrunk))
+            saved = trial.total < best.total or short_device and device_ok(trial) != device_ok(best)
+            if saved and what not in shrunk:  # (named only where it saved something)
+                shrunk.append(what)
+            best = build(knobs, tuple(shrunk))
+    return best
+
+
+def _sub_block_sizes(offloaded: list[GroupShape], pooled: list[GroupShape]) -> tuple[int, int, int]:
+    """Cut blocks (model/cuts.py): the bytes of a slot and of a gradient buffer for their
+    own groups, and how many sub-blocks of one block train_step sums at once over its
+    micro-batches (each sum parked on the host between them on a device with its own
+    memory: gradients/pool.py); zeros without cut blocks."""
+    per_unit: dict[str, int] = {}
+    for g in pooled:
+        if g.unit and not g.held:
+            per_unit[g.unit] = per_unit.get(g.unit, 0) + 1
+    return (max((g.fetched_bytes for g in offloaded if g.held), default=0),
+            max((g.weight_bytes for g in pooled if g.held), default=0), max(per_unit.values(), default=0))
 
 
 def _ladder(wanted: Wanted):
@@ -305,10 +371,11 @@ def _ladder(wanted: Wanted):
     def last_inflight(k):
         return dataclasses.replace(k, inflight=0) if k.inflight else None
 
-    return [("arena bytes", arena), ("the spare weight slot", spare), ("steps in flight", inflight),
-            ("the master handoff (4 more SSD bytes per parameter)", handoff),
-            ("prefetch", prefetch), ("host accumulation staging", staging),
-            ("overlap of steps with backward", last_inflight)]
+    # (what, how, whether a device with its own memory holds it too)
+    return [("arena bytes", arena, False), ("the spare weight slot", spare, True), ("steps in flight", inflight, True),
+            ("the master handoff (4 more SSD bytes per parameter)", handoff, True),
+            ("prefetch", prefetch, True), ("host accumulation staging", staging, True),
+            ("overlap of steps with backward", last_inflight, True)]
 
 
 def _stored(g: GroupShape) -> int:

@@ -45,11 +45,27 @@ class Part:
 class GroupSpec:
     name: str
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
-    module: nn.Module | None = None  # the block (None for "rest")
+    module: nn.Module | None = None  # the block, for a block's own group (None for "rest" and sub-blocks)
     parts: list[Part] = field(default_factory=list)  # (set by split)
     # A block's frozen parameters (requires_grad=False): no optimizer state; offloaded with
     # the block's weights (after its trained ones) when the block is, else left as they are.
     frozen: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    # Where its weights are fetched around (offload/): the block for a block's own group,
+    # the modules holding a sub-block's parameters (model/cuts.py), none for the resident rest.
+    uses: tuple[nn.Module, ...] = ()
+    block: nn.Module | None = None  # the block it is of (its own group's or a sub-block's), None for the rest's
+    unit: str = ""  # the block it is cut from ("block0003") or "rest": what a meta model makes real with it
+    early: bool = False  # a sub-block of the rest forward uses before the blocks (the embeddings)
+
+    def __post_init__(self):
+        if self.module is not None and not self.uses:
+            self.uses, self.block = (self.module,), self.module
+        self.unit = self.unit or self.name
+
+    @property
+    def is_rest(self) -> bool:
+        """Of the rest (embeddings, final norm, head): not of a block."""
+        return self.block is None
 
     @cached_property
     def numel(self) -> int:
@@ -117,16 +133,22 @@ def split(model: nn.Module, blocks: list[nn.Module] | None = None,
                 raise TypeError(f"parameter {pname!r} of group {g.name} is {p.dtype}; Fuyou trains "
                                 "float32, bfloat16 and float16 parameters (freeze it with requires_grad=False)")
     groups = [g for g in groups if g.params or g.frozen]  # (a frozen block: offloaded, never stepped)
-    which = (lambda p: index.get(id(p), 0)) if index is not None else (lambda p: 0)
     for g in groups:
-        g.params.sort(key=lambda item: which(item[1]))  # (stable: model order within a torch group)
-        g.numel, g.frozen_numel  # noqa: B018 - counted now, while every parameter holds its data
-        start = 0
-        for k, (i, run) in enumerate(itertools.groupby(g.params, key=lambda item: which(item[1]))):
-            count = sum(p.numel() for _, p in run)
-            g.parts.append(Part(g.name if k == 0 else f"{g.name}.g{i}", start, count, i))
-            start += count
+        lay_out(g, index)
     return groups
+
+
+def lay_out(g: GroupSpec, index: dict[int, int] | None) -> None:
+    """The group's parameters in layout order (by torch param group, model order within
+    one) and its parts: one per torch param group it holds."""
+    which = (lambda p: index.get(id(p), 0)) if index is not None else (lambda p: 0)
+    g.params.sort(key=lambda item: which(item[1]))  # (stable: model order within a torch group)
+    g.numel, g.frozen_numel  # noqa: B018 - counted now, while every parameter holds its data
+    g.parts, start = [], 0
+    for k, (i, run) in enumerate(itertools.groupby(g.params, key=lambda item: which(item[1]))):
+        count = sum(p.numel() for _, p in run)
+        g.parts.append(Part(g.name if k == 0 else f"{g.name}.g{i}", start, count, i))
+        start += count
 
 
 def set_grad(p: torch.Tensor, grad: torch.Tensor) -> None:

@@ -272,8 +272,7 @@ class Materializer:
         """Before the engine uploads the group ``spec`` (grouping.GroupSpec): its
         parameters hold their values on the CPU; its meta buffers and frozen parameters
         are real, on ``device``."""
-        self._complete(next(u for u in self._units if u.name == (spec.name if spec.module is not None else "rest")),
-                       device)
+        self._complete(next(u for u in self._units if u.name == spec.unit), device)
 
     def finish(self, device: torch.device | None = None) -> None:
         """After every upload: the units without a trained group (frozen blocks), the rest

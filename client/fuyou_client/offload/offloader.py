@@ -45,7 +45,7 @@ upload's event only, and the host buffer takes a new fetch only after its upload
 """
 from __future__ import annotations
 
-from collections import deque
+from contextlib import contextmanager
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -54,6 +54,7 @@ from torch import nn
 
 from fuyou_client.device.devices import DONE, Device
 from fuyou_client.model.blocks import flat_parts
+from fuyou_client.offload.slots import Slot, SlotPool
 from fuyou_client.connection.session import In, Session, all_of
 
 
@@ -74,12 +75,13 @@ class Source:
 class OffloadedGroup:
     index: int
     name: str
-    module: nn.Module
+    uses: tuple[nn.Module, ...]  # the modules it is fetched around (the block; a sub-block's own: model/cuts.py)
     params: list[nn.Parameter]
     dtype: torch.dtype
     sources: list[Source]  # where the compute weights are on the SSD array (none: ``host``)
     numel: int
     slot: "Slot | None" = None  # while resident
+    cached: "Slot | None" = None  # released, its weights still in this slot until another group takes it
     ready: object = DONE  # event: the slot's upload (compute waits for it before using the weights)
     fetch: Future | None = None
     fetch_slot: "Slot | None" = None
@@ -93,23 +95,12 @@ class OffloadedGroup:
     host: object = None  # offload="host": the shared buffer holding the weights (the step writes it)
     host_uploaded: object = DONE  # event: the last upload out of ``host`` (the step waits for it)
     hands_over: bool = False  # its slot goes to its step, which takes the fp32 masters from it (lend)
+    cut: bool = False  # a block's own group whose large modules are sub-blocks (model/cuts.py)
+    unit: str = ""  # the block it is of, or "rest" (a block's own group and its sub-blocks share it)
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
-
-
-class Slot:
-    """Room for one group's weights: a shared host buffer and its device counterpart."""
-
-    def __init__(self, session: Session, device: Device, nbytes: int, host: bool = True):
-        self.host = session.allocate(nbytes) if host else None  # (none when every group's weights are on the host)
-        self.device = self.host.tensor(torch.uint8) if device.shares_host_memory else device.empty(nbytes)
-        self.uploaded = DONE  # the last upload out of ``host`` (a new fetch may land only after it)
-        self.released = device.record()  # compute's last use of ``device`` (a new upload waits for it)
-
-    def weights(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.device.view(dtype)
 
 
 @dataclass(frozen=True)
@@ -141,25 +132,36 @@ class Offloader:
     whole group in the slot, gathered from the ranks."""
 
     def __init__(self, session: Session, device: Device, groups: list[OffloadedGroup], prefetch: int,
-                 keep: int = 0, slots: int | None = None, on_backward=None, gather=None):
+                 keep: int = 0, slots: list[int] | None = None, on_backward=None, gather=None):
         self.session = session
         self.device = device
         self.groups = groups
         self.prefetch = prefetch
         self.keep = keep  # blocks (the last ones) kept from forward to backward: fewer fetches, more memory
-        nbytes = max(g.nbytes for g in groups)
-        from_ssd = any(g.host is None for g in groups)
-        count = slots if slots is not None else prefetch + 2 + keep
-        self._free = [Slot(session, device, nbytes, host=from_ssd) for _ in range(count)]
-        self._all = list(self._free)
-        self._lent: deque[tuple[Future, Slot]] = deque()  # slots whose masters a step reads, oldest first
-        self._lending: Slot | None = None  # lent, its step not submitted yet
+        if slots is None:  # (the memory plan's sizes: memory/budget.py MemoryPlan.slot_sizes)
+            slots = [max(g.nbytes for g in groups)] * (prefetch + 2 + keep)
+        # A group released keeps its weights in its slot until a fetch takes it: used again
+        # before that (a sub-block over the micro-batches of train_step, a recomputed one in
+        # backward, the last blocks of forward in backward) it needs no fetch. Forgotten when
+        # the group's step is submitted (new weights) and at the barrier. Not with data
+        # parallelism: every rank must fetch, and gather, in the same order.
+        self._slots = SlotPool(session, device, slots, any(g.host is None for g in groups), caching=gather is None)
         self._deferred: list[tuple[OffloadedGroup, bool]] = []  # prefetches waiting for a slot (poll)
+        self._entered = -1  # the last group forward entered (a group used again after it is not prefetched for)
+        self.inputs_only = False  # (see input_gradients)
+        # Set by train_step while a block runs for all but its last micro-batch: fetches ahead
+        # stay within that block (a cut block's sub-blocks are used again by the next
+        # micro-batch; fetching the next block's would evict them).
+        self.prefetch_within: str | None = None
+        self._recomputing: OffloadedGroup | None = None  # a cut block's own group, held while it is recomputed
+        self._inputs_only_used: list[OffloadedGroup] = []
         self._clock = 0
         self._by_ptr: dict[int, OffloadedGroup] = {}
         self.fetched_bytes = 0  # weight bytes read from the SSD array for this client
         self.fetched_forward = 0  # of which for forward (the rest: backward's)
         self.served_bytes = 0  # weight bytes served from optimizer-state read-aheads (no extra read)
+        self.reused_bytes = 0  # weight bytes used again from a released group's slot (no fetch, no upload)
+        self.reuses = 0  # how many times
         self._on_backward = on_backward or (lambda g: None)
         self._gather = gather
         for g in groups:
@@ -174,54 +176,63 @@ class Offloader:
         them from a read-ahead of the group's optimizer state, which the group's step, due
         right after, then uses: one SSD read instead of two (unless the group lends its
         slot to its step instead: ``lend``)."""
-        if g.slot is not None or g.fetch is not None:
+        if g.slot is not None or g.fetch is not None or g.cached is not None:
             return
-        self._take_back()
-        if self._free:
-            self._fetch_into(g, self._free.pop(0), backward)  # (the longest free: its last use is furthest back)
-        elif self._lent and not any(d is g for d, _ in self._deferred):  # (when a lent slot is back: poll)
+        self._slots.take_back()
+        slot = self._slots.take(g)
+        if slot is not None:
+            self._fetch_into(g, slot, backward)
+        elif self._slots.lent and not any(d is g for d, _ in self._deferred):  # (when a lent slot is back: poll)
             self._deferred.append((g, backward))
+
+    def forget(self, g: OffloadedGroup) -> None:
+        """The group's step was submitted: weights cached from before it are stale."""
+        self._slots.forget(g)
+
+    def _reland(self, g: OffloadedGroup) -> None:
+        """A cached group resident again: its slot still holds its weights (on the device too)."""
+        slot = self._slots.reclaim(g)
+        g.slot, g.ready = slot, slot.uploaded
+        self.reused_bytes += g.nbytes
+        self.reuses += 1
+        self._point(g, slot)
 
     def poll(self) -> None:
         """Cheap, called often (each gradient): slots lent to steps that are done are free
         again, and the fetches deferred for want of a slot start in them."""
-        if not self._lent and not self._deferred:
+        if not self._slots.lent and not self._deferred:
             return
-        self._take_back()
-        while self._free and self._deferred:
-            g, backward = self._deferred.pop(0)
-            if g.slot is None and g.fetch is None:
-                self._fetch_into(g, self._free.pop(0), backward)
-
-    def _take_back(self, wait: bool = False) -> None:
-        """Slots lent to steps that are done are free again (``wait``: the oldest is waited for)."""
-        if wait and self._lent:
-            self._lent[0][0].exception()  # (waits; whatever the step's outcome, it reads the slot no more)
-        while self._lent and self._lent[0][0].done():
-            self._free.append(self._lent.popleft()[1])
+        self._slots.take_back()
+        waiting, self._deferred = self._deferred, []
+        for g, backward in waiting:
+            if g.slot is not None or g.fetch is not None or g.cached is not None:
+                continue
+            slot = self._slots.take(g)
+            if slot is None:
+                self._deferred.append((g, backward))
+            else:
+                self._fetch_into(g, slot, backward)
 
     def _lend(self, g: OffloadedGroup):
         """Backward is done with the group's weights, and its step will read its fp32 masters
         from the slot: the parameters let go of it as with ``release``, but the slot is out of
-        use until ``_lent_until``'s future is done. Returns the slot's shared buffer."""
+        use until its step is done (SlotPool.lent_until). Returns the slot's shared buffer."""
         slot = g.slot
         self.release(g, lend=True)
-        self._lending = slot
+        self._slots.lend(slot)
         return slot.host
-
-    def _lent_until(self, step: Future) -> None:
-        """The step that reads the slot just lent; the slot is free again once it is done."""
-        self._lent.append((step, self._lending))
-        self._lending = None
 
     def take_back_all(self) -> None:
         """(at the barrier, every step landed) Every lent slot is free again; prefetches
         still deferred are forgotten (the next forward asks again)."""
-        for step, slot in self._lent:
-            step.exception()
-            self._free.append(slot)
-        self._lent.clear()
+        self._slots.take_back_all()
         self._deferred.clear()
+        self.forget_all()
+
+    def forget_all(self) -> None:
+        """Every cached group forgotten (at the barrier: the steps wrote new weights)."""
+        self._slots.forget_all()
+        self._entered = -1
 
     def _fetch_into(self, g: OffloadedGroup, slot: Slot, backward: bool) -> None:
         slot.uploaded.synchronize()  # the host buffer's last upload has run (normally long ago)
@@ -246,7 +257,9 @@ class Offloader:
     def ensure(self, g: OffloadedGroup, backward: bool = False) -> None:
         """Make the group's weights resident (waits for its fetch); the compute stream's
         next work waits for their upload."""
-        if g.slot is None:
+        if g.slot is None and g.cached is not None:
+            self._reland(g)
+        elif g.slot is None:
             if g.fetch is None:
                 self._fetch_into(g, self._slot_for(g), backward)
             self._land(g)
@@ -255,10 +268,10 @@ class Offloader:
     def _slot_for(self, g: OffloadedGroup) -> "Slot":
         """A slot for a fetch that cannot wait: a free one, else the oldest lent one once its
         step is done, else a resident group's (evicted)."""
-        self._take_back()
-        if not self._free and self._lent:
-            self._take_back(wait=True)
-        return self._free.pop(0) if self._free else self._evict(g)
+        self._slots.take_back()
+        if self._slots.lent and not self._slots.could_take(g):
+            self._slots.take_back(wait=True)
+        return self._slots.take(g) or self._evict(g)
 
     def _land(self, g: OffloadedGroup) -> None:
         """A fetch is done (or waited for): upload it and point the parameters at it."""
@@ -283,6 +296,10 @@ class Offloader:
             if g.host is not None:
                 g.host_uploaded = slot.uploaded
         g.ready = slot.uploaded
+        self._point(g, slot)
+
+    def _point(self, g: OffloadedGroup, slot: "Slot") -> None:
+        """The group's parameters become views of the slot's weights."""
         with torch.inference_mode(False):  # (an eval forward under inference_mode: still plain tensors)
             flat = slot.weights(g.dtype)
             self._by_ptr[flat.untyped_storage().data_ptr()] = g
@@ -301,17 +318,25 @@ class Offloader:
         """All slots hold groups (parameters that got no gradient keep a group resident
         until the step; a model called twice keeps more): free the least recently used one
         that is not computing. Its saved tensors are markers, so a later use fetches it again."""
-        victims = [g for g in self.groups if g.slot is not None and g is not wanted and not g.busy]
-        if not victims:
-            raise RuntimeError(f"no weight slot for {wanted.name}: all {len(self._all)} hold blocks computing "
-                               "right now; attach with a larger prefetch or keep")
-        self.release(min(victims, key=lambda g: g.last_used))
-        return self._free.pop()
+        victims = [g for g in self.groups if g.slot is not None and g is not wanted and not g.busy
+                   and g.slot.nbytes >= wanted.nbytes]
+        if victims:
+            self.release(min(victims, key=lambda g: g.last_used), cache=False)
+            return self._slots.free.pop()
+        ahead = [g for g in self.groups if g.fetch is not None and g is not wanted and g.fetch_slot.nbytes >= wanted.nbytes]
+        if ahead:  # (prefetches hold the other slots: the one asked for first is given up, read or not)
+            g = ahead[0]
+            g.fetch.exception()  # (waits: the slot is written no more)
+            slot, g.fetch, g.fetch_slot = g.fetch_slot, None, None
+            return slot
+        raise RuntimeError(f"no weight slot for {wanted.name}: all {self._slots.count} hold blocks computing "
+                           "right now; attach with a larger prefetch or keep")
 
-    def release(self, g: OffloadedGroup, keep_params: bool = False, lend: bool = False) -> None:
+    def release(self, g: OffloadedGroup, keep_params: bool = False, lend: bool = False, cache: bool = True) -> None:
         """Give the group's slot back; its parameters become empty placeholders (unless
         ``keep_params``: the caller has already pointed them elsewhere; ``lend``: the slot
-        goes to the group's step, see ``lend``)."""
+        goes to the group's step, see ``lend``). The slot keeps its weights, cached, until
+        another group takes it (``cache=False``: not)."""
         if g.slot is None:
             return
         if not keep_params:
@@ -319,17 +344,22 @@ class Offloader:
                 p.data = ph
         self._by_ptr.pop(g.slot.weights(g.dtype).untyped_storage().data_ptr(), None)
         g.slot.released = self.device.record()  # the compute enqueued so far may still read it
-        if not lend:
-            self._free.append(g.slot)
+        if lend:
+            pass
+        elif cache and not keep_params:
+            self._slots.keep(g, g.slot)
+        else:
+            self._slots.free.append(g.slot)
         g.slot, g.ready = None, DONE
 
     def release_all(self) -> None:
         for g in self.groups:
             if g.fetch is not None:  # let a prefetch land before its slot is reused
                 g.fetch.result()
-                self._free.append(g.fetch_slot)
+                self._slots.free.append(g.fetch_slot)
                 g.fetch = g.fetch_slot = None
-            self.release(g)
+            self.release(g, cache=False)
+        self.forget_all()
 
     # -- hooks ----------------------------------------------------------------------------
     def _touch(self, g: OffloadedGroup) -> None:
@@ -339,11 +369,19 @@ class Offloader:
     def enter_forward(self, g: OffloadedGroup) -> None:
         """Before the block's forward: its weights resident, the next blocks' fetches started."""
         g.in_backward = False
-        self.ensure(g)
+        # A cut block recomputed in backward: its sub-blocks' fetches are backward's (served from
+        # the read-ahead of the state their steps then use), and the next block's groups are
+        # not what backward needs next.
+        recomputing = self._recomputing is not None and g.unit == self._recomputing.unit
+        self.ensure(g, backward=recomputing)
         g.busy = True
         self._touch(g)
-        for nxt in self.groups[g.index + 1:g.index + 1 + self.prefetch]:
-            self._start_fetch(nxt)
+        within = self.prefetch_within or (self._recomputing.unit if self._recomputing is not None else None)
+        if len(g.uses) < 2 or g.index > self._entered:  # (a tied head, used again late: forward is past the rest)
+            for nxt in self.groups[g.index + 1:g.index + 1 + self.prefetch]:
+                if within in (None, nxt.unit):
+                    self._start_fetch(nxt, backward=recomputing)
+        self._entered = max(self._entered, g.index)
         self._poll()
 
     def exit_forward(self, g: OffloadedGroup) -> None:
@@ -381,21 +419,27 @@ class Offloader:
         g = saved.group
         self.ensure_for_backward(g)
         self._poll()
-        self.begin_backward(g)
+        if self.inputs_only:
+            self._touch(g)
+            if not any(u is g for u in self._inputs_only_used):
+                self._inputs_only_used.append(g)
+        else:
+            self.begin_backward(g)
         return g.slot.weights(g.dtype).as_strided(saved.size, saved.stride, saved.offset)
 
-    def ensure_for_backward(self, g: OffloadedGroup) -> None:
+    def ensure_for_backward(self, g: OffloadedGroup, ahead: bool = True) -> None:
         """A group's weights for its backward (or its recomputed forward); the first
         request of a group starts fetching the ``prefetch`` groups before it, which
-        backward needs next."""
+        backward needs next (unless ``ahead`` is False)."""
         if not g.in_backward:  # (once per group and backward, not per saved tensor)
             for done in self._frozen_blocks:
                 if done.index > g.index and done.slot is not None and not done.busy:
                     self.release(done)
         if g.slot is None:
             self.ensure(g, backward=True)
-            for prev in reversed(self.groups[max(0, g.index - self.prefetch):g.index]):
-                self._start_fetch(prev, backward=True)
+            for prev in reversed(self.groups[max(0, g.index - self.prefetch):g.index] if ahead else []):
+                if self.prefetch_within in (None, prev.unit):
+                    self._start_fetch(prev, backward=True)
         else:
             self.device.wait(g.ready)
 
@@ -414,30 +458,57 @@ class Offloader:
 
     def hold(self, g: OffloadedGroup) -> None:
         """The group's weights for its backward (or recomputed forward), held until
-        ``backward_done``: the graph being built refers to them, so no eviction."""
-        self.ensure_for_backward(g)
+        ``backward_done``: the graph being built refers to them, so no eviction. (A block
+        cut into sub-blocks: its own group; the sub-blocks come as their modules run, and
+        the groups before it are fetched only once backward reaches them.)"""
+        self.ensure_for_backward(g, ahead=not g.cut)
         g.busy = True
+        if g.cut:
+            self._recomputing = g
 
     def let_go(self, g: OffloadedGroup) -> None:
         """The group's weights may be evicted again (its slot stays until then)."""
         g.busy = False
+        if self._recomputing is g:
+            self._recomputing = None
 
     def backward_done(self, g: OffloadedGroup) -> None:
-        """Backward is done with the group's weights: its slot is free again."""
+        """Backward is done with the group's weights: its slot is free again (cached until
+        the group's step is submitted, for the next micro-batch of an accumulation)."""
         g.busy = False
+        if self._recomputing is g:
+            self._recomputing = None
         self.release(g)
+        self._entered = -1  # (the next forward starts over)
 
     def lend_for_step(self, g: OffloadedGroup, submit) -> None:
         """Backward is done with the group's weights and its step takes the fp32 masters from
         its slot: ``submit(buffer)`` sends the step (returns its future); the slot is free
         again once that step is done."""
         g.busy = False
-        self._lent_until(submit(self._lend(g)))
+        self._slots.lent_until(submit(self._lend(g)))
+
+    @contextmanager
+    def input_gradients(self):
+        """A backward that takes input gradients only (train_step's tail: the gradient of the
+        loss with respect to the last block's output): a group whose weights it unpacks (an
+        offloaded head, model/cuts.py) does not begin its backward (no gradient buffer for it
+        yet) and is released after it."""
+        self.inputs_only = True
+        try:
+            yield
+        finally:
+            self.inputs_only = False
+            for g in self._inputs_only_used:
+                if not g.busy and not g.in_backward:
+                    self.release(g)
+            self._inputs_only_used.clear()
 
     def let_go_all(self) -> None:
         """(a step abandoned) No group is held any more; every slot and fetch is given back."""
         for g in self.groups:
             g.busy = False
+        self._recomputing, self.prefetch_within = None, None
         self.release_all()
 
 

@@ -8,8 +8,9 @@ the settings for the fastest plan that fits.
 
 Modules: shape.py (the model), hardware.py (the host, GPU profiles, every rate's source),
 probe.py (this host, measured), iteration.py (the discrete-event model of an iteration),
-estimate.py (one configuration: tiers, SSD bytes, time), plan_search.py (the settings),
-report.py (the table), cli.py (``fuyouctl plan``).
+kernels.py (the GPU's time kernel by kernel), gpu_runs.py (what bench/gpu.py results say of
+their GPU), estimate.py (one configuration: tiers, SSD bytes, time), plan_search.py (the
+settings), report.py (the table), cli.py (``fuyouctl plan``).
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from pathlib import Path
 
 from fuyou_client.sizing import probe
 from fuyou_client.sizing.estimate import Estimate, Settings
-from fuyou_client.sizing.hardware import (PROFILES, Disks, GpuProfile, Host, HostError, Rate, gpu_profile,
-                                          parse_bytes, parse_ssd)
+from fuyou_client.sizing.hardware import (COMPUTE, PROFILES, Disks, Gemms, GpuProfile, Host, HostError, Rate,
+                                          gpu_profile, parse_bytes, parse_ssd)
 from fuyou_client.sizing.iteration import from_gpu_run
 from fuyou_client.sizing.plan_search import TOKENS_PER_STEP, Plan, search
 from fuyou_client.sizing.shape import ModelShape, ShapeError, from_config, from_model, from_path, of
@@ -68,8 +69,9 @@ def host(gpu: str | GpuProfile | None = None, *, cpu: bool = False, gpu_from: st
         if isinstance(gpu_efficiency, bool) or not isinstance(gpu_efficiency, (int, float)) or \
                 not 0 < gpu_efficiency <= 1:
             raise HostError(f"GPU efficiency is a share of the peak, in (0, 1], not {gpu_efficiency!r}")
-        profile = dataclasses.replace(profile, kernel_tflops=Rate(
-            gpu_efficiency * profile.peak_tflops, f"given: {gpu_efficiency:.0%} of the {profile.peak_tflops:g} TFLOPS peak"))
+        given = Rate(gpu_efficiency, "given")  # (whatever the compute dtype)
+        profile = dataclasses.replace(profile, gemm_efficiency=given,
+                                      fp16=dataclasses.replace(profile.gemms("fp16"), efficiency=given))
     mem = _bytes(ram, "host memory") or probe.memory()
     sources["memory"] = "given" if ram is not None else "probed (/proc/meminfo)"
     if ssd is not None:
@@ -89,17 +91,34 @@ def host(gpu: str | GpuProfile | None = None, *, cpu: bool = False, gpu_from: st
                 sources=sources, **kwargs)
 
 
+def model_compute(model) -> str | None:
+    """The compute dtype of a model's own parameters ("bf16", "fp16"), None if they are
+    neither (a config, an fp32 model)."""
+    params = getattr(model, "parameters", None)
+    if params is None:
+        return None
+    dtype = next((p.dtype for p in params() if p.is_floating_point()), None)
+    return {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(dtype))
+
+
 def plan(model, *, seq: int | None = None, tokens_per_step: int = TOKENS_PER_STEP, state_dtype: str | None = None,
-         micro_batch: int | None = None, offload: bool | str | None = None, on: Host | None = None,
-         **host_kwargs) -> Plan:
+         micro_batch: int | None = None, offload: bool | str | None = None, compute: str | None = None,
+         on: Host | None = None, **host_kwargs) -> Plan:
     """The fastest settings that fit for ``model`` (a config.json, a model directory, a
     config dict, a model (the meta device is enough), or a ModelShape) on ``on`` (a Host;
-    default: ``host(**host_kwargs)``, probing what is not given)."""
+    default: ``host(**host_kwargs)``, probing what is not given). ``compute``: the model's
+    dtype on the GPU, "bf16" or "fp16" (default: a model's own if it is one of them, else
+    bf16; attach computes in the model's dtype)."""
     shape = of(model)
     where = on if on is not None else host(**host_kwargs)
+    compute = compute or model_compute(model) or "bf16"
+    if compute not in COMPUTE:
+        raise ValueError(f"compute dtype must be one of {', '.join(COMPUTE)} (the model's dtype on the GPU), "
+                         f"not {compute!r}")
     return search(shape, where, seq or min(DEFAULT_SEQ, shape.max_seq or DEFAULT_SEQ), tokens_per_step, state_dtype,
-                  micro_batch, offload)
+                  micro_batch, offload, compute=compute)
 
 
-__all__ = ["plan", "host", "Plan", "Host", "Disks", "GpuProfile", "Rate", "PROFILES", "ModelShape", "Settings",
+__all__ = ["plan", "host", "model_compute", "Plan", "Host", "Disks", "GpuProfile", "Gemms", "Rate", "PROFILES",
+           "COMPUTE", "ModelShape", "Settings",
            "Estimate", "search", "from_config", "from_model", "from_path", "ShapeError", "HostError"]

@@ -5,13 +5,16 @@ being attached (counted on it, the meta device is enough) and this host as the d
 sees it (its session budget and optimizer buffer budget from its Status; its devices'
 directories measured; memory and the GPU probed). Options given beside the plan win and
 are named in the log line; an optimizer whose state dtype differs from the plan's is
-refused (the plan's memory and SSD figures are for its dtype)."""
+refused (the plan's memory and SSD figures are for its dtype), and so is a 16-bit model in
+another dtype than the plan's GPU computed in (its time is for that dtype)."""
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
 from fuyou_client.sizing import host as make_host
+from fuyou_client.sizing import model_compute
+from fuyou_client.sizing.hardware import TORCH_DTYPE
 from fuyou_client.sizing.plan_search import Plan, search
 from fuyou_client.sizing.shape import from_model
 
@@ -34,7 +37,8 @@ def plan_for(model, socket: str | None = None, session=None, seq: int | None = N
     dirs = sorted({str(Path(d.path).parent) for d in st.devices}) or None
     where = make_host(data_dirs=dirs, pinned_budget=st.session_budget_bytes or st.pinned_budget_bytes or None,
                       buffer_budget=st.optimizer_buffer_budget_bytes or None)
-    return search(shape, where, seq or min(DEFAULT_SEQ, shape.max_seq or DEFAULT_SEQ), TOKENS_PER_STEP)
+    return search(shape, where, seq or min(DEFAULT_SEQ, shape.max_seq or DEFAULT_SEQ), TOKENS_PER_STEP,
+                  compute=model_compute(model) or "bf16")
 
 
 def apply(plan, model, optimizer, options: dict) -> tuple[dict, object, Plan]:
@@ -59,6 +63,11 @@ def apply(plan, model, optimizer, options: dict) -> tuple[dict, object, Plan]:
         raise ValueError(f"the plan chose {s.state_dtype} optimizer state and the optimizer given keeps "
                          f"{optimizer.state_dtype}: pass AdamW(state_dtype={s.state_dtype!r}, ...) or plan with "
                          f"state_dtype={optimizer.state_dtype!r}")
+    own = model_compute(model)
+    if plan.host.gpu is not None and own is not None and own != s.compute:
+        raise ValueError(f"the plan's GPU computes in {s.model_dtype(plan.host)} and the model is in "
+                         f"{TORCH_DTYPE[own]}: attach computes in the model's "
+                         f"dtype; plan with compute={own!r}, or convert the model")
     log.info("attach: plan %s; options %s%s", ", ".join(f"{k}={v!r}" for k, v in chosen.items()) or "defaults",
              ", ".join(f"{k}={v!r}" for k, v in merged.items()),
              f" (given beside the plan, kept: {', '.join(kept)})" if kept else "")

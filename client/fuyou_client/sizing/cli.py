@@ -20,8 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", help=f"a GPU profile: {', '.join(sizing.PROFILES)}")
     g.add_argument("--gpu-from", help="a bench/gpu.py result measured on your GPU (overrides the profiles)")
     g.add_argument("--gpu-memory", help="GPU memory, if not the profile's (e.g. 40GiB)")
-    g.add_argument("--gpu-efficiency", type=float, help="the GPU's kernel FLOP rate as a share of its peak "
-                                                       "(default: the profile's, measured or assumed)")
+    g.add_argument("--gpu-efficiency", type=float, help="large GEMMs' FLOP rate as a share of the GPU's peak "
+                                                       "(default: the profile's, published)")
     g.add_argument("--pcie", type=float, help="GB/s each way between host and GPU (default: the profile's)")
     g.add_argument("--cpu", action="store_true", help="no GPU: the CPU computes (time is then not modelled)")
     g.add_argument("--ram", help="host memory (e.g. 128GiB)")
@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="optimizer state dtype (auto: the most exact that fits)")
     t.add_argument("--offload", choices=["auto", "ssd", "host"], default="auto",
                    help="where the blocks' weights live (auto: searched)")
+    t.add_argument("--compute", choices=list(sizing.COMPUTE), default="bf16",
+                   help="the model's dtype on the GPU, which attach computes in (default bf16; fp16: torch "
+                        "accumulates its GEMMs in fp32, at the profile's fp16 rate)")
     p.add_argument("--json", action="store_true", help="the plan as JSON")
 
 
@@ -58,7 +61,7 @@ def run(args, data_dirs: list | None = None, defaults: dict | None = None) -> in
         offload = {"auto": None, "ssd": True, "host": "host"}[args.offload]
         plan = sizing.plan(args.model, seq=args.seq, tokens_per_step=args.tokens_per_step,
                            state_dtype=None if args.state_dtype == "auto" else args.state_dtype,
-                           micro_batch=args.micro_batch, offload=offload, on=host)
+                           micro_batch=args.micro_batch, offload=offload, compute=args.compute, on=host)
     except (sizing.ShapeError, sizing.HostError, ValueError) as exc:
         print(f"fuyouctl plan: {exc}", file=sys.stderr)
         return 1

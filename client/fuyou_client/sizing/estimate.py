@@ -11,16 +11,24 @@ and traffic, and (with a GPU) the step's time and what binds it.
   and backward reads the weights itself), the optimizer state read and written, the
   weights the steps write for blocks kept in a 16-bit dtype, and block-major's inputs
   spilled beyond the host arena.
-* **Time**: the discrete-event model (iteration.py) with the GPU's and host's rates.
+* **Time**: the discrete-event model (iteration.py) with the GPU's and host's rates, the
+  GPU's in the model's compute dtype (``Settings.compute``: bf16 or fp16; its bytes are 2
+  per element either way). Two rates of FLOPs: model TFLOPS (6 x parameters x tokens per
+  second, the work the model needs) and hardware TFLOPS (what the GPU executed,
+  recomputation included: iteration.executed_flops).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
+from fuyou_client.device import cuda_reserve
+from fuyou_client.memory import DevicePlan, Work, plan_device
 from fuyou_client.memory import budget as memory_plan
-from fuyou_client.sizing.hardware import GB, GiB, Host
-from fuyou_client.sizing.iteration import Rates, Schedule, device_estimate, simulate, state_bytes
+from fuyou_client.model.cuts import large_atoms, rest_sub_blocks
+from fuyou_client.sizing.hardware import COMPUTE, GB, TORCH_DTYPE, GiB, Host
+from fuyou_client.sizing.iteration import Rates, Schedule, simulate, state_bytes
+from fuyou_client.sizing.kernels import GEMM_EDGE, HBM_EFFICIENCY
 from fuyou_client.sizing.shape import ModelShape
 from fuyou_proto.contract import stepped_in_chunks
 
@@ -48,13 +56,26 @@ class Settings:
     prefetch: int | None = None  # None: the memory plan's
     host_budget: int | None = None  # the host arena; None: the memory plan's default
     activations: str = "recompute"
+    granularity: str = "block"  # what comes to the GPU at a time: "block", or "module" (model/cuts.py)
+    compute: str = "bf16"  # the model's dtype on a GPU (attach computes in it): "bf16" or "fp16"
+
+    def __post_init__(self):
+        if self.compute not in COMPUTE:
+            raise ValueError(f"compute dtype must be one of {', '.join(COMPUTE)} (the model's dtype on the GPU), "
+                             f"not {self.compute!r}")
 
     @property
     def tokens(self) -> int:
         return self.seq * self.micro_batch * self.micro_batches
 
+    def model_dtype(self, host: Host) -> str:
+        """The dtype the plan assumed the model is in: attach computes in the model's own
+        (the CPU runs in fp32)."""
+        return TORCH_DTYPE[self.compute] if host.gpu is not None else "torch.float32"
+
     def attach_options(self) -> dict:
-        """The ``attach`` keyword arguments these settings stand for."""
+        """The ``attach`` keyword arguments these settings stand for (the model's dtype is not
+        one: ``model_dtype``)."""
         out = {"offload": self.offload, "activations": self.activations}
         if self.prefetch is not None:
             out["prefetch"] = self.prefetch
@@ -62,6 +83,8 @@ class Settings:
             out["host_budget"] = self.host_budget
         if self.schedule == "loop" and self.micro_batches > 1:
             out["accumulation_steps"] = self.micro_batches
+        if self.granularity != "block":
+            out["granularity"] = self.granularity
         return out
 
 
@@ -113,12 +136,13 @@ class Estimate:
         s = self.settings
         return {"model": dataclasses.asdict(self.shape) | {"params": self.shape.params},
                 "settings": dataclasses.asdict(s) | {"tokens_per_step": s.tokens},
-                "attach_options": s.attach_options(), "fits": self.fits,
+                "attach_options": s.attach_options(), "model_dtype": s.model_dtype(self.host), "fits": self.fits,
                 "memory_bytes": self.memory, "needs_bytes": self.needs, "has_bytes": self.has,
                 "ssd_bytes_per_iteration": self.ssd, "ssd_bytes_per_param": self.ssd_bytes_per_param,
                 "ssd_written_per_1000_steps_per_device": 1000 * self.written_per_step / self.host.disks.count,
                 "iteration_seconds": self.seconds, "tokens_per_second": self.tokens_per_second,
                 "model_tflops": self.time["model_tflops"] if self.time else None,
+                "hardware_tflops": self.time["hardware_tflops"] if self.time else None,
                 "gpu_busy": self.time["gpu_busy"] if self.time else None,
                 "balance_tokens_per_step": self.time["balance_tokens"] if self.time else None,
                 "binds": self.binds, "utilisation": self.utilisation,
@@ -137,14 +161,36 @@ def chunked(numel: int, s: Settings, host: Host) -> bool:
 
 
 def groups(shape: ModelShape, s: Settings, host: Host) -> list[memory_plan.GroupShape]:
-    """The layer groups attach would plan (engine/build.py plan_memory), from the shape alone."""
+    """The layer groups attach would plan (engine/build.py group_shapes), from the shape
+    alone: one per block and the rest, or with ``granularity="module"`` each block's own
+    group and sub-blocks, and the rest's (model/cuts.py, by the same rule)."""
     c = _compute_bytes(host)
     offload = s.offload if host.gpu is not None or s.offload is True else False  # ("host" on the CPU: resident)
     keeps = s.schedule == "loop" and s.micro_batches > 1  # gradients kept until the step
-    block = memory_plan.GroupShape("block0000", shape.block_params, c, chunked=chunked(shape.block_params, s, host),
-                                   offload=offload, strategy=("resident" if keeps else "pooled") if offload else "resident")
-    rest = memory_plan.GroupShape("rest", shape.rest_params, c, chunked=chunked(shape.rest_params, s, host))
-    return [dataclasses.replace(block, name=f"block{i:04d}") for i in range(shape.layers)] + [rest]
+    # (kept until the step: on a GPU summed on the host, as the iteration model's loop does; else resident)
+    strategy = ("host" if host.gpu is not None else "resident") if keeps else "pooled" if offload else "resident"
+
+    def group(name: str, numel: int, off, kind: str) -> memory_plan.GroupShape:
+        return memory_plan.GroupShape(name, numel, c, chunked=chunked(numel, s, host), offload=off, strategy=kind,
+                                      held=bool(off) and cut and "." not in name and name != "rest",
+                                      unit=name.split(".")[0] if cut and "." in name else "")
+    cut = s.granularity == "module" and bool(offload) and bool(shape.block_atoms)
+    if not cut:
+        blocks = [[("", shape.block_params)]]
+        rest = [group("rest", shape.rest_params, False, "resident")]
+    else:
+        sizes = [n for n, _ in shape.block_atoms]
+        large = large_atoms(sizes)
+        blocks = [[("", sum(n for i, n in enumerate(sizes) if i not in large))]
+                  + [(f".m{k}", sizes[i]) for k, i in enumerate(large, 1)]]
+        subs = rest_sub_blocks(list(shape.rest_atoms))
+        cut_out = {i for sub in subs for i in sub}
+        rest = [group(f"rest.m{k}", sum(shape.rest_atoms[i][0] for i in sub), offload, strategy)
+                for k, sub in enumerate(subs, 1)]
+        rest.append(group("rest", sum(n for i, (n, _) in enumerate(shape.rest_atoms) if i not in cut_out), False,
+                          "resident"))
+    out = [group(f"block{i:04d}{suffix}", n, offload, strategy) for i in range(shape.layers) for suffix, n in blocks[0]]
+    return out + [g for g in rest if g.numel]
 
 
 def kept_inputs(shape: ModelShape, s: Settings, c: int) -> int:
@@ -155,8 +201,11 @@ def kept_inputs(shape: ModelShape, s: Settings, c: int) -> int:
     return (shape.layers + 2) * s.micro_batches * s.micro_batch * s.seq * shape.width * c
 
 
-def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena: int) -> dict:
-    """Bytes the SSD array moves per iteration, by cause (as the daemon counts them)."""
+def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena: int, slots: int = 2) -> dict:
+    """Bytes the SSD array moves per iteration, by cause (as the daemon counts them).
+    ``slots``: the memory plan's weight slots (a block released keeps its weights in its slot
+    until a fetch takes it: offload/offloader.py, so backward starts with the last blocks
+    forward used, and the next micro-batch of an accumulation with the first ones)."""
     c, n, L = _compute_bytes(host), shape.block_params, shape.layers
     on_ssd = s.offload is True
     in_chunks = chunked(n, s, host)
@@ -164,24 +213,43 @@ def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena
     k = s.micro_batches if s.schedule == "loop" else 1
     block_state, rest_state = state_bytes(s.state_dtype, n), state_bytes(s.state_dtype, shape.rest_params)
     spill = max(0, kept_inputs(shape, s, c) - arena)
-    # backward's fetches: a plain read with the handoff, or where the block's state does not fit
-    # an optimizer buffer (the daemon then holds what masters it can: counted as read here, an
-    # upper bound); else served from the step's read-ahead of the state (the last micro-batch
-    # of the loop; every block of block-major)
-    backward = (L - 1) * n * c * ((k - 1) + (hands or in_chunks)) if on_ssd else 0
-    return {"forward weights read": L * n * c * k if on_ssd else 0,
+    rest_read = 0
+    if s.granularity == "module" and on_ssd:
+        # a block's large modules one by one; where the slots do not hold a whole block's, train_step
+        # reads them again for each micro-batch's forward (backward's come from the state read-ahead)
+        parts = len(large_atoms([a for a, _ in shape.block_atoms])) if shape.block_atoms else 1
+        again = s.micro_batches if s.schedule == "block-major" and slots < parts + 2 else k
+        forward, backward = L * n * c * again, 0
+        # the rest's sub-blocks, once each; the embeddings' again for a tied head (used at both ends)
+        subs = rest_sub_blocks(list(shape.rest_atoms))
+        tied = shape.vocab * shape.width * 2 > shape.rest_params  # (one vocabulary-sized matrix: the head is tied)
+        rest_read = sum(shape.rest_atoms[i][0] * (2 if tied and shape.rest_atoms[i][1] else 1)
+                        for sub in subs for i in sub) * c * k
+    else:
+        # backward's fetches: a plain read with the handoff, or where the block's state does not fit
+        # an optimizer buffer (the daemon then holds what masters it can: counted as read here, an
+        # upper bound); else served from the step's read-ahead of the state (the last micro-batch
+        # of the loop; every block of block-major). Blocks still in their slots are read by neither.
+        reused_backward = min(L - 1, max(0, slots - 1))
+        reused_forward = min(L, slots)  # (from the second micro-batch of the loop's accumulation on)
+        forward = (L * k - (k - 1) * reused_forward) * n * c if on_ssd else 0
+        backward = (L - 1 - reused_backward) * n * c * ((k - 1) + (hands or in_chunks)) if on_ssd else 0
+    return {"forward weights read": forward,
             "backward weights read": backward,
+            "rest's weights read": rest_read,
             "optimizer state read": L * (block_state - 4 * n * hands) + rest_state,
             "optimizer state written": L * block_state + rest_state,
             "weights written by the steps": L * n * c if on_ssd and c != 4 else 0,
             "spilled inputs written": spill, "spilled inputs read": spill}
 
 
-def rates(host: Host) -> Rates:
+def rates(host: Host, compute: str = "bf16") -> Rates:
+    """The iteration model's rates for this host, its GPU computing in ``compute``."""
     g = host.gpu
-    return Rates(kernel_tflops=g.kernel_tflops.value, pass_gap_s=g.pass_gap_s.value, ssd_read=host.disks.read_gbps,
-                 ssd_write=host.disks.write_gbps, pcie_h2d=g.pcie_h2d.value, pcie_d2h=g.pcie_d2h.value,
-                 host_add=host.host_add.value, adam=host.adam_rate, hbm=g.hbm, device_factor=g.device_factor)
+    k = g.kernels_for(compute)
+    return Rates(gpu=k, precision=compute, ssd_read=host.disks.read_gbps, ssd_write=host.disks.write_gbps,
+                 pcie_h2d=g.pcie_h2d.value, pcie_d2h=g.pcie_d2h.value, host_add=host.host_add.value,
+                 adam=host.adam_rate, hbm=k.hbm / GB)
 
 
 def estimate(shape: ModelShape, s: Settings, host: Host, simulate_time: bool = True) -> Estimate:
@@ -190,21 +258,24 @@ def estimate(shape: ModelShape, s: Settings, host: Host, simulate_time: bool = T
                                 optimizer_buffers=host.buffers, segment=host.segment)
     wanted = memory_plan.Wanted(s.prefetch, 0, s.host_budget, arena=True, swaps=s.activations == "swap",
                                 shares_host_memory=host.gpu is None)
+    shapes = groups(shape, s, host)
     try:
-        plan = memory_plan.plan(groups(shape, s, host), limits, wanted)
+        plan = memory_plan.plan(shapes, limits, wanted)
     except memory_plan.DoesNotFit as exc:
         plan = exc.smallest
+    device = device_plan(shape, s, host, shapes, plan)
     arena_used = min(plan.host_budget, kept_inputs(shape, s, c))
     pinned = plan.training - (plan.host_budget - arena_used)  # (an arena's untouched pages are not resident)
     daemon = DAEMON_BASE + host.buffer_budget
     client = CLIENT_BASE + 4 * shape.vocab * shape.width + (CUDA_CONTEXT if host.gpu else 0)
-    ssd = ssd_traffic(shape, s, host, plan.handoff, plan.host_budget)
+    ssd = ssd_traffic(shape, s, host, plan.handoff, plan.host_budget, plan.weight_slots)
     block_state = state_bytes(s.state_dtype, shape.block_params)
     stored = shape.layers * state_bytes(s.state_dtype, shape.block_params) + \
         state_bytes(s.state_dtype, shape.rest_params) + ssd["weights written by the steps"]
     capacity = {"state and weights": stored, "new versions in flight": VERSIONS_IN_FLIGHT * block_state,
                 "spilled inputs": ssd["spilled inputs written"]}
-    memory = {"gpu": device_estimate(shape, _schedule(shape, s, host)) * host.gpu.device_factor if host.gpu else 0,
+    memory = {"gpu": device.total(s.micro_batch * s.seq) if host.gpu else 0,
+              "gpu_plan": str(device) if device else None,
               "pinned": pinned, "pinned_plan": plan.total, "daemon_own": daemon, "client_own": client,
               "host_total": pinned + daemon + client, "ssd_capacity": sum(capacity.values()),
               # a checkpoint on the array (engine.save_checkpoint, fuyouctl checkpoint): a copy of the
@@ -218,30 +289,49 @@ def estimate(shape: ModelShape, s: Settings, host: Host, simulate_time: bool = T
            "SSD capacity": int(0.95 * host.disks.count * host.disks.capacity)}
     if host.gpu is not None:
         needs["GPU memory"] = memory["gpu"]
-        has["GPU memory"] = int(0.9 * host.gpu.memory)
+        has["GPU memory"] = int(host.gpu.memory - cuda_reserve(host.gpu.memory))
     est = Estimate(shape, s, host, memory, needs, has, ssd, plan)
-    est.assumptions = _assumptions(host)
+    est.assumptions = _assumptions(host, s.compute)
     if host.gpu is not None and simulate_time:
         _time(est, host)
     return est
 
 
-def _schedule(shape: ModelShape, s: Settings, host: Host) -> Schedule:
+def device_plan(shape: ModelShape, s: Settings, host: Host, shapes: list, plan) -> DevicePlan | None:
+    """The GPU's plan for these groups and this pinned plan: attach's own rules
+    (memory/device_plan.py), the budget checked by the caller."""
+    if host.gpu is None:
+        return None
+    work = Work(shape.width, shape.vocab, shape.layers, _compute_bytes(host), schedule=s.schedule,
+                recompute=s.activations == "recompute")
+    return plan_device(shapes, plan, work, None, granularity=s.granularity)
+
+
+def _schedule(shape: ModelShape, s: Settings, host: Host, plan=None) -> Schedule:
+    """The iteration model's settings for these: the memory plan's slots and gradient
+    buffers where given; gradients on the GPU in the compute dtype (the parameters')."""
     weights = "ssd" if s.offload is True else "host" if s.offload == "host" else "resident"
+    c = _compute_bytes(host)
+    parts = len(large_atoms([n for n, _ in shape.block_atoms])) \
+        if s.granularity == "module" and s.offload and shape.block_atoms else 0
+    largest = max((n for n, _ in shape.block_atoms), default=shape.block_params) if parts else shape.block_params
+    extra = {} if plan is None else {"slots": plan.weight_slots, "grad_buffers": max(1, plan.device_grad_buffers)}
     return Schedule(schedule=s.schedule, seq=s.seq, micro=s.micro_batch, accum=s.micro_batches, weights=weights,
-                    state_dtype=s.state_dtype, compute_bytes=_compute_bytes(host),
-                    prefetch=s.prefetch if s.prefetch is not None else 2, served=not chunked(shape.block_params, s, host))
+                    state_dtype=s.state_dtype, compute_bytes=c, grad_bytes=c, parts=parts,
+                    prefetch=s.prefetch if s.prefetch is not None else 2, served=not chunked(largest, s, host),
+                    **extra)
 
 
 def _time(est: Estimate, host: Host) -> None:
-    r = rates(host)
-    t = simulate(est.shape, _schedule(est.shape, est.settings, host), r)
+    r = rates(host, est.settings.compute)
+    t = simulate(est.shape, _schedule(est.shape, est.settings, host, est.plan), r)
     spill = est.ssd["spilled inputs written"]  # (the event model's arena is unbounded: add what spills)
     if spill:
         extra = spill / r.ssd_write / GB + spill / r.ssd_read / GB
         t["seconds"]["SSD: spilled inputs"] = extra
         t["iteration_seconds"] += extra
         t["model_tflops"] = 6 * est.shape.params * est.settings.tokens / t["iteration_seconds"] / 1e12
+        t["hardware_tflops"] = t["hardware_flops"] / t["iteration_seconds"] / 1e12
         t["gpu_busy"] = t["seconds"]["gpu compute"] / t["iteration_seconds"]
     seconds = t["iteration_seconds"]
     ssd_seconds = sum(v for k, v in est.ssd.items() if "read" in k) / r.ssd_read / GB + \
@@ -257,16 +347,27 @@ def _time(est: Estimate, host: Host) -> None:
     est.binds = max(use, key=use.get)
 
 
-def _assumptions(host: Host) -> list[str]:
+def _assumptions(host: Host, compute: str = "bf16") -> list[str]:
     out = []
     if host.gpu is not None:
         g = host.gpu
-        out += [f"GPU kernel rate {g.kernel_tflops.value:.0f} TFLOPS: {g.kernel_tflops.source}",
-                f"GPU idle per pass {g.pass_gap_s.value * 1e3:.2f} ms: {g.pass_gap_s.source}",
+        gemms = g.gemms(compute)
+        out += [f"GPU {gemms.peak_tflops:g} dense {compute} TFLOPS, {g.hbm:,.0f} GB/s memory: {gemms.source}"
+                + ("" if compute == "bf16" else f"; memory: {g.source}"),
+                f"GPU GEMMs: {gemms.efficiency.value:.1%} of the peak when wide: {gemms.efficiency.source}; "
+                f"an M x N x K one runs at 1 / (1 + E/K + E^2/(M N)) of that, E = {GEMM_EDGE:,.0f} fitted on the "
+                f"recorded in-GPU runs (bench/kernel_fit.py)",
+                f"GPU attention {g.attention_efficiency.value:.0%} of the peak (SDPA flash, causal): "
+                f"{g.attention_efficiency.source}",
+                f"GPU memory-bound kernels at {HBM_EFFICIENCY:.0%} of the bandwidth, assumed; their bytes counted on "
+                f"the operators torch runs for a GPT-2- or Llama-style block in bf16 (bench/kernel_counts.py)"
+                + ("" if compute == "bf16" else f"; {compute} moves the same bytes"),
+                f"GPU launch at least {g.launch_s.value * 1e6:.0f} us a kernel: {g.launch_s.source}",
                 f"PCIe {g.pcie_h2d.value:g} GB/s: {g.pcie_h2d.source}",
-                f"GPU memory estimate scaled by {g.device_factor:.3f}: "
-                + ("measured peak over estimate on the H100 run" if g.device_factor != 1 else
-                   "assumed 1.0 (no run of this GPU here)"),
+                f"GPU memory: attach's device plan (memory/device_plan.py), {cuda_reserve(g.memory) / GiB:.1f} GiB "
+                "kept for CUDA (512 MiB + 5%, assumed); activations 34 bytes per token and unit of width of a "
+                "block at 16 bits (Korthikanti et al., Reducing Activation Recomputation in Large Transformer "
+                "Models, 2022), the tail's logits 10 bytes per token and vocabulary entry",
                 f"host memory of a CUDA process: {CUDA_CONTEXT / GiB:.0f} GiB assumed"]
     d = host.disks
     out += [f"SSD {d.read.value:.3g} GB/s read each: {d.read.source}", f"SSD {d.write.value:.3g} GB/s write each: "

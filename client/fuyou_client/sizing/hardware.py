@@ -1,8 +1,9 @@
 """The host a plan is for: its GPU (a shipped profile, one measured here, or none: the
 CPU computes), host memory and the daemon's pinned budget, SSDs, CPU cores, and the rates
 the iteration model needs. Every rate carries where it came from: ``measured`` (on this
-kind of hardware, with the run that measured it) or ``assumed`` (and why), so that a
-plan is never silently optimistic.
+kind of hardware, with the run that measured it), ``published`` (a datasheet or a public
+benchmark, named), ``fitted`` (on the runs recorded here, named), ``given`` or ``assumed``
+(and why), so that a plan is never silently optimistic.
 
 Strings a person types are parsed here too: ``2x7GB/s`` (two SSDs of 7 GB/s each way),
 ``128GiB``.
@@ -13,6 +14,8 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
+
+from fuyou_client.sizing.kernels import LAUNCH_S, GpuKernels
 
 GB, GiB = 1e9, 1 << 30
 H100_RUN = "bench/results/gpu-h100.json"
@@ -32,67 +35,141 @@ class Rate:
         return self.source.startswith("measured")
 
 
+COMPUTE = ("bf16", "fp16")  # the model's dtype on the GPU: torch.bfloat16 (the default) or torch.float16
+TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
+
+
+@dataclass(frozen=True)
+class Gemms:
+    """A GPU's GEMMs in one compute dtype as torch runs them: the datasheet's dense peak
+    (TFLOPS) at the accumulation torch uses, and the share of it large GEMMs reach
+    (``efficiency``: a published torch.matmul measurement, named). ``source``: the peak's."""
+    peak_tflops: float
+    efficiency: Rate
+    source: str
+
+
 @dataclass(frozen=True)
 class GpuProfile:
-    """A GPU as the iteration model sees it. ``kernel_tflops``: the bf16 FLOP rate while a
-    block's kernels run; ``pass_gap_s``: the GPU's idle time per forward or backward pass
-    of a block (launches, syncs); both from the ceiling run of ``bench/gpu.py`` where one
-    exists. ``device_factor``: the measured peak device memory of that run over the
-    model's estimate of it (scales every estimate)."""
+    """A GPU as the iteration model sees it: its datasheet (memory, dense bf16 peak in
+    TFLOPS, memory bandwidth in GB/s), what its kernels reach of them (``gemm_efficiency``:
+    large bf16 GEMMs' share of the peak, from a published measurement;
+    ``attention_efficiency``: fused attention's), the host's issue time per kernel
+    (``launch_s``) and PCIe each way; ``fp16``: its GEMMs in fp16 (``gemms("fp16")``).
+    kernels.GpuKernels prices a block's kernels with these (``kernels``, or
+    ``kernels_for(compute)``)."""
     name: str
     memory: int
-    peak_tflops: float  # dense bf16, the datasheet's
-    kernel_tflops: Rate
-    pass_gap_s: Rate
+    peak_tflops: float  # dense bf16 with fp32 accumulation, the datasheet's
+    hbm: float  # GB/s, the datasheet's memory bandwidth
+    gemm_efficiency: Rate
+    attention_efficiency: Rate
+    launch_s: Rate
     pcie_h2d: Rate  # GB/s
     pcie_d2h: Rate
-    hbm: float = 2600.0  # GB/s of a device copy
-    device_factor: float = 1.0
     source: str = ""
+    fp16: Gemms | None = None  # None: as bf16 (said so in its source)
 
     @property
-    def efficiency(self) -> float:
-        return self.kernel_tflops.value / self.peak_tflops
+    def kernels(self) -> GpuKernels:
+        return GpuKernels.of(self)
+
+    def kernels_for(self, compute: str = "bf16") -> GpuKernels:
+        return GpuKernels.of(self, compute)
+
+    def gemms(self, compute: str = "bf16") -> Gemms:
+        """The GEMMs' peak and large-GEMM share in ``compute`` ("bf16" or "fp16")."""
+        if compute == "bf16":
+            return Gemms(self.peak_tflops, self.gemm_efficiency, self.source)
+        if compute == "fp16":
+            return self.fp16 or Gemms(self.peak_tflops, Rate(self.gemm_efficiency.value, (
+                "assumed: bf16's share, " + self.gemm_efficiency.source)), self.source + " (fp16 taken as bf16)")
+        raise HostError(f"compute dtype {compute!r}: the planner knows {', '.join(COMPUTE)}")
 
 
-# The H100's rates come from its ceiling run (bench/results/gpu-h100.json: a 2048-wide
-# GPT-2 block, micro-batches of 2 x 1024 tokens, recomputed) through bench/gpu_model.py's
-# calibration; tests/test_sizing.py checks these numbers against that run.
-H100_KERNEL_TFLOPS = 225.31
-H100_PASS_GAP_S = 1.913e-4
-H100_DEVICE_FACTOR = 1.1593
-_EFFICIENCY = H100_KERNEL_TFLOPS / 989.4
 _MEASURED_PCIE = f"measured: 54 GB/s each way on the H100 host ({H100_RUN}'s session, docs/performance.md)"
-
-
-def _scaled(name: str, memory: int, peak: float, pcie: float, pcie_source: str, source: str) -> GpuProfile:
-    """A GPU no run here has measured: the H100's measured share of its peak, at the
-    datasheet's peak; the H100's per-pass idle time."""
-    eff = (f"assumed: the H100's measured {_EFFICIENCY:.1%} of peak ({H100_RUN}: 2048-wide blocks, 2 x 1024-token "
-           f"micro-batches) at this GPU's datasheet peak of {peak:g} TFLOPS")
-    return GpuProfile(name, memory, peak, Rate(peak * _EFFICIENCY, eff),
-                      Rate(H100_PASS_GAP_S, f"assumed: the H100's measured idle time per pass ({H100_RUN})"),
-                      Rate(pcie, pcie_source), Rate(pcie, pcie_source), source=source)
-
-
 _GEN4 = "assumed: PCIe 4.0 x16, about 25 GB/s of its 32 each way"
+# Large bf16 GEMMs' share of the dense peak, measured with torch.matmul by others:
+MAMF = ("Stas Bekman, Machine Learning Engineering Open Book, compute/accelerator/README.md, \"Maximum "
+        "Achievable Matmul FLOPS comparison table\" (BF16, mean of 100 iterations, best shape of a search)")
+TORCH_PERF = "github.com/zzc0721/torch-performance-test-data"
+_FA2_HOPPER = Rate(0.35, "published: FlashAttention-2 reaches 35% of the H100's peak (Shah et al., FlashAttention-3, "
+                         "2024); torch's SDPA flash backend is FlashAttention-2")
+_FA2 = Rate(0.50, "published: FlashAttention-2 reaches 50-73% of the A100's peak forward and backward (Dao, "
+                  "FlashAttention-2, 2023), the low end taken")
+_FA2_ADA = Rate(0.50, "assumed: the A100's FlashAttention-2 share (50%, Dao 2023, the low end); no figure published "
+                      "for this GPU")
+
+
+def _launch() -> Rate:
+    return Rate(LAUNCH_S, "fitted: the host's issue time per kernel on the H100 and H200 hosts' in-GPU runs "
+                          f"({H100_RUN}, bench/results/gpu-h200/; bench/kernel_fit.py), taken for any host")
+
+
+def _profile(name: str, memory: int, peak: float, hbm: float, gemm: Rate, attention: Rate, pcie: Rate,
+             source: str, fp16: Gemms) -> GpuProfile:
+    return GpuProfile(name, memory, peak, hbm, gemm, attention, _launch(), pcie, pcie, source, fp16)
+
+
+# fp16 GEMMs as torch runs them: accumulated in fp32 (cuBLAS's CUBLAS_COMPUTE_32F) whatever
+# torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction says (True by default:
+# it lets split-K reductions round to fp16, not the products' accumulation; pytorch/pytorch
+# issues 123157 and 123558); full fp16 accumulation needs allow_fp16_accumulation=True (torch
+# 2.7 and later, False by default). So an fp16 GEMM's peak is the datasheet's fp16 figure with
+# fp32 accumulate: on a GeForce Ada GPU half its fp16-accumulate figure, on the others the same.
+_FP32_ACC = "with fp32 accumulate, as torch accumulates them"
+_H100_FP16 = Rate(736.19 / 989.4, "published: torch.matmul fp16 8192 x 8192 x 8192 at 736.2 of 989.4 TFLOPS (74.4%) "
+                                  f"on an H100 80GB HBM3, torch 2.7.0+cu128 ({TORCH_PERF}, issue 79; bf16 797.5 there)")
+
+
 PROFILES: dict[str, GpuProfile] = {
-    "h100": GpuProfile("h100", 80 * GiB, 989.4, Rate(H100_KERNEL_TFLOPS, f"measured: {H100_RUN} (ceiling run)"),
-                       Rate(H100_PASS_GAP_S, f"measured: {H100_RUN} (ceiling run)"),
-                       Rate(54.0, _MEASURED_PCIE), Rate(54.0, _MEASURED_PCIE), device_factor=H100_DEVICE_FACTOR,
-                       source="NVIDIA H100 SXM5 80 GB: 989.4 dense bf16 TFLOPS (NVIDIA H100 datasheet); "
-                              f"rates measured in {H100_RUN}"),
-    "h200": _scaled("h200", 141 * 10**9, 989.4, 55.3,
-                    "measured: 55.3 GB/s each way on the H200 host (bench/results/gpu-h200/gpu-bench-35999d1.json)",
-                    "NVIDIA H200 SXM 141 GB: 989 dense bf16 TFLOPS (NVIDIA H200 datasheet)"),
-    "a100": _scaled("a100", 80 * GiB, 312.0, 25.0, _GEN4,
-                    "NVIDIA A100 SXM 80 GB: 312 dense bf16 TFLOPS (NVIDIA A100 datasheet)"),
-    "rtx4090": _scaled("rtx4090", 24 * GiB, 165.2, 25.0, _GEN4,
-                       "NVIDIA GeForce RTX 4090 24 GB: 165.2 dense bf16 TFLOPS with fp32 accumulate (NVIDIA Ada "
-                       "Lovelace architecture whitepaper, appendix table)"),
-    "l40s": _scaled("l40s", 48 * GiB, 362.05, 25.0, _GEN4,
-                    "NVIDIA L40S 48 GB: 362 dense bf16 TFLOPS (NVIDIA L40S datasheet)"),
+    "h100": _profile("h100", 80 * GiB, 989.4, 3350.0,
+                     Rate(794.5 / 989.4, f"published: 794.5 of 989 TFLOPS (80.3%) on an H100 SXM, torch 2.7.0 ({MAMF})"),
+                     _FA2_HOPPER, Rate(54.0, _MEASURED_PCIE),
+                     "NVIDIA H100 SXM5 80 GB: 989.4 dense bf16 TFLOPS, 3.35 TB/s HBM3 (NVIDIA H100 datasheet)",
+                     Gemms(989.4, _H100_FP16, f"NVIDIA H100 SXM5: 989.4 dense fp16 TFLOPS {_FP32_ACC} (NVIDIA H100 "
+                                              "datasheet: fp16 and bf16 alike)")),
+    "h200": _profile("h200", 141 * 10**9, 989.4, 4800.0,
+                     Rate(794.5 / 989.4, f"published: the H100 SXM's 80.3%, \"H200 is the same\" ({MAMF})"),
+                     _FA2_HOPPER, Rate(55.3, "measured: 55.3 GB/s each way on the H200 host "
+                                             "(bench/results/gpu-h200/gpu-bench-35999d1.json)"),
+                     "NVIDIA H200 SXM 141 GB: 989 dense bf16 TFLOPS, 4.8 TB/s HBM3e (NVIDIA H200 datasheet)",
+                     Gemms(989.4, Rate(_H100_FP16.value, "published: the H100's fp16 share (the same tensor cores), "
+                                                         + _H100_FP16.source.removeprefix("published: ")),
+                           f"NVIDIA H200 SXM: 989 dense fp16 TFLOPS {_FP32_ACC} (NVIDIA H200 datasheet)")),
+    "a100": _profile("a100", 80 * GiB, 312.0, 2039.0,
+                     Rate(271.2 / 312, f"published: 271.2 of 312 TFLOPS (86.9%) on an A100 SXM, torch 2.6.0 ({MAMF})"),
+                     _FA2, Rate(25.0, _GEN4),
+                     "NVIDIA A100 SXM 80 GB: 312 dense bf16 TFLOPS, 2,039 GB/s HBM2e (NVIDIA A100 datasheet)",
+                     Gemms(312.0, Rate(271.2 / 312, "assumed: bf16's share (271.2 of 312 TFLOPS, MAMF): the same dense "
+                                                    "peak, both accumulated in fp32; no fp16 torch.matmul measurement "
+                                                    "of an A100 SXM named (an A100 PCIe 40GB: fp16 241.5, bf16 234.1 "
+                                                    f"TFLOPS, {TORCH_PERF}, issue 108)"),
+                           f"NVIDIA A100 SXM: 312 dense fp16 TFLOPS {_FP32_ACC} (NVIDIA A100 datasheet)")),
+    "rtx4090": _profile("rtx4090", 24 * GiB, 165.2, 1008.0,
+                        Rate(160.17 / 165.2, "published: torch.matmul bf16 8192 x 8192 x 8192 at 160.2 of 165.2 TFLOPS "
+                                             f"(97%) on an RTX 4090, torch 2.7.0+cu128 ({TORCH_PERF}, issue 78)"),
+                        _FA2_ADA, Rate(25.0, _GEN4),
+                        "NVIDIA GeForce RTX 4090 24 GB: 165.2 dense bf16 TFLOPS with fp32 accumulate, 1,008 GB/s GDDR6X "
+                        "(NVIDIA Ada Lovelace architecture whitepaper, appendix table)",
+                        Gemms(165.2, Rate(155.50 / 165.2, "published: torch.matmul fp16 8192 x 8192 x 8192 at 155.5 of "
+                                                          "165.2 TFLOPS (94.1%) on an RTX 4090, torch 2.7.0+cu128 "
+                                                          f"({TORCH_PERF}, issue 78: bf16 160.2 in the same run)"),
+                              f"NVIDIA GeForce RTX 4090: 165.2 dense fp16 TFLOPS {_FP32_ACC} (330.3 with fp16 "
+                              "accumulate, which torch uses only under allow_fp16_accumulation) (NVIDIA Ada Lovelace "
+                              "architecture whitepaper, appendix table)")),
+    "l40s": _profile("l40s", 48 * GiB, 362.05, 864.0,
+                     Rate(269.15 / 362.05, "published: torch.matmul bf16 at 269.2 of 362 TFLOPS (74%), the best of "
+                                           f"its square sizes, on an L40S, torch 2.8.0+cu128 ({TORCH_PERF}, issue 43)"),
+                     _FA2_ADA, Rate(25.0, _GEN4),
+                     "NVIDIA L40S 48 GB: 362 dense bf16 TFLOPS, 864 GB/s GDDR6 (NVIDIA L40S datasheet)",
+                     Gemms(362.05, Rate(264.02 / 362.05, "published: torch.matmul fp16 at 264.0 of 362 TFLOPS (72.9%), "
+                                                         "the best of its square sizes, on an L40S, torch 2.8.0+cu128 "
+                                                         f"({TORCH_PERF}, issue 43)"),
+                           f"NVIDIA L40S: 362.05 dense fp16 TFLOPS {_FP32_ACC} (NVIDIA L40S datasheet; the measured "
+                           "264 TFLOPS show its fp32 accumulation is not at half rate)")),
 }
+NAMES = {"H100": "h100", "H200": "h200", "A100": "a100", "4090": "rtx4090", "L40S": "l40s"}  # in a device's name
 
 
 def gpu_profile(name: str) -> GpuProfile:

@@ -16,12 +16,15 @@ exposed step. Two schedules (docs/design/iteration-model.md):
 * ``"loop"``: the ordinary loop, per micro-batch a forward and a backward group by group,
   each group's gradients downloaded and added on the host, every step after the last.
 
-The GPU: a pass (forward 1, backward 2) of a block takes FLOPs / R + g: R the GPU's FLOP
-rate while a kernel runs, g its idle time per pass (``GpuProfile``). The SSD array does one
-transfer at a time at its read or write rate; AdamW runs at the host's rate.
+The GPU: a block's forward, its recomputed backward and the tail's passes take what
+kernels.GpuKernels sums over their kernels from the model's shapes (each GEMM against the
+GPU's peak with an efficiency rising with its dimensions, attention, the memory-bound
+traffic, a floor per launch: docs/design/iteration-model.md); without one (``Rates.gpu``
+None) every pass runs at one FLOP rate R plus an idle time g per pass. The SSD array does
+one transfer at a time at its read or write rate; AdamW runs at the host's rate.
 
 ``simulate(shape, schedule, rates)`` returns it all as a dict. ``calibrate(run)`` reads the
-rates of a bench/gpu.py result (its in-GPU ceiling run).
+rates of a bench/gpu.py result (its GPU as gpu_runs.measured_gpu measures it).
 """
 from __future__ import annotations
 
@@ -31,8 +34,10 @@ from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from fuyou_client.sizing.hardware import GpuProfile, HostError, Rate
-from fuyou_client.sizing.shape import ModelShape, from_config
+from fuyou_client.sizing.gpu_runs import gpt2_family, measured_gpu
+from fuyou_client.sizing.hardware import GpuProfile, HostError
+from fuyou_client.sizing.kernels import GpuKernels
+from fuyou_client.sizing.shape import ModelShape
 from fuyou_proto.contract import state_object_bytes
 
 GB, GiB = 1e9, 1 << 30
@@ -58,6 +63,8 @@ class Schedule:
     prefetch: int = 2         # weight slots are prefetch + 2 (loop, offloaded)
     served: bool = True       # block-major, weights on the SSD array: backward's weights come with the step's
     #                           read-ahead of the state (blocks that fit an optimizer buffer), else a read of their own
+    parts: int = 0            # block-major, granularity="module": a block's sub-blocks (0: whole blocks)
+    slots: int = 2            # weight slots (with parts: for sub-blocks; fewer than parts: they come again)
 
     @property
     def tokens(self) -> int:
@@ -66,16 +73,17 @@ class Schedule:
 
 @dataclass
 class Rates:
-    kernel_tflops: float      # hardware FLOP rate while a kernel runs
-    pass_gap_s: float         # GPU idle per pass
     ssd_read: float           # GB/s, the array
     ssd_write: float
+    gpu: GpuKernels | None = None  # the GPU's time by kernel; None: the flat rate below
+    precision: str = "bf16"   # the model's: "bf16" or "fp16" (Fuyou's clients) or "autocast" (fp32 parameters)
+    kernel_tflops: float = 0.0  # (flat) hardware FLOP rate while a kernel runs
+    pass_gap_s: float = 0.0   # (flat) GPU idle per pass
     pcie_h2d: float = 54.0
     pcie_d2h: float = 54.0
     host_add: float = 124.0   # GB/s of memory traffic of an fp32 add (3 passes)
     adam: float = 1.14e9      # parameters/s
     hbm: float = 2600.0       # GB/s of a copy
-    device_factor: float = 1.0  # a run's measured device peak over this model's estimate of it
     optimizer_buffers: int = 3
     ceiling_tflops: float = 0.0  # (calibrated on a run: that run's in-GPU ceiling, model TFLOPS)
     ceiling_hw_tflops: float = 0.0
@@ -83,7 +91,24 @@ class Rates:
     sources: dict = field(default_factory=dict)
 
     def gpu_s(self, flops: float, passes: float) -> float:
+        """(flat) ``flops`` in ``passes`` passes at the flat rate."""
         return flops / (self.kernel_tflops * 1e12) + passes * self.pass_gap_s
+
+    def block_s(self, shape: ModelShape, s: "Schedule", which: str) -> float:
+        """A block's ``"forward"`` or recomputed ``"backward"`` (forward again, then the
+        gradients) for one micro-batch."""
+        if self.gpu is not None:
+            return self.gpu.block_seconds(shape, s.micro, s.seq, which, self.precision)
+        f = shape.flops(s.seq, s.micro)
+        return self.gpu_s(f["block_fwd"], 1) if which == "forward" else self.gpu_s(f["block_fwd"] + f["block_bwd"], 3)
+
+    def tail_s(self, shape: ModelShape, s: "Schedule", parts: tuple) -> float:
+        """The tail's (final norm, head, loss) ``parts`` for one micro-batch: "forward",
+        "input_grad" (backward to its input), "weight_grad" (the head's gradient)."""
+        if self.gpu is not None:
+            return self.gpu.tail_seconds(shape, s.micro, s.seq, parts, self.precision)
+        f = shape.flops(s.seq, s.micro)
+        return sum(self.gpu_s(f["tail_fwd"] if p == "forward" else f["tail_bwd"] / 2, 1) for p in parts)
 
 
 def state_bytes(state_dtype: str, numel: int) -> int:
@@ -98,15 +123,10 @@ def recorded(run: dict) -> tuple[ModelShape, Schedule, int]:
             run["gpu_cap_bytes"])
 
 
-def gpt2_family(width: int, layers: int, seq: int, vocab: int = 8192) -> ModelShape:
-    """bench/gpu.py's model family: GPT-2 blocks, 128-wide heads, untied head."""
-    return from_config({"model_type": "gpt2", "n_embd": width, "n_layer": layers, "n_head": width // 128,
-                        "vocab_size": vocab, "n_positions": seq, "tie_word_embeddings": False}, "bench/gpu.py's family")
-
-
 def calibrate(run: dict) -> Rates:
-    """Rates from a bench/gpu.py JSON: its ceiling's time per micro-batch, busy share and
-    depth give the kernel rate and the idle time per pass; its SSD rates, host memory and
+    """Rates from a bench/gpu.py JSON: the kernel model of its GPU as its ceiling measured
+    it (measured_gpu), the model's precision bf16 (Fuyou's runs); the ceiling's FLOP rate
+    (the flat model's, and the ``over_ceiling`` scale); its SSD rates, host memory and
     (where probed) PCIe and host addition rates; the others are the Rates defaults."""
     ceiling, info, args = run["results"]["ceiling"], run["ceiling_info"], run["args"]
     shape = gpt2_family(args["width"], 1, args["seq"])
@@ -115,66 +135,41 @@ def calibrate(run: dict) -> Rates:
     hw = info["layers"] * (f["block_fwd"] * (1 + recompute) + f["block_bwd"]) + f["tail_fwd"] + f["tail_bwd"]
     passes = info["layers"] * (3 + recompute) + 3
     t, busy = ceiling["micro_batch_seconds"], ceiling["busy"]
-    rates = Rates(kernel_tflops=hw / (busy * t) / 1e12, pass_gap_s=(1 - busy) * t / passes,
+    gpu = measured_gpu(run, "the run")
+    rates = Rates(gpu=gpu.kernels, kernel_tflops=hw / (busy * t) / 1e12, pass_gap_s=(1 - busy) * t / passes,
                   ceiling_tflops=ceiling["tflops"], ceiling_hw_tflops=hw / t / 1e12, ssd_read=run["ssd_read_GBps"],
-                  ssd_write=run["ssd_write_GBps"], host_bytes=run["host"]["mem_total_bytes"])
-    model, sched, cap = recorded(run)
-    rates.device_factor = run["results"]["fuyou"]["peak_bytes"] / device_estimate(model, sched)
+                  ssd_write=run["ssd_write_GBps"], host_bytes=run["host"]["mem_total_bytes"], hbm=gpu.kernels.hbm / GB)
     for key, name in (("pcie_h2d_GBps", "pcie_h2d"), ("pcie_d2h_GBps", "pcie_d2h"), ("host_add_GBps", "host_add")):
         if run.get(key):  # (probed in the same run by newer bench/gpu.py runs)
             setattr(rates, name, run[key])
     rates.sources = {
         "from the run's JSON": "results.ceiling micro_batch_seconds, busy, tflops; ceiling_info layers, "
-                               "checkpointing; ssd_read_GBps, ssd_write_GBps; gpu_cap_bytes; results.fuyou "
-                               "peak_bytes (device_factor); host mem_total_bytes",
+                               "checkpointing, micro; ssd_read_GBps, ssd_write_GBps; host mem_total_bytes",
+        "the GPU": gpu.gemm_efficiency.source + "; datasheet: " + gpu.source,
         "assumed": "PCIe 54 GB/s each way and 124 GB/s of host memory traffic for an fp32 add (measured in that "
                    "session, docs/performance.md, not in the JSON); AdamW 1.14e9 params/s (the daemon's kernel on "
-                   "the 2-core reference host); 2.6 TB/s for a copy in HBM"}
+                   "the 2-core reference host)"}
     return rates
 
 
 def from_gpu_run(path: str | os.PathLike) -> GpuProfile:
     """A profile measured here: the ceiling run of a bench/gpu.py result (its GPU's kernel
-    rate and idle time per pass, its PCIe where probed, its peak memory factor)."""
+    speed and issue time per kernel, its PCIe where probed)."""
     try:
         run = json.loads(Path(path).read_text())
         return calibrate_gpu(run, str(path))
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ZeroDivisionError) as exc:
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ZeroDivisionError, IndexError) as exc:
         raise HostError(f"--gpu-from {path}: not a readable bench/gpu.py result ({type(exc).__name__}: {exc})") from None
 
 
 def calibrate_gpu(run: dict, source: str) -> GpuProfile:
     """A GpuProfile measured by a bench/gpu.py run."""
-    r = calibrate(run)
-    name = str(run.get("gpu", "measured GPU")).split(",")[0]
-    mib = [int(p.split()[0]) for p in str(run.get("gpu", "")).split(",") if p.strip().endswith("MiB")]
-    memory = mib[0] << 20 if mib else run["gpu_cap_bytes"]
-    m = f"measured: {source} (ceiling run)"
-    pcie = "measured: " + source if run.get("pcie_h2d_GBps") else \
-        "assumed: 54 GB/s each way, as measured on the H100 host (this run did not probe PCIe)"
-    return GpuProfile(name, memory, r.ceiling_hw_tflops, Rate(r.kernel_tflops, m), Rate(r.pass_gap_s, m),
-                      Rate(r.pcie_h2d, pcie), Rate(r.pcie_d2h, pcie), device_factor=r.device_factor,
-                      source=f"{name}, measured here ({source}); peak taken as the ceiling's hardware FLOP rate")
+    return measured_gpu(run, source)
 
 
 def at_ceiling_rate(rates: Rates) -> Rates:
-    """Every pass at the ceiling's average FLOP rate, whatever its size."""
-    return replace(rates, kernel_tflops=rates.ceiling_hw_tflops, pass_gap_s=0.0)
-
-
-def device_estimate(shape: ModelShape, s: Schedule) -> float:
-    """Peak bytes on the GPU, before ``device_factor``."""
-    block, rest, c = shape.block_params, shape.rest_params, s.compute_bytes
-    tokens = s.micro * s.seq
-    ckpt = tokens * shape.width * c
-    work = max(17 * c * tokens * shape.width, 10 * tokens * shape.vocab)  # a block with grad, or the tail's logits
-    if s.schedule == "loop":
-        weights = c * (block * shape.layers + rest) if s.weights == "resident" else \
-            c * rest + (s.prefetch + 2) * c * block
-        grads = c * rest + c * block + (s.depth + 1) * 4 * block  # .grad, flattened copies queued
-        return weights + grads + work + shape.layers * ckpt
-    # the rest's weights and fp32 gradients, 2 weight slots, the block gradients, 8 checkpoint buffers
-    return (c + 4) * rest + 2 * c * block + s.grad_buffers * s.grad_bytes * block + work + 8 * ckpt
+    """Every pass at the ceiling's average FLOP rate, whatever its size (the flat model)."""
+    return replace(rates, gpu=None, kernel_tflops=rates.ceiling_hw_tflops, pass_gap_s=0.0)
 
 
 class Timeline:
@@ -253,8 +248,7 @@ def _loop(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
     download and an addition never run at once (how the H100 run is reproduced; inferred, not
     observed). Then each group's step, and the new weights of resident groups up."""
     block, rest, c = shape.block_params, shape.rest_params, s.compute_bytes
-    f = shape.flops(s.seq, s.micro)
-    fwd, bwd = r.gpu_s(f["block_fwd"], 1), r.gpu_s(f["block_fwd"] + f["block_bwd"], 3)
+    fwd, bwd = r.block_s(shape, s, "forward"), r.block_s(shape, s, "backward")
     sizes = {l: block for l in range(shape.layers)} | {"rest": rest}
     order = [*reversed(range(shape.layers)), "rest"]  # the groups in backward order
     download, add = ("d2h", "helper") if s.overlap else ("host path", "host path")
@@ -282,8 +276,8 @@ def _loop(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
         first = mb == 0  # downloads straight into the accumulators: no addition
         for _ in range(shape.layers if not resident else 0):
             gpu(fwd, upload=True)
-        gpu(r.gpu_s(f["tail_fwd"], 1) + (shape.layers * fwd if resident else 0))
-        gpu(r.gpu_s(f["tail_bwd"], 2))
+        gpu(r.tail_s(shape, s, ("forward",)) + (shape.layers * fwd if resident else 0))
+        gpu(r.tail_s(shape, s, ("input_grad", "weight_grad")))
         for g in order:
             if g != "rest":
                 gpu(bwd, upload=not resident)
@@ -325,31 +319,49 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
     ahead), the block recomputed, its input gradient downloaded; the block's gradient, summed on
     the GPU, downloaded once and its step sent at once (the daemon has read its state ahead).
     Then each micro-batch's tail is replayed for the head's and embeddings' gradients, and the
-    iteration ends when every step has committed."""
+    iteration ends when every step has committed.
+
+    Blocks cut into ``parts`` sub-blocks (model/cuts.py) whose slots cannot hold them all
+    come up again for every micro-batch of their forward and of their recomputation (read
+    again from the SSD array in forward; served from the step's read-ahead in backward), and
+    after a recomputation the sub-blocks the slots no longer hold come up again for the
+    backward pass itself; between micro-batches each sub-block's gradient sum goes down and
+    comes back up (gradients/pool.py's parking)."""
     block, rest, c = shape.block_params, shape.rest_params, s.compute_bytes
-    f = shape.flops(s.seq, s.micro)
     # More than MERGE micro-batches are replayed as MERGE runs of m consecutive ones: each
     # run's compute, passes and checkpoint bytes are m micro-batches' (the totals exact; the
     # overlap of copies with compute only coarser, so never more optimistic)
     L, m = shape.layers, max(1, -(-s.accum // MERGE))
     K = -(-s.accum // m)
-    fwd, bwd = m * r.gpu_s(f["block_fwd"], 1), m * r.gpu_s(f["block_fwd"] + f["block_bwd"], 3)
-    tail = m * r.gpu_s(f["tail_fwd"] + f["tail_bwd"] / 2, 2)  # forward + one of the head's two gradient matmuls
+    fwd, bwd = m * r.block_s(shape, s, "forward"), m * r.block_s(shape, s, "backward")
+    tail = m * r.tail_s(shape, s, ("forward", "input_grad"))  # forward + one of the head's two gradient matmuls
     ckpt = m * s.micro * s.seq * shape.width * c
     sizes = {l: block for l in range(L)} | {"rest": rest}
     order = [*reversed(range(L)), "rest"]
     in_memory = {0 if g == "first" else g for g in s.host_state}
     on_ssd = s.weights == "ssd"
     daemon = Daemon(t, r, order, sizes, state_io(shape, s), in_memory)
-    slots, grad_bufs = deque([0.0] * 2), deque([0.0] * s.grad_buffers)
+    slots, grad_bufs = deque([0.0] * (3 if s.parts else 2)), deque([0.0] * s.grad_buffers)
     host_grads = deque([0.0] * (s.prefetch + 3))  # gradients/pool.py's host buffers, each held until its step
     ups, downs = deque([0.0] * 4), deque([0.0] * 4)  # checkpoint buffers on the GPU: uploads, downloads
     arena = {}  # checkpoint -> when its host copy is there
 
-    def weights(source: float) -> None:  # a block's weights up; its compute waits for them
-        t.move("h2d", "weights", c * block)
-        up = t.op("h2d", c * block / r.pcie_h2d / GB, (slots.popleft(), "weight slots"), (source, "weights fetch"))
+    def weights(source: float, share: float = 1.0, why: str = "weights") -> None:  # up; compute waits for them
+        t.move("h2d", why, share * c * block)
+        up = t.op("h2d", share * c * block / r.pcie_h2d / GB, (slots.popleft(), "weight slots"),
+                  (source, "weights fetch"))
         t.op("gpu", 0.0, (up, "weights upload"))
+
+    cut = s.parts > 0
+    again = cut and s.slots < s.parts  # (a block's sub-blocks do not all stay: each micro-batch brings them again)
+    evicted = max(0, s.parts - s.slots) / s.parts if cut else 0.0  # (recomputed, then gone before backward)
+
+    def again_up(what: str, read: bool) -> None:  # a cut block's sub-blocks, again for another micro-batch
+        source = 0.0
+        if read and on_ssd:
+            t.move("ssd", "read weights again", c * block)
+            source = t.op("ssd", c * block / r.ssd_read / GB, (0.0, ""))
+        weights(source, 1.0, what)
 
     def compute(seconds: float, inputs: list, outputs: list) -> None:
         ready = []
@@ -374,7 +386,11 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
     for l in range(L):
         weights(fetched.get(l, 0.0))
         for k in range(K):  # block 0's input is the embeddings' output, made here
+            if again and k:
+                again_up("weights, sub-blocks again", read=True)
             compute(fwd, [("x", l, k)] if l else [], [("x", l, k)] * (l == 0) + [("x", l + 1, k)])
+            if again and k:
+                slots.append(t.free["gpu"])
             if l == L - 1:  # the tail: forward and the gradient of its input
                 compute(tail, [], [("g", l, k)])
         slots.append(t.free["gpu"])
@@ -388,7 +404,18 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
         weights(source)
         t.op("gpu", 0.0, (grad_bufs.popleft(), "gradient download"))
         for k in range(K):
+            if again and k:
+                again_up("weights, sub-blocks again", read=False)  # (the recomputation's: served)
+            if evicted:
+                weights(0.0, evicted, "weights, sub-blocks again")  # (backward's, after the recomputation)
+            if cut and k:  # (each sub-block's sum so far, parked on the host, up again; down after)
+                t.move("h2d", "gradient sums", s.grad_bytes * block)
+                t.op("gpu", 0.0, (t.op("h2d", s.grad_bytes * block / r.pcie_h2d / GB, (0.0, "")), "gradient sums"))
             compute(bwd, [("x", l, k), ("g", l, k)], [("g", l - 1, k)])
+            slots.extend([t.free["gpu"]] * ((again and k > 0) + (evicted > 0)))
+            if cut and k < K - 1:
+                t.move("d2h", "gradient sums", s.grad_bytes * block)
+                t.op("d2h", s.grad_bytes * block / r.pcie_d2h / GB, (t.free["gpu"], "compute"))
         slots.append(t.free["gpu"])
         t.move("d2h", "gradients", s.grad_bytes * block)
         t.op("gpu", 0.0, (host_grads.popleft(), "training thread: gradient host buffers (steps behind)"))
@@ -406,6 +433,16 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
             "block_step_over_backward": step_s / (K * bwd)}
 
 
+def executed_flops(shape: ModelShape, s: Schedule) -> float:
+    """Hardware FLOPs of one iteration: what the GPU executes (ModelShape.flops's count of
+    each pass), recomputation included. Both schedules run each block's forward, again
+    before its backward, and its backward; the tail's forward and backward, block-major's
+    tail forward once more (its replay for the head's and embeddings' gradients)."""
+    f = shape.flops(s.seq, s.micro)
+    tail = f["tail_fwd"] * (2 if s.schedule == "block-major" else 1) + f["tail_bwd"]
+    return s.accum * (shape.layers * (2 * f["block_fwd"] + f["block_bwd"]) + tail)
+
+
 def simulate(shape: ModelShape, s: Schedule, r: Rates) -> dict:
     """Where each second of one iteration goes, and the bytes on each link."""
     t = Timeline()
@@ -415,7 +452,8 @@ def simulate(shape: ModelShape, s: Schedule, r: Rates) -> dict:
     pcie = {k: v for k, v in t.bytes.items() if k.startswith(("h2d", "d2h"))}
     ssd = sum(v for k, v in t.bytes.items() if k.startswith("ssd"))
     out = {"params": n, "tokens": s.tokens, "iteration_seconds": seconds,
-           "model_tflops": 6 * n * s.tokens / seconds / 1e12, "gpu_busy": t.busy["gpu"] / seconds,
+           "model_tflops": 6 * n * s.tokens / seconds / 1e12, "hardware_flops": executed_flops(shape, s),
+           "hardware_tflops": executed_flops(shape, s) / seconds / 1e12, "gpu_busy": t.busy["gpu"] / seconds,
            "seconds": {"gpu compute": t.busy["gpu"],
                        **{f"gpu stalled: {k}": v for k, v in sorted(t.stalls.items()) if v > 0},
                        "step exposed": seconds - gpu_end},

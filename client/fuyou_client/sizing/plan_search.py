@@ -78,13 +78,19 @@ def _fastest(estimates: list[Estimate]) -> Estimate:
     return min((e for e in estimates if cost(e) <= 1.01 * least), key=lambda e: (e.memory["host_total"], cost(e)))
 
 
+def _granularities(shape: ModelShape, offload) -> tuple[str, ...]:
+    """Whole blocks, and (offloaded, where the shape's modules are known) sub-blocks."""
+    return ("block", "module") if offload and shape.block_atoms else ("block",)
+
+
 def _candidates(shape: ModelShape, host: Host, seq: int, tokens: int, dtype: str, micro: int | None,
-                offload: tuple, schedule: str):
+                offload: tuple, schedule: str, compute: str = "bf16"):
     """Each candidate's estimate without its time (memory, SSD bytes: whether it fits)."""
-    for where in offload:
+    for where, granularity in [(w, g) for w in offload for g in _granularities(shape, w)]:
         for m in (micro,) if micro else [m for m in MICRO if m == 1 or m * seq <= tokens]:
             base = Settings(seq=seq, micro_batch=m, micro_batches=max(1, math.ceil(tokens / (m * seq))),
-                            schedule=schedule, state_dtype=dtype, offload=where)
+                            schedule=schedule, state_dtype=dtype, offload=where, granularity=granularity,
+                            compute=compute)
             e = estimate(shape, base, host, simulate_time=False)
             yield e
             kept = kept_inputs(shape, base, 2 if host.gpu else 4)
@@ -99,7 +105,7 @@ def _candidates(shape: ModelShape, host: Host, seq: int, tokens: int, dtype: str
 
 def search(shape: ModelShape, host: Host, seq: int, tokens_per_step: int = TOKENS_PER_STEP,
            state_dtype: str | None = None, micro_batch: int | None = None, offload: bool | str | None = None,
-           schedule: str | None = None, advise: bool = True) -> Plan:
+           schedule: str | None = None, advise: bool = True, compute: str = "bf16") -> Plan:
     for name, value in (("seq", seq), ("tokens_per_step", tokens_per_step), ("micro_batch", micro_batch)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ValueError(f"{name} must be an integer more than zero, not {value!r}")
@@ -111,11 +117,11 @@ def search(shape: ModelShape, host: Host, seq: int, tokens_per_step: int = TOKEN
     schedule = schedule or "block-major"
     places = (offload,) if offload is not None else ((True, "host") if host.gpu else (True,))
     asked = {"seq": seq, "tokens_per_step": tokens_per_step, "state_dtype": state_dtype or "auto",
-             "micro_batch": micro_batch or "auto", "schedule": schedule}
+             "micro_batch": micro_batch or "auto", "schedule": schedule, "compute": compute}
     considered, best = 0, None
     for dtype in (state_dtype,) if state_dtype else DTYPES:
         fitting = []
-        for e in _candidates(shape, host, seq, tokens_per_step, dtype, micro_batch, places, schedule):
+        for e in _candidates(shape, host, seq, tokens_per_step, dtype, micro_batch, places, schedule, compute):
             considered += 1
             if e.fits:
                 fitting.append(e.settings)
@@ -125,14 +131,15 @@ def search(shape: ModelShape, host: Host, seq: int, tokens_per_step: int = TOKEN
     smallest = estimate(shape, Settings(seq=seq, micro_batch=micro_batch or 1, schedule=schedule,
                                         state_dtype=state_dtype or DTYPES[-1], offload=True,
                                         micro_batches=max(1, math.ceil(tokens_per_step / ((micro_batch or 1) * seq))),
-                                        host_budget=64 << 20), host, simulate_time=False)
+                                        host_budget=64 << 20, granularity=_granularities(shape, True)[-1],
+                                        compute=compute), host, simulate_time=False)
     plan = Plan(shape, host, asked, best, smallest, considered=considered)
     if advise:
-        plan.advice = _advice(plan, seq, tokens_per_step, state_dtype, micro_batch, offload, schedule)
+        plan.advice = _advice(plan, seq, tokens_per_step, state_dtype, micro_batch, offload, schedule, compute)
     return plan
 
 
-def _advice(plan: Plan, seq, tokens, state_dtype, micro, offload, schedule) -> list:
+def _advice(plan: Plan, seq, tokens, state_dtype, micro, offload, schedule, compute="bf16") -> list:
     """What one change would do: the tokens/s ratio of the best plan after it (the same
     settings re-estimated; more memory: searched again, it may allow more); where nothing
     fits, whether the smallest settings then fit."""
@@ -142,7 +149,7 @@ def _advice(plan: Plan, seq, tokens, state_dtype, micro, offload, schedule) -> l
     if plan.best is None:
         out = []
         for what, h, dt in (("another SSD", more_ssd, state_dtype), ("twice the host memory", more_ram, state_dtype)):
-            other = search(plan.shape, h, seq, tokens, dt, micro, offload, schedule, advise=False)
+            other = search(plan.shape, h, seq, tokens, dt, micro, offload, schedule, advise=False, compute=compute)
             out.append((what, "fits" if other.fits else "still does not fit"))
         return out
     best = plan.best
@@ -151,7 +158,7 @@ def _advice(plan: Plan, seq, tokens, state_dtype, micro, offload, schedule) -> l
     s = best.settings
     trials = [("another SSD", estimate(plan.shape, s, more_ssd)),
               ("twice the host memory", search(plan.shape, more_ram, seq, tokens, s.state_dtype, micro, offload,
-                                               schedule, advise=False).best),
+                                               schedule, advise=False, compute=compute).best),
               ("twice the tokens per step", estimate(plan.shape, dataclasses.replace(
                   s, micro_batches=2 * s.micro_batches), host))]
     if s.state_dtype != "int8":

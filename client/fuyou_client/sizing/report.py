@@ -16,13 +16,14 @@ def settings_line(plan) -> str:
     how = "engine.train_step (block-major)" if s.schedule == "block-major" else "the ordinary loop"
     return (f"{how}: {s.micro_batch} x {s.seq} tokens per micro-batch, {s.micro_batches} micro-batch{'es' if s.micro_batches > 1 else ''} = "
             f"{s.tokens:,} tokens per step; {s.state_dtype} optimizer state; blocks' weights on {_where(s.offload)}; "
-            f"host arena {format_size(plan.best.plan.host_budget)}")
+            f"host arena {format_size(plan.best.plan.host_budget)}; the model in {s.model_dtype(plan.host)}")
 
 
 def call_line(plan) -> str:
     s = plan.best.settings
     opts = ", ".join(f"{k}={v!r}" for k, v in s.attach_options().items())
-    return f"attach(model, AdamW(state_dtype={s.state_dtype!r}), {opts})  # or attach(model, plan=plan)"
+    return (f"attach(model, AdamW(state_dtype={s.state_dtype!r}), {opts})  # model in {s.model_dtype(plan.host)}; "
+            "or attach(model, plan=plan)")
 
 
 def text(plan) -> str:
@@ -53,7 +54,9 @@ def text(plan) -> str:
     if e.time is not None:
         use = ", ".join(f"{k} {v:.2f}" for k, v in sorted(e.utilisation.items(), key=lambda x: -x[1]))
         lines += [f"time    {e.seconds:.1f} s per step, {e.tokens_per_second:,.0f} tokens/s, "
-                  f"{e.time['model_tflops']:.1f} model TFLOPS, GPU busy {e.time['gpu_busy']:.2f}",
+                  f"{e.time['model_tflops']:.1f} model TFLOPS (6 x parameters x tokens / s), "
+                  f"{e.time['hardware_tflops']:.1f} hardware TFLOPS (what the GPU executes, recomputation included), "
+                  f"GPU busy {e.time['gpu_busy']:.2f}",
                   f"binds   {e.binds} (share of the step each resource is busy: {use}); the GPU's compute "
                   f"outlasts the SSD array's {format_size(e.ssd_bytes)} from about {e.time['balance_tokens']:,.0f} "
                   f"tokens per step"]

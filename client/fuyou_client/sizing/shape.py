@@ -76,6 +76,10 @@ class ModelShape:
     block_matmul_params: int  # of block_params, those in matrices (the FLOPs' share)
     max_seq: int | None = None  # learned positions: the longest sequence it takes
     source: str = ""
+    # The parameters of a block's modules and of the rest's, in order (model/cuts.py's atoms:
+    # what granularity="module" cuts), each (count, holds an embedding); () where unknown.
+    block_atoms: tuple = ()
+    rest_atoms: tuple = ()
 
     @property
     def params(self) -> int:
@@ -143,7 +147,38 @@ def from_config(cfg: dict, source: str = "config") -> ModelShape:
     rest = vocab * w * (1 if tied else 2) + (positions + extra if positions else 0) * w + w * (2 if fam.norm_bias else 1)
     if family == "bloom":
         rest += 2 * w  # (the embeddings' own LayerNorm)
-    return ModelShape(family, layers, w, attn + ffn + bias + norms, rest, vocab, q, attn + ffn, positions, source)
+    block_atoms, rest_atoms = _atoms(family, fam, w, q, kvw, mlp, vocab, tied, positions, extra)
+    assert sum(n for n, _ in block_atoms) == attn + ffn + bias + norms and sum(n for n, _ in rest_atoms) == rest
+    return ModelShape(family, layers, w, attn + ffn + bias + norms, rest, vocab, q, attn + ffn, positions, source,
+                      tuple(block_atoms), tuple(rest_atoms))
+
+
+FUSED_QKV = ("gpt2", "gpt_neox", "bloom", "phi3")  # one projection for queries, keys and values
+FUSED_GATE_UP = ("phi3",)  # one for the MLP's gate and up
+
+
+def _atoms(family: str, fam: Family, w: int, q: int, kvw: int, mlp: int, vocab: int, tied: bool, positions,
+           extra: int) -> tuple[list, list]:
+    """A block's modules and the rest's, as (parameters, holds an embedding), in the
+    order the family's modules register them, with their biases (model/cuts.py's atoms)."""
+    b = {"all": 1, "qkv": 1, "none": 0}[fam.biases]
+    b_out = 1 if fam.biases == "all" else 0
+    norm = (2 if fam.norm_bias else 1) * w
+    if family in FUSED_QKV:
+        attn = [(w * (q + 2 * kvw) + b * (q + 2 * kvw), False), (q * w + b_out * w, False)]
+    else:
+        attn = [(w * q + b * q, False), (w * kvw + b * kvw, False), (w * kvw + b * kvw, False), (q * w + b_out * w, False)]
+    if fam.gated and family in FUSED_GATE_UP:
+        ffn = [(2 * w * mlp + b_out * 2 * mlp, False), (mlp * w + b_out * w, False)]
+    elif fam.gated:
+        ffn = [(w * mlp + b_out * mlp, False), (w * mlp + b_out * mlp, False), (mlp * w + b_out * w, False)]
+    else:
+        ffn = [(w * mlp + b_out * mlp, False), (mlp * w + b_out * w, False)]
+    block = [(norm, False), *attn, (norm, False), *ffn]
+    rest = [(vocab * w, True)] + ([((positions + extra) * w, True)] if positions else [])
+    rest += [(2 * w, False)] if family == "bloom" else []
+    rest += [(norm, False)] + ([] if tied else [(vocab * w, False)])
+    return block, rest
 
 
 def from_path(path: str | os.PathLike) -> ModelShape:
@@ -191,8 +226,10 @@ def from_model(model) -> ModelShape:
         if not width or not vocab:
             raise ShapeError(f"{type(model).__name__}: its width and vocabulary cannot be read (no Hugging Face config, "
                              "no linear layers or embedding)") from None
+    from fuyou_client.model.cuts import atom_sizes
     return ModelShape(cfg.get("model_type") or type(model).__name__, len(blocks), width, block, total - in_blocks,
-                      vocab, attn, matrices, max_seq, type(model).__name__)
+                      vocab, attn, matrices, max_seq, type(model).__name__,
+                      tuple(atom_sizes(model, blocks[0], blocks)), tuple(atom_sizes(model, None, blocks)))
 
 
 def of(model_or_path) -> ModelShape:

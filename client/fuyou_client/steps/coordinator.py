@@ -78,6 +78,8 @@ class StepCoordinator:
             g.strategy.on_backward(g, first=g.backwards == 1)  # (before the weights go: views need their shapes)
         elif final:  # (train_step: the micro-batches' sum, made on the device)
             g.strategy.on_backward(g, first=True)
+        else:
+            g.strategy.between_micro_batches(g)
         steps_now = final and self.max_grad_norm is None and not g.submitted
         og = g.offloaded
         if og is not None and (not self._block_major or final):
@@ -122,6 +124,8 @@ class StepCoordinator:
 
         start.scale = scale  # (a strategy whose steps run elsewhere sends it: parallel/remote.py)
         g.submitted = True
+        if g.offloaded is not None and self.offloader is not None:
+            self.offloader.forget(g.offloaded)  # (weights it cached are stale from now on)
         future = g.strategy.submit(g, start)
         if not g.strategy.keeps_steps:
             g.future = future
