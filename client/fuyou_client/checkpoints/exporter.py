@@ -34,8 +34,7 @@ from torch import nn
 
 from fuyou_client.connection.session import Session
 from fuyou_client.errors import ResourceExhausted
-from fuyou_client.groups.masters import read_masters_into
-from fuyou_client.model.blocks import flat_parts
+from fuyou_client.checkpoints.values import group_params, group_shapes, read_group
 from fuyou_client.model.weights_file import INDEX_FILE
 
 
@@ -50,9 +49,11 @@ class Trained:
 
 
 def export(trained: "Trained", directory: str | os.PathLike, dtype: torch.dtype | None = None,
-           masters=None) -> Path:
+           masters=None, transform=None) -> Path:
     """Write the trained weights, the frozen parameters and the model's persistent buffers
-    to ``directory``; holds one layer group in memory at a time. A filesystem without room
+    to ``directory``; holds one layer group in memory at a time. ``transform(tensors)``: each
+    shard's tensors by name, as they will be written (renamed, merged: a PEFT model's merged
+    export; it may only drop or shrink, as the room check counts them before). A filesystem without room
     for all of it is refused before anything is created (NotEnoughRoom); a write that fails
     anyway removes what this call wrote and names the file."""
     out = Path(directory)
@@ -71,7 +72,7 @@ def export(trained: "Trained", directory: str | os.PathLike, dtype: torch.dtype 
             error = exc
     _rank0_outcome(world, error, f"export to {out}")
     try:
-        _write_shards(trained, out, names, dtype, masters, writer)
+        _write_shards(trained, out, names, dtype, masters, writer, transform)
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -80,7 +81,7 @@ def export(trained: "Trained", directory: str | os.PathLike, dtype: torch.dtype 
 
 
 def _write_shards(trained: "Trained", out: Path, names: dict[int, str], dtype: torch.dtype | None, masters,
-                  writer: "_Writer | None") -> None:
+                  writer: "_Writer | None", transform=None) -> None:
     """Each layer group's shard (and the parameters no group holds, and the buffers, in the
     last), then the index and the model's config; ``writer`` None: this rank writes nothing."""
     model = trained.model
@@ -90,11 +91,13 @@ def _write_shards(trained: "Trained", out: Path, names: dict[int, str], dtype: t
     weight_map, total, done = {}, 0, set()
     for i, g in enumerate(trained.groups):
         tensors = _group_tensors(trained.session, g, names, dtype, masters)
-        done.update(id(p) for p in (g.offloaded.params if g.offloaded is not None else [p for _, p in g.spec.params]))
+        done.update(id(p) for p in group_params(g))
         if i == count - 1:  # the parameters no group holds (frozen, resident) and the buffers
             tensors.update({names[id(p)]: p.detach().to("cpu", dtype or p.dtype, copy=True)
                             for p in model.parameters() if id(p) not in done})
             tensors.update(buffers)
+        if transform is not None:
+            tensors = transform(tensors)
         shard = _shard_name(i, count)
         error = None
         if writer is not None:
@@ -144,8 +147,7 @@ def _shard_tensors(trained: "Trained", names: dict[int, str], dtype: torch.dtype
     if not trained.groups:
         return shards
     for g in trained.groups:
-        params = g.offloaded.params if g.offloaded is not None else [p for _, p in g.spec.params]
-        shapes = g.offloaded.shapes if g.offloaded is not None else [p.shape for _, p in g.spec.params]
+        params, shapes = group_params(g), group_shapes(g)
         done.update(id(p) for p in params)
         shards.append([(names[id(p)], shape, dtype or g.dtype) for p, shape in zip(params, shapes)])
     keys = set(model.state_dict().keys())
@@ -317,33 +319,9 @@ def _rank0_outcome(world, error: Exception | None, what: str) -> None:
 
 
 def _group_tensors(session: "Session", g, names: dict[int, str], dtype: torch.dtype | None, masters) -> dict:
-    """A layer group's parameters by name: the trained ones from their fp32 masters
-    (``masters(session, spec)``: a shared buffer, or a tensor), an offloaded block's
-    frozen ones from the object they were stored in."""
-    tensors = {}
-    shapes = g.offloaded.shapes if g.offloaded is not None else [p.shape for _, p in g.spec.params]
-    trained = shapes[:len(g.spec.params)]
-    if g.spec.numel and masters is None:
-        out = [torch.empty(shape, dtype=dtype or g.dtype) for shape in trained]
-        read_masters_into(session, g.spec, out)
-        tensors.update((names[id(p)], t) for (_, p), t in zip(g.spec.params, out))
-    elif g.spec.numel:  # (data parallel: gathered from the ranks' shards)
-        flat = masters(session, g.spec)[:g.spec.numel]
-        for (_, p), shape, part in zip(g.spec.params, trained, flat_parts(flat, trained)):
-            tensors[names[id(p)]] = part.view(shape).to(dtype or g.dtype, copy=True)
-    frozen = g.offloaded.params[len(g.spec.params):] if g.offloaded is not None else []
-    if frozen:
-        source = next(s for s in g.offloaded.sources if not s.part)  # (frozen/<group>: no optimizer group)
-        buf = session.allocate(source.length)
-        try:
-            session.swap_in(source.object, buf, length=source.length)
-            flat = buf.tensor(g.dtype)[:source.length // g.dtype.itemsize]
-            fshapes = shapes[len(g.spec.params):]
-            for p, shape, part in zip(frozen, fshapes, flat_parts(flat, fshapes)):
-                tensors[names[id(p)]] = part.view(shape).to(dtype or g.dtype, copy=True)
-        finally:
-            buf.free()
-    return tensors
+    """A layer group's parameters by name (values.py: the trained ones from their fp32
+    masters, an offloaded block's frozen ones from the object they were stored in)."""
+    return {names[id(p)]: t for p, t in zip(group_params(g), read_group(session, g, dtype, masters))}
 
 
 def load_exported(directory: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -43,6 +43,22 @@ def _check_optimizer(optimizer) -> None:
                     f"{type(optimizer).__name__}")
 
 
+def attach_frozen(model: nn.Module, **options) -> Engine:
+    """Hook up a model that is only run forward, never trained (a DPO or GRPO reference
+    model): every parameter must have ``requires_grad=False``. No optimizer state; its
+    blocks' weights are stored once on the SSD array, in their dtype, and fetched ahead of
+    each forward as a trained model's are (``offload=True``, the default), so the model
+    need not be in memory: built on the meta device with ``weights=DIR``, it never is as a
+    whole. The options are ``attach``'s; ``engine.close()`` detaches it."""
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    if trainable:
+        raise ValueError(f"attach_frozen takes a model that is not trained, but {trainable[0]!r} (and "
+                         f"{len(trainable) - 1} more) requires grad: model.requires_grad_(False) first, or attach() it")
+    base = options.pop("options", None)
+    opts = dataclasses.replace(base, **options) if base is not None else AttachOptions(**options)
+    return _attached(model, None, opts, None, frozen=True)
+
+
 def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) -> Engine:
     """Hook ``model`` up to fuyoud: its optimizer state (``optimizer``, default
     ``AdamW()``) moves to the SSD array, each layer group is stepped by the daemon as soon
@@ -68,12 +84,17 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) ->
         options, optimizer, plan = apply(plan, model, optimizer, options)
     base = options.pop("options", None)  # attach(model, opt, options=AttachOptions(...), **overrides) too
     opts = dataclasses.replace(base, **options) if base is not None else AttachOptions(**options)
+    return _attached(model, optimizer, opts, plan)
+
+
+def _attached(model: nn.Module, optimizer, opts: AttachOptions, plan, frozen: bool = False) -> Engine:
+    """attach's work once its options are settled (``frozen``: attach_frozen's model)."""
     par = parallelism.of(opts.process_group, opts.optimizer_ranks)
     materializer, error, prepared = None, None, None
     try:
         par.check_options(opts)
         materializer = prepare(model, opts.weights, opts.resume is not None)  # (a meta model: CPU stand-ins now)
-        prepared = _prepare(model, optimizer, opts, materializer, par)
+        prepared = _prepare(model, optimizer, opts, materializer, par, frozen)
     except BaseException as exc:  # noqa: BLE001 - agreed below (one process: raised there)
         if materializer is not None:
             materializer.undo()
@@ -114,13 +135,13 @@ def attach(model: nn.Module, optimizer: AdamW | SGD | None = None, **options) ->
         raise
 
 
-def _prepare(model: nn.Module, optimizer, opts: AttachOptions, materializer, par):
+def _prepare(model: nn.Module, optimizer, opts: AttachOptions, materializer, par, frozen: bool = False):
     """(torch param groups, layer-group specs, device), checked before anything connects."""
     par.check_model(materializer)
     torch_groups = resolve_groups(model, optimizer or AdamW(), opts.param_groups, opts.no_decay)
     groups = split(model, opts.blocks, torch_groups.index)
-    if not any(g.params for g in groups):
-        raise ValueError("the model has no trainable parameters")
+    if not frozen and not any(g.params for g in groups):
+        raise ValueError("the model has no trainable parameters (a model only run forward: attach_frozen(model))")
     if opts.offload and hf_checkpointing(model):
         raise ValueError(GRADIENT_CHECKPOINTING)
     if materializer is not None:

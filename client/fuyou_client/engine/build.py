@@ -4,7 +4,7 @@ after it is built.
 
     memory plan -> gradient strategies -> layer groups (state created in the daemon)
     -> offloader -> gradient pool / host accumulator -> step coordinator
-    -> activation swapper, policy and planner -> model hooks -> Engine
+    -> activation swapper, policy and planner -> model hooks -> state_dict hooks -> Engine
 
 When a part fails, the model's parameters are put back as they came.
 """
@@ -26,6 +26,7 @@ from fuyou_client.connection import Session
 from fuyou_client.device import Device
 from fuyou_client.engine.hooks import ModelHooks
 from fuyou_client.engine.options import AttachOptions
+from fuyou_client.engine.trained_values import TrainedValues
 from fuyou_client.gradients import HostAccumulated, Pooled, Resident
 from fuyou_client.groups import LayerGroup, Scratch, create
 from fuyou_client.groups.placement import hands_over, placement, weights_rewritten
@@ -92,7 +93,8 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
     coordinator = StepCoordinator(session, device, groups, lambda: engine.optimizer.param_groups, torch_groups,
                                   offloader, in_use,
                                   parallel.clipper(model, groups), options.accumulation_steps,
-                                  options.max_grad_norm, frozen)
+                                  options.max_grad_norm, frozen,
+                                  recomputed=lambda name: policy.treatments.get(name) == "recompute")
     blocks = [g for g in groups if g.spec.module is not None]
     weights = {(g.device_weights if g.device_weights is not None else g.weights.tensor(torch.uint8))
                .untyped_storage().data_ptr() for g in groups if g.weights is not None}
@@ -105,9 +107,10 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
         if options.activations == "auto" and blocks else None
     hooks = ModelHooks(model, device, groups, coordinator, offloader, activations, policy, auto)
     block_modules = [spec.module for spec in specs if spec.module is not None]  # (frozen ones too)
+    values = TrainedValues(model, session, groups, coordinator.require_idle, parallel.world)  # (state_dict() hooks)
     engine = Engine(model, session, device, options, plan, groups, torch_groups, coordinator, offloader, activations,
                     policy, hooks, auto, parallel, owns_session, block_modules, gradients=gradients,
-                    host_grads=host_grads)
+                    host_grads=host_grads, values=values)
     engine.zero_grad()
     return engine
 

@@ -33,6 +33,7 @@ from torch import nn
 
 from fuyou_client.blockmajor import StepTimes, Store, check_micro_batches, run as run_block_major
 from fuyou_client.checkpoints import Trained, restore_groups
+from fuyou_client.checkpoints.durability import checkpoint_mode
 from fuyou_client.engine.hooks import hf_checkpointing
 from fuyou_client.engine.torch_optimizer import TorchOptimizer
 from fuyou_client.groups import land_new_weights
@@ -90,7 +91,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, session, device, options, plan, groups, torch_groups, coordinator,
                  offloader, activations, policy, hooks, auto, parallel, owns_session: bool, block_modules: list,
-                 gradients=None, host_grads=None):
+                 gradients=None, host_grads=None, values=None):
         self.model, self.session, self.device, self.options = model, session, device, options
         self.memory = plan
         self.groups = groups
@@ -113,6 +114,7 @@ class Engine:
         self.checkpoint_extra = None  # what save_checkpoint(extra=...) kept, after a resume
         self.checkpoint_groups: list[dict] = []  # each param group's hyperparameters at the checkpoint
         self._last_step_end: float | None = None  # for the iteration times reported to the daemon
+        self._values = values  # state_dict() hooks and gathered() (engine/trained_values.py)
 
     # -- what attach chose ------------------------------------------------------------------
     @property
@@ -309,8 +311,11 @@ class Engine:
         scheduler.state_dict(), the data loader's position...), given back after
         ``attach(model, resume=directory)`` as ``engine.checkpoint_extra``. ``directory``
         is a new path on the daemon's host; on the SSD array's filesystem the checkpoint is
-        a snapshot (no bytes copied), elsewhere a copy (``mode`` forces either)."""
+        a snapshot (no bytes copied), elsewhere a copy (``mode`` forces either). A daemon
+        that deletes its store when it stops (``start_daemon()`` without a ``state_dir``)
+        gets a copy in mode "auto": a snapshot would go with it (checkpoints/durability.py)."""
         self.require_idle("save_checkpoint")
+        mode = checkpoint_mode(self.session, mode)
         return self.parallel.save_checkpoint(self.session, self.groups, self.optimizer.param_groups, extra, directory,
                                              mode, timeout)  # (data parallel: every rank calls it)
 
@@ -331,6 +336,28 @@ class Engine:
         self.require_idle("export")
         return self.parallel.export(Trained(self.model, self.session, self.groups, self.world), directory, dtype)
 
+    def gathered(self, *modules):
+        """A context manager: inside it the offloaded parameters of ``modules`` (modules or
+        parameters; default: the whole model) hold their trained values, read from the SSD
+        array into new CPU tensors, for code that reads ``named_parameters()``; after it they
+        are empty placeholders again. Read only (a write does not reach the master weights).
+        Between steps only; more bytes than ``values_limit`` is refused, naming ``export``.
+        (``model.state_dict()`` needs no such block: it always gives the trained values.)"""
+        return self._values.gathered(modules)
+
+    @property
+    def values_limit(self) -> int | None:
+        """The most bytes of offloaded weights ``model.state_dict()`` and ``gathered()`` put in
+        host memory (beyond it they refuse, naming ``export``); None (the default): what the
+        host has available at the time (MemAvailable, and a cgroup's memory limit)."""
+        return self._values.limit
+
+    @values_limit.setter
+    def values_limit(self, nbytes: int | None) -> None:
+        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
+            raise ValueError(f"values_limit must be a number of bytes >= 0 or None, not {nbytes!r}")
+        self._values.limit = nbytes
+
     def state_dict(self) -> dict:
         """The learning rate and the daemon's step count of each layer group this process
         holds (for logs; a checkpoint is ``save_checkpoint``)."""
@@ -349,6 +376,7 @@ class Engine:
         tensors holding the trained weights (e.g. for save_pretrained) — the whole model
         in memory; without, offloaded parameters stay empty."""
         self.hooks.remove()
+        self._values.remove()
         self.activation_policy.close()  # (the recomputed forwards unpatched)
         if self._train_step_store is not None:
             self._train_step_store.close()

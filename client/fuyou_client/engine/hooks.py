@@ -15,6 +15,11 @@
    rest's embeddings and head, a block that train_step recomputes), saved-tensor hooks
    for that module's call, so that its weights are saved as markers there too.
 
+The hooks of 3 and 4 are kept out of ``torch.compile``'s graphs (``torch.compiler.disable``):
+a compiled model breaks its graph there and runs them as they are, so each block's compute
+is compiled with its weights resident (traced, the fetch put empty placeholders in the
+graph: an assertion in inductor's generated code).
+
 The activation policy (activations/policy.py) says which blocks swap; a recomputed
 block's ``forward`` is the policy's.
 """
@@ -62,18 +67,18 @@ class ModelHooks:
                 self._handles.append(p.register_post_accumulate_grad_hook(lambda p, g=g: self._on_grad(g)))
         for g in blocks:
             name, og, module = g.spec.name, g.offloaded, g.spec.module
-            self._handles.append(module.register_forward_pre_hook(
-                lambda m, a, k, n=name, og=og: self._enter_forward(n, og, a, k), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(
-                lambda m, a, o, n=name, og=og: self._exit_forward(n, og), always_call=True))
+            self._handles.append(module.register_forward_pre_hook(torch.compiler.disable(
+                lambda m, a, k, n=name, og=og: self._enter_forward(n, og, a, k)), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(torch.compiler.disable(
+                lambda m, a, o, n=name, og=og: self._exit_forward(n, og)), always_call=True))
         self._use_ctx: list = []  # (saved-tensor hooks a sub-block's use entered, innermost last)
         for g in groups:
             if g.offloaded is not None and g.spec.module is None:  # (a sub-block: model/cuts.py)
                 for module in g.spec.uses:
-                    self._handles.append(module.register_forward_pre_hook(
-                        lambda m, a, og=g.offloaded: self._enter_use(og)))
-                    self._handles.append(module.register_forward_hook(
-                        lambda m, a, o, og=g.offloaded: self._exit_use(og), always_call=True))
+                    self._handles.append(module.register_forward_pre_hook(torch.compiler.disable(
+                        lambda m, a, og=g.offloaded: self._enter_use(og))))
+                    self._handles.append(module.register_forward_hook(torch.compiler.disable(
+                        lambda m, a, o, og=g.offloaded: self._exit_use(og)), always_call=True))
         self._ours = {h.id for h in self._handles}  # (told from the user's hooks: foreign)
 
     # -- gradients -------------------------------------------------------------------------

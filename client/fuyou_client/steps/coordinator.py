@@ -32,7 +32,7 @@ from fuyou_client.optim import StepInfo
 class StepCoordinator:
     def __init__(self, session: Session, device: Device, groups: list[LayerGroup], param_groups, torch_groups,
                  offloader, strategies: list, clipper, accumulation_steps: int, max_grad_norm: float | None,
-                 frozen: list):
+                 frozen: list, recomputed=None):
         self.session, self.device, self.groups = session, device, groups
         self._param_groups = param_groups  # () -> engine.optimizer.param_groups (what schedulers change)
         self._torch_groups = torch_groups
@@ -42,6 +42,7 @@ class StepCoordinator:
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
         self._frozen = frozen  # (name, parameter) not trained at attach
+        self._recomputed = recomputed or (lambda name: False)  # (block name) -> its forward is recomputed now
         self._block_major = False  # in train_step: weights stay until a group's last micro-batch
         self.infos: list[StepInfo] = []  # the last barrier's, in group order
 
@@ -82,10 +83,18 @@ class StepCoordinator:
         steps_now = final and self.max_grad_norm is None and not g.submitted
         og = g.offloaded
         if og is not None and (not self._block_major or final):
-            if steps_now and og.hands_over and og.slot is not None:
+            if len(og.params) > len(g.spec.params) and self._recomputed(og.name):
+                # A recomputed block's graph saved its frozen parameters themselves (the recomputation
+                # runs outside the saved-tensor hooks that make markers of them), and backward may still
+                # read them after its trained ones are final (a frozen layer norm or base weight before
+                # them): its slot stays, evicted when another block needs one (backward is then past
+                # it: it goes on to earlier blocks) or given back at the barrier.
+                self.offloader.let_go(og)
+            elif steps_now and og.hands_over and og.slot is not None:
                 self.offloader.lend_for_step(og, lambda masters: self.submit(g, masters=masters))
                 return
-            self.offloader.backward_done(og)  # backward is done with these weights
+            else:
+                self.offloader.backward_done(og)  # backward is done with these weights
         if steps_now:
             self.submit(g)  # final gradients: step now, while backward goes on
 
