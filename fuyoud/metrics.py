@@ -41,7 +41,15 @@ class Metrics:
                                          ["method"], buckets=LATENCY_BUCKETS, registry=r)
         self.errors = Counter("fuyoud_errors", "Errors returned to clients or met internally", ["kind"],
                               registry=r)
-        self.sessions_closed = Counter("fuyoud_sessions_closed", "Sessions ended", ["reason"], registry=r)
+        self.sessions_closed = Counter(
+            "fuyoud_sessions_closed",
+            "Sessions ended, by reason: closed (by the client), killed (the session socket ended without a close: the "
+            "process died), reaped (its process is gone, the socket held open by another), stopping (the daemon "
+            "stopped)", ["reason"], registry=r)
+        self.session_accept_errors = Counter(
+            "fuyoud_session_accept_errors",
+            "accept() failures of the session socket, by errno (EMFILE: out of file descriptors); the listener "
+            "retries", ["errno"], registry=r)
         self.reclaimed_bytes = Counter("fuyoud_reclaimed_pinned_bytes",
                                        "Pinned bytes given back when sessions ended", registry=r)
         self.optimizer_steps = Counter("fuyoud_optimizer_group_steps", "Optimizer steps of parameter groups",
@@ -78,6 +86,9 @@ class Metrics:
                                         ["tier"], registry=r)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
+
+    def session_accept_errors_by(self, errno_name: str) -> None:
+        self.session_accept_errors.labels(errno_name).inc()
 
     def observe_io(self, device: int, direction: str, nbytes: int, ops: int, seconds: float) -> None:
         dev = str(device)
@@ -120,6 +131,8 @@ class Metrics:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+            self._thread.join(10)  # (shutdown ends its loop: every thread of the daemon is joined)
+            self._server = None
 
 
 class _DaemonCollector:

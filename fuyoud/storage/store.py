@@ -393,9 +393,22 @@ class Store:
                                  for (dev, direction), value in lifetime.items()})
 
     def close(self) -> None:
-        self.save_lifetime()
+        """Save the counters, sync and close every data file, close the index: each one
+        even when another failed (its lock and descriptors are released); the first
+        failure is raised afterwards."""
+        errors: list[BaseException] = []
+
+        def attempt(fn) -> None:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - raised below, after the rest is closed
+                errors.append(exc)
+
+        attempt(self.save_lifetime)
         with self._lock:
             for d in self.devices:
-                d.sync()
-                d.close()
-            self.index_db.close()
+                attempt(d.sync)
+                attempt(d.close)
+            attempt(self.index_db.close)
+        if errors:
+            raise errors[0]

@@ -98,6 +98,9 @@ def _wrap_future(call: grpc.Future, convert=lambda r: r) -> Future:
     fut: Future = Future()
 
     def done(c: grpc.Future) -> None:
+        if c.cancelled():  # (never by this client: a channel closed under it)
+            fut.set_exception(errors.DaemonUnavailable("the request was cancelled: the session's channel closed"))
+            return
         exc = c.exception()
         if exc is None:
             fut.set_result(convert(c.result()))
