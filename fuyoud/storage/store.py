@@ -279,11 +279,13 @@ class Store:
             self.unpin(entries)
 
     # -- snapshots: versions held past a later overwrite -----------------------------------
-    def pin(self, namespace: str) -> list[Entry]:
-        """Hold the current version of every persistent object of a namespace: later
-        overwrites and deletes do not recycle its extents until ``unpin``."""
+    def pin(self, namespace: str, exclude: str | None = None) -> list[Entry]:
+        """Hold the current version of every persistent object of a namespace (but those
+        whose names start with ``exclude``): later overwrites and deletes do not recycle
+        its extents until ``unpin`` of exactly these entries."""
         with self._lock:
-            entries = [e for (ns, _), e in self._objects.items() if ns == namespace and e.meta.persistent]
+            entries = [e for (ns, n), e in self._objects.items() if ns == namespace and e.meta.persistent
+                       and not (exclude and n.startswith(exclude))]
             for e in entries:
                 e.readers += 1
         return entries
