@@ -156,9 +156,12 @@ class _DaemonCollector:
         yield engine
 
         pool = d.pool
-        pinned = GaugeMetricFamily("fuyoud_pinned_bytes", "Shared pinned memory by state", labels=["state"])
+        pinned = GaugeMetricFamily("fuyoud_pinned_bytes",
+                                   "Shared pinned memory by state (planned: reserved by sessions' memory plans, not "
+                                   "allocated yet, not free for the others)", labels=["state"])
         pinned.add_metric(["allocated"], pool.allocated)
         pinned.add_metric(["reserved"], pool.segments - pool.allocated)
+        pinned.add_metric(["planned"], pool.reserved)
         pinned.add_metric(["staging"], d.staging_bytes)
         pinned.add_metric(["optimizer"], d.optimizer_buffer_bytes)
         yield pinned
@@ -178,6 +181,12 @@ class _DaemonCollector:
         for sid, nbytes in pool.by_session.items():
             by_session.add_metric([str(sid)], nbytes)
         yield by_session
+        planned = GaugeMetricFamily("fuyoud_session_reserved_bytes",
+                                    "Pinned memory each live session's memory plan reserved (held for it)",
+                                    labels=["session"])
+        for sid, nbytes in pool.reserved_by_session.items():
+            planned.add_metric([str(sid)], nbytes)
+        yield planned
         # Which namespace, and which job and data-parallel rank (namespaces "<job>.r<rank>"),
         # each session is: join on `session` to group the other per-session series by job.
         # (training_job, not job: Prometheus gives every series its scrape job's `job`.)

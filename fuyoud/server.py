@@ -2,10 +2,10 @@
 them in the right order.
 
 Construction (each part gets only the parts it uses, built before it): metrics, the
-I/O engine, staging and pinned memory; the store (a full disk or a locked directory
-stops us before anything listens), then the recovery of checkpoints a crash
-interrupted (it needs only the store), the optimizer on the store, the session
-registry, the checkpointer on all three. Start-up: the admin token, the control
+I/O engine, staging; the store (a full disk or a locked directory stops us before
+anything listens), then the recovery of checkpoints a crash interrupted (it needs only
+the store), the optimizer on the store, the session registry, the pinned memory (its
+refusals name sessions as the registry describes them), the checkpointer. Start-up: the admin token, the control
 socket (the RPC services), the session socket, metrics, the housekeeping thread
 (throughput, watchdog) and READY=1.
 Shutdown (SIGTERM): STOPPING=1, refuse new sessions and new requests (UNAVAILABLE,
@@ -115,8 +115,6 @@ class Daemon:
             undo.callback(_quietly, "closing the I/O engine", self.engine.close)
             self.staging = StagingPool(config.memory.staging_size, config.io.chunk_size + 2 * 4096)
             self.huge_pages = HugePagePolicy(config.memory.huge_pages)
-            self.pool = Pool(config.memory.pinned_budget, config.session_budget, config.memory.segment_size,
-                             lock=config.memory.lock, pages=self.huge_pages.choose)
             self.store = self._open_store()
             undo.callback(_quietly, "closing the store", self.store.close)
             recover(self.store)
@@ -127,6 +125,8 @@ class Daemon:
             self.optimizer = Optimizer(self.store, buffers, config.optimizer.state_cache, Threads("optimizer"))
             self.sessions = SessionRegistry(self._session_closed, self.store.index_db.namespace_owner,
                                             self.store.index_db.claim_namespace, config.daemon.admits)
+            self.pool = Pool(config.memory.pinned_budget, config.session_budget, config.memory.segment_size,
+                             lock=config.memory.lock, pages=self.huge_pages.choose, describe=self.sessions.describe)
             self.checkpointer = Checkpointer(self.store, self.optimizer, self.sessions, config.checkpoint_dirs)
             undo.pop_all()
         for reason in REASONS:  # (every reason exported from the start, at 0)

@@ -158,6 +158,19 @@ class SessionRegistry:
                 return s
         raise NotFound(f"no live session {session_id} (fuyouctl sessions lists them)")
 
+    def describe(self, session_id: int, asker_id: int) -> str:
+        """How a refusal given to session ``asker_id`` names session ``session_id``: its
+        namespace and pid when both are one user's (or the asker is root); another user's
+        session only by its id (a tenant learns no other user's pid or namespace)."""
+        with self._lock:
+            live = {s.id: s for s in self._by_token.values()}
+        s, asker = live.get(session_id), live.get(asker_id)
+        if s is None:
+            return f"session {session_id} (ending)"
+        if asker is not None and asker.uid in (s.uid, 0):
+            return f"session {s.id} (namespace {s.namespace}, pid {s.pid})"
+        return f"session {s.id} (another user's)"
+
     @contextmanager
     def withheld(self, namespace: str):
         """No session may open ``namespace`` inside this (the operator deletes its state);

@@ -19,7 +19,7 @@ from torch import nn
 
 from fuyou_proto.contract import stepped_in_chunks
 
-from fuyou_client import memory
+from fuyou_client import errors, memory
 from fuyou_client.activations import ActivationPolicy, ActivationSwapper, AutoPlanner, treatments
 from fuyou_client.connection import Session
 from fuyou_client.device import Device
@@ -48,8 +48,9 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
               if (where := placement(spec, options.offload, pool_grads, options.grad_accumulation,
                                      parallel.strategy_kind)) is not None]
     # Every shared buffer below, planned from the session's budget first (memory/budget.py):
-    # a budget that cannot hold the smallest plan is refused before anything is allocated.
-    plan = plan_memory(session, layout, torch_groups, options, device, parallel)
+    # a budget that cannot hold the smallest plan is refused before anything is allocated;
+    # the plan is then reserved in the daemon (held against the other sessions).
+    plan = hold_plan(session, lambda: plan_memory(session, layout, torch_groups, options, device, parallel))
     (log.warning if plan.shrunk else log.info)("%s", plan.describe())
     options = dataclasses.replace(options, prefetch=plan.prefetch, host_budget=plan.host_budget)
     if parallel.holds_state:  # (an optimizer-host worker keeps no state: its optimizer ranks check theirs)
@@ -148,6 +149,33 @@ def _create_groups(session, device, layout, torch_groups, strategies, resume, ma
                 p.grad = grad
         raise
     return groups
+
+
+def hold_plan(session, make_plan) -> memory.MemoryPlan:
+    """A memory plan, reserved in the daemon: a plan admitted is a plan held, so that no
+    session admitted later takes what this one's plan counts on. Another session admitted
+    between the plan and its reservation: planned again, once, against what is left. A
+    plan that cannot fit for what the others hold is refused with the daemon's own
+    account of them."""
+    for attempt in range(2):
+        try:
+            plan = make_plan()
+        except memory.DoesNotFit as exc:
+            if exc.smallest is None or not exc.smallest.limits.others:
+                raise
+            try:  # (the daemon's refusal names the sessions that hold the budget)
+                session.reserve(exc.smallest.limits.held + exc.smallest.total)
+            except errors.ResourceExhausted as why:
+                raise memory.DoesNotFit(f"{exc}\nfuyoud: {why}", exc.smallest) from None
+            return exc.smallest  # (room came back meanwhile: the smallest plan is held)
+        try:
+            session.reserve(plan.limits.held + plan.total)
+            return plan
+        except errors.ResourceExhausted as exc:
+            if attempt:
+                raise memory.DoesNotFit(f"the memory plan could not be reserved: {exc}\n{plan.describe()}",
+                                        plan) from None
+    raise AssertionError("unreachable")
 
 
 def plan_memory(session, layout, torch_groups: TorchGroups, options: AttachOptions, device: Device,
