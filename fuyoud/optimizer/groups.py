@@ -51,6 +51,7 @@ import torch
 
 from fuyoud import failpoints
 from fuyoud.errors import DataLoss, FuyouError, InvalidArgument, NonFinite, NotFound
+from fuyoud.fairness import FairTurns
 from fuyoud.names import shown
 from fuyoud.optimizer import chunks
 from fuyoud.optimizer import held as held_weights
@@ -151,7 +152,10 @@ class Optimizer:
         buffers.evict = self._evict_one
         self._groups: dict[tuple[str, str], Group] = {}
         self._lock = threading.Lock()
-        self._compute = threading.Lock()  # one kernel at a time: it is memory-bound and uses every core
+        # One kernel at a time (it is memory-bound and uses every core), the sessions served in
+        # turn while several wait (fairness.py): a job with many groups in flight does not
+        # take the CPU from one with few.
+        self._compute = FairTurns(1)
         self._scratch = lowp.Scratch()  # the reduced-precision kernels' temporaries (under _compute)
         self._order: dict[str, list[str]] = {}  # namespace -> step order of the last iteration
         self._current: dict[str, list[str]] = {}
@@ -362,7 +366,7 @@ class Optimizer:
         t1 = time.perf_counter()
         n, layout = group.numel, group.spec.layout(group.numel)
         slots = layout.tensors(state)
-        with self._compute:
+        with self._compute.turn(group.namespace):
             g = grad  # the kernels only read gradients: no copy unless they must change
             if grad.dtype != torch.float32:
                 g = grad.float()
@@ -397,7 +401,7 @@ class Optimizer:
         def compute(a: int, b: int, slots: list[torch.Tensor], weights: torch.Tensor | None) -> None:
             nonlocal written
             part = grad[a:b]
-            with self._compute:
+            with self._compute.turn(group.namespace):
                 g = part if part.dtype == torch.float32 else part.float()
                 if grad_scale != 1.0:
                     g = g.clone() if g is part else g
