@@ -5,9 +5,9 @@ Construction (each part gets only the parts it uses, built before it): metrics, 
 I/O engine, staging; the store (a full disk or a locked directory stops us before
 anything listens), then the recovery of checkpoints a crash interrupted (it needs only
 the store), the optimizer on the store, the session registry, the pinned memory (its
-refusals name sessions as the registry describes them), the checkpointer. Start-up: the admin token, the control
-socket (the RPC services), the session socket, metrics, the housekeeping thread
-(throughput, watchdog) and READY=1.
+refusals name sessions as the registry describes them), the checkpointer. Start-up:
+the admin token, the control socket (the RPC services), the session socket, metrics,
+the housekeeping thread (throughput, watchdog, the reaper) and READY=1.
 Shutdown (SIGTERM): STOPPING=1, refuse new sessions and new requests (UNAVAILABLE,
 "fuyoud is shutting down": the client's DaemonUnavailable) while the sessions stay,
 let the requests running finish within the grace period, stop gRPC, end every session,
