@@ -2,7 +2,6 @@
 no lock held while a segment is made."""
 import os
 import threading
-import time
 
 import pytest
 

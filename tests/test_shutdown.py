@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fuyou_client
-from conftest import SMALL, in_process_config, merge, random_bytes
+from conftest import SMALL, in_process_config, random_bytes
 from fuyou_client import AdamW, In, Out
 from fuyoud import failpoints
 from fuyoud.io.threadpool import ThreadPoolEngine
@@ -104,7 +104,7 @@ def test_stop_joins_every_thread_before_the_store_closes(short_tmp, caplog):
         d.stop()
     alive = [t.name for t in threading.enumerate() if t.name in OURS]
     assert not alive, alive
-    assert f"deleted the 2 objects" in caplog.text and "stopped" in caplog.text
+    assert "deleted the 2 objects" in caplog.text and "stopped" in caplog.text
     assert "closed database" not in caplog.text and "with failures" not in caplog.text
     index = sqlite3.connect(f"file:{short_tmp / 'state' / 'index.sqlite'}?mode=ro", uri=True)
     assert index.execute("SELECT COUNT(*) FROM objects WHERE namespace = ?", (namespace,)).fetchone()[0] == 0
