@@ -23,13 +23,14 @@ from fuyoud.sessions import Session
 
 
 class FuyouAdminServicer(ServicerBase, rpc.FuyouAdminServicer):
-    def session_info(self, s: Session, pinned: dict[int, int]) -> pb.SessionInfo:
+    def session_info(self, s: Session, pinned: dict[int, int], reserved: dict[int, int]) -> pb.SessionInfo:
         groups = self.optimizer.loaded(s.namespace)
         persistent = sum(m.size for m in self.store.list(s.namespace) if m.persistent)
         return pb.SessionInfo(id=s.id, uid=s.uid, pid=s.pid, namespace=s.namespace, started=s.started,
                               last_active=s.last_active, pinned_bytes=pinned.get(s.id, 0),
                               model_params=sum(g.numel for g in groups), groups=len(groups),
-                              step=max((g.step for g in groups), default=0), persistent_bytes=persistent)
+                              step=max((g.step for g in groups), default=0), persistent_bytes=persistent,
+                              reserved_bytes=reserved.get(s.id, 0))
 
     def _visible_sessions(self, context: grpc.ServicerContext) -> list[pb.SessionInfo]:
         """Every session for the operator, the caller's own for a session, else none."""
@@ -39,8 +40,9 @@ class FuyouAdminServicer(ServicerBase, rpc.FuyouAdminServicer):
             token = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)
             visible = [s for s in self.sessions.all() if token is not None and
                        hmac.compare_digest(s.token.encode(), token.encode())]
-        pinned = self.pool.usage().by_session
-        return [self.session_info(s, pinned) for s in sorted(visible, key=lambda s: s.id)]
+        usage = self.pool.usage()
+        return [self.session_info(s, usage.by_session, usage.reserved_by_session)
+                for s in sorted(visible, key=lambda s: s.id)]
 
     @handler
     def Status(self, request, context):
@@ -51,6 +53,7 @@ class FuyouAdminServicer(ServicerBase, rpc.FuyouAdminServicer):
             devices=[pb.DeviceStatus(index=i, path=p, capacity_bytes=c, used_bytes=u, available_bytes=a)
                      for i, (p, c, u, a) in enumerate(usage.devices)],
             pinned_budget_bytes=d.pool.budget, pinned_used_bytes=d.pool.segments,
+            pinned_reserved_bytes=d.pool.reserved,
             session_budget_bytes=d.pool.session_budget, segment_bytes=d.pool.segment_size,
             optimizer_buffer_budget_bytes=d.optimizer_buffer_budget, optimizer_buffers=d.optimizer_buffers,
             sessions=d.sessions, objects=sum(usage.objects.values()), pid=d.pid,

@@ -97,7 +97,7 @@ def dump_stacks_on_signal() -> None:
 
 
 def _serve(config, removals: list[Path]) -> int:
-    from fuyoud.server import Daemon, StartFailed  # heavy imports after argument checks
+    from fuyoud.server import Daemon, StartFailed, StopFailed  # heavy imports after argument checks
 
     log = logging.getLogger("fuyoud")
     try:
@@ -109,6 +109,9 @@ def _serve(config, removals: list[Path]) -> int:
         daemon.run_until_signalled()
     except StartFailed as exc:
         log.error("cannot start: %s", exc)
+        return 1
+    except StopFailed as exc:
+        log.error("stopped, but not cleanly: %s", exc)
         return 1
     finally:  # (stopped: the store closed its data files, so their space is free at once)
         ours = {config.daemon.state_dir.resolve()}  # (its data lock was ours; the sockets' directory only

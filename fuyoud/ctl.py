@@ -102,17 +102,19 @@ def _by_job(session) -> tuple:
 
 def sessions_table(sessions) -> str:
     """JOB and RANK come from namespaces ``<job>.r<rank>`` (one session per rank of a
-    data-parallel job), empty for others."""
+    data-parallel job), empty for others; PLANNED is what the session's memory plan
+    reserved (held for it; "-": none)."""
     if not sessions:
         return "no sessions"
     rows = []
     for s in sorted(sessions, key=_by_job):
         job, rank = job_rank(s.namespace)
         rows.append([s.id, s.uid, s.pid, s.namespace, job, "" if rank is None else rank, _params(s.model_params),
-                     s.groups, s.step, format_size(s.pinned_bytes), format_size(s.persistent_bytes),
+                     s.groups, s.step, format_size(s.pinned_bytes),
+                     format_size(s.reserved_bytes) if s.reserved_bytes else "-", format_size(s.persistent_bytes),
                      _ago(s.last_active)])
-    return table(["ID", "UID", "PID", "NAMESPACE", "JOB", "RANK", "PARAMS", "GROUPS", "STEP", "PINNED", "ON SSD",
-                  "LAST ACTIVE"], rows)
+    return table(["ID", "UID", "PID", "NAMESPACE", "JOB", "RANK", "PARAMS", "GROUPS", "STEP", "PINNED", "PLANNED",
+                  "ON SSD", "LAST ACTIVE"], rows)
 
 
 def cmd_status(args, channel) -> int:

@@ -7,7 +7,10 @@ The daemon reads them once, at import, from the environment:
 Actions: ``hang`` (block the calling thread until the process ends), ``sleep(S)``
 (block S seconds), ``error`` (raise an internal error), ``kill`` (SIGKILL the daemon at
 that point: crash tests). Unset, ``hit`` costs one dictionary lookup. Names in use:
-``rpc.<Method>`` (before a control request is served).
+``rpc.<Method>`` (before a control request is served), ``session.hello`` (the session
+socket read a client's hello) and ``session.opened`` (its session is registered, the
+reply not sent yet), ``optimizer.prefetch`` (a read-ahead of a group's state starts),
+``checkpoint.*`` (checkpoint.py). Tests of an in-process daemon arm them with ``armed``.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import re
 import signal
 import threading
 import time
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 ENV = "FUYOUD_FAILPOINTS"
@@ -55,3 +59,18 @@ def hit(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     else:
         time.sleep(float(_ACTION.match(action).group(2)))
+
+
+@contextmanager
+def armed(**points: str):
+    """Arm failpoints (``name=action``; dots in names written as ``__``) for the duration,
+    in this process: the seam for tests of an in-process daemon."""
+    names = {k.replace("__", "."): v for k, v in points.items()}
+    parse(",".join(f"{k}={v}" for k, v in names.items()))  # (the same checks as the environment's)
+    before = dict(_points)
+    _points.update(names)
+    try:
+        yield
+    finally:
+        _points.clear()
+        _points.update(before)

@@ -1,11 +1,18 @@
-"""What every RPC method shares: the wrapper (failpoint, timing, counting, error
-translation), the servicer base that authenticates sessions, and ``Services``: the
-parts of the daemon the RPC methods work on, handed over by server.py."""
+"""What every RPC method shares: the wrapper (admission, failpoint, timing, counting,
+error translation), the servicer base that authenticates sessions, and ``Services``: the
+parts of the daemon the RPC methods work on, handed over by server.py.
+
+Admission (``Admission``): every request enters through it and is counted while it runs.
+When the daemon stops, it closes: a request that arrives from then on is refused at
+once with UNAVAILABLE ("fuyoud is shutting down", which the client raises as
+DaemonUnavailable with how to resume), while those already running finish; the daemon
+waits for them (``wait_idle``) before it ends the sessions and closes the store."""
 from __future__ import annotations
 
 import functools
 import hmac
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +22,7 @@ import grpc
 
 from fuyoud import failpoints
 from fuyou_proto import ADMIN_METADATA_KEY, SESSION_METADATA_KEY
-from fuyoud.errors import FuyouError, PermissionDenied
+from fuyoud.errors import FuyouError, PermissionDenied, Unavailable
 from fuyoud.sessions import Session, SessionRegistry
 
 if TYPE_CHECKING:
@@ -38,15 +45,62 @@ def status_message(exc: Exception) -> str:
     return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE - 20] + "... (message cut)"
 
 
+SHUTTING_DOWN = ("fuyoud is shutting down (systemctl stop, SIGTERM): this request was refused before it started. "
+                 "Everything committed is safe on the SSD array: once fuyoud runs again, continue with "
+                 "attach(model, resume=DIR) from your last engine.save_checkpoint(DIR)")
+
+
+class Admission:
+    """The requests running now, and whether new ones are let in (see the module's doc)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._running: dict[int, str] = {}  # thread id -> method
+        self._open = True
+
+    def enter(self, method: str) -> None:
+        with self._cond:
+            if not self._open:
+                raise Unavailable(SHUTTING_DOWN)
+            self._running[threading.get_ident()] = method
+
+    def leave(self) -> None:
+        with self._cond:
+            self._running.pop(threading.get_ident(), None)
+            if not self._running:
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Let no new request in (those running go on)."""
+        with self._cond:
+            self._open = False
+
+    def running(self) -> list[str]:
+        with self._cond:
+            return sorted(self._running.values())
+
+    def wait_idle(self, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` seconds for the running requests; returns the methods of
+        those still running."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._running and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            return sorted(self._running.values())
+
+
 def handler(method):
-    """Failpoint, time, count and translate errors for one RPC method."""
+    """Admit, failpoint, time, count and translate errors for one RPC method."""
     name = method.__name__
 
     @functools.wraps(method)
     def wrapper(self, request, context: grpc.ServicerContext):
         t0 = time.perf_counter()
         metrics = self.metrics
+        admitted = False
         try:
+            self.admission.enter(name)
+            admitted = True
             failpoints.hit(f"rpc.{name}")
             return method(self, request, context)
         except FuyouError as exc:
@@ -57,6 +111,8 @@ def handler(method):
             log.exception("%s failed", name)
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the fuyoud log")
         finally:
+            if admitted:
+                self.admission.leave()
             metrics.requests.labels(name).inc()
             metrics.request_seconds.labels(name).observe(time.perf_counter() - t0)
 
@@ -86,6 +142,7 @@ class Services:
     admin: AdminAuth
     snapshot: Callable[[], "Snapshot"]  # Status's reading of the daemon
     set_draining: Callable[[bool], None]
+    admission: Admission
 
 
 class ServicerBase:
@@ -93,6 +150,7 @@ class ServicerBase:
         self.store, self.pool, self.optimizer = services.store, services.pool, services.optimizer
         self.sessions, self.metrics, self.checkpointer = services.sessions, services.metrics, services.checkpointer
         self.admin, self.snapshot, self.set_draining = services.admin, services.snapshot, services.set_draining
+        self.admission = services.admission
 
     def _is_admin(self, context: grpc.ServicerContext) -> bool:
         return self.admin.allows(context)

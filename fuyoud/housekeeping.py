@@ -1,5 +1,6 @@
 """The daemon's once-a-second chores, on one thread: sample SSD throughput (for
-`fuyouctl status`), run the systemd watchdog, and persist the lifetime byte counters
+`fuyouctl status`), run the systemd watchdog, reap sessions whose process is gone
+(every REAP_EVERY seconds: sessions.py ``reap``) and persist the lifetime byte counters
 every minute."""
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import collections
 import logging
 import threading
 import time
+from typing import Callable
+
 from fuyoud.storage.store import Store
 from fuyoud.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 TICK = 1.0
 SAVE_EVERY = 60.0
+REAP_EVERY = 2.0
 
 
 class RateMeter:
@@ -39,9 +43,11 @@ class RateMeter:
 
 
 class Housekeeping:
-    def __init__(self, store: Store, watchdog: Watchdog | None):
+    def __init__(self, store: Store, watchdog: Watchdog | None, reap: Callable[[], object] | None = None):
         self.store = store
         self.watchdog = watchdog
+        self.reap = reap
+        self._last_reap = time.monotonic()
         self.throughput = RateMeter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="housekeeping", daemon=True)
@@ -64,13 +70,19 @@ class Housekeeping:
         self.throughput.sample(now, usage.bytes_read, usage.bytes_written)
         if self.watchdog is not None:
             self.watchdog.tick(now)
+        if self.reap is not None and now - self._last_reap >= REAP_EVERY:
+            self._last_reap = now
+            self.reap()
         if now - self._last_save >= SAVE_EVERY:
             self._last_save = now
             self.store.save_lifetime()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 60.0) -> list[str]:
+        """End the chores and join their thread; returns its name if it is still running
+        after ``timeout`` seconds (a chore that hangs)."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=5)
+            self._thread.join(timeout)
         if self.watchdog is not None:
             self.watchdog.close()
+        return [self._thread.name] if self._thread.is_alive() else []

@@ -41,7 +41,15 @@ class Metrics:
                                          ["method"], buckets=LATENCY_BUCKETS, registry=r)
         self.errors = Counter("fuyoud_errors", "Errors returned to clients or met internally", ["kind"],
                               registry=r)
-        self.sessions_closed = Counter("fuyoud_sessions_closed", "Sessions ended", ["reason"], registry=r)
+        self.sessions_closed = Counter(
+            "fuyoud_sessions_closed",
+            "Sessions ended, by reason: closed (by the client), killed (the session socket ended without a close: the "
+            "process died), reaped (its process is gone, the socket held open by another), stopping (the daemon "
+            "stopped)", ["reason"], registry=r)
+        self.session_accept_errors = Counter(
+            "fuyoud_session_accept_errors",
+            "accept() failures of the session socket, by errno (EMFILE: out of file descriptors); the listener "
+            "retries", ["errno"], registry=r)
         self.reclaimed_bytes = Counter("fuyoud_reclaimed_pinned_bytes",
                                        "Pinned bytes given back when sessions ended", registry=r)
         self.optimizer_steps = Counter("fuyoud_optimizer_group_steps", "Optimizer steps of parameter groups",
@@ -78,6 +86,9 @@ class Metrics:
                                         ["tier"], registry=r)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
+
+    def session_accept_errors_by(self, errno_name: str) -> None:
+        self.session_accept_errors.labels(errno_name).inc()
 
     def observe_io(self, device: int, direction: str, nbytes: int, ops: int, seconds: float) -> None:
         dev = str(device)
@@ -120,6 +131,8 @@ class Metrics:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+            self._thread.join(10)  # (shutdown ends its loop: every thread of the daemon is joined)
+            self._server = None
 
 
 class _DaemonCollector:
@@ -143,9 +156,12 @@ class _DaemonCollector:
         yield engine
 
         pool = d.pool
-        pinned = GaugeMetricFamily("fuyoud_pinned_bytes", "Shared pinned memory by state", labels=["state"])
+        pinned = GaugeMetricFamily("fuyoud_pinned_bytes",
+                                   "Shared pinned memory by state (planned: reserved by sessions' memory plans, not "
+                                   "allocated yet, not free for the others)", labels=["state"])
         pinned.add_metric(["allocated"], pool.allocated)
         pinned.add_metric(["reserved"], pool.segments - pool.allocated)
+        pinned.add_metric(["planned"], pool.reserved)
         pinned.add_metric(["staging"], d.staging_bytes)
         pinned.add_metric(["optimizer"], d.optimizer_buffer_bytes)
         yield pinned
@@ -165,6 +181,12 @@ class _DaemonCollector:
         for sid, nbytes in pool.by_session.items():
             by_session.add_metric([str(sid)], nbytes)
         yield by_session
+        planned = GaugeMetricFamily("fuyoud_session_reserved_bytes",
+                                    "Pinned memory each live session's memory plan reserved (held for it)",
+                                    labels=["session"])
+        for sid, nbytes in pool.reserved_by_session.items():
+            planned.add_metric([str(sid)], nbytes)
+        yield planned
         # Which namespace, and which job and data-parallel rank (namespaces "<job>.r<rank>"),
         # each session is: join on `session` to group the other per-session series by job.
         # (training_job, not job: Prometheus gives every series its scrape job's `job`.)

@@ -2,15 +2,21 @@
 them in the right order.
 
 Construction (each part gets only the parts it uses, built before it): metrics, the
-I/O engine, staging and pinned memory; the store (a full disk or a locked directory
-stops us before anything listens), then the recovery of checkpoints a crash
-interrupted (it needs only the store), the optimizer on the store, the session
-registry, the checkpointer on all three. Start-up: the admin token, the control
-socket (the RPC services), the session socket, metrics, the housekeeping thread
-(throughput, watchdog) and READY=1.
-Shutdown (SIGTERM): STOPPING=1, refuse new sessions and new RPCs, let in-flight RPCs
-(and so their I/O) finish within the grace period, end every session, sync the
-devices, close the index.
+I/O engine, staging; the store (a full disk or a locked directory stops us before
+anything listens), then the recovery of checkpoints a crash interrupted (it needs only
+the store), the optimizer on the store, the session registry, the pinned memory (its
+refusals name sessions as the registry describes them), the checkpointer. Start-up:
+the admin token, the control socket (the RPC services), the session socket, metrics,
+the housekeeping thread (throughput, watchdog, the reaper) and READY=1.
+Shutdown (SIGTERM): STOPPING=1, refuse new sessions and new requests (UNAVAILABLE,
+"fuyoud is shutting down": the client's DaemonUnavailable) while the sessions stay,
+let the requests running finish within the grace period, stop gRPC, end every session,
+join every thread the daemon started (the session socket's, the optimizer's
+read-aheads, housekeeping), and only then sync and close the data files, the index and
+the I/O engine. Each step runs even when an earlier one failed; a stop with failures
+raises StopFailed naming them, once everything it could release is released (``wait``
+returns either way). A start that fails part-way releases what it took (data files and
+their locks, the index, the engine) before the error propagates.
 """
 from __future__ import annotations
 
@@ -22,17 +28,18 @@ import socket
 import threading
 import time
 from concurrent import futures
+from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fuyou_proto import rpc
-from fuyoud import __version__, namespaces
+from fuyoud import __version__, failpoints, namespaces, peers
 from fuyoud.checkpoint import Checkpointer, recover
 from fuyoud.config import Config
 from fuyoud.errors import FailedPrecondition
-from fuyoud.handler import AdminAuth, Services
+from fuyoud.handler import Admission, AdminAuth, Services
 from fuyoud.housekeeping import Housekeeping
 from fuyoud.io.engine import IOEngine
 from fuyoud.io.select import choose_engine
@@ -46,11 +53,12 @@ from fuyoud.sdnotify import notify
 from fuyoud.admin import FuyouAdminServicer
 from fuyoud.service import FuyouServicer
 from fuyoud.session_socket import SessionListener
-from fuyoud.sessions import Session, SessionRegistry
+from fuyoud.sessions import REASONS, Session, SessionRegistry
 from fuyoud.snapshot import Snapshot
 from fuyoud.storage.device import Device
 from fuyoud.storage.index import IndexDB
 from fuyoud.storage.store import Store
+from fuyoud.threads import Threads
 from fuyoud.units import format_size
 from fuyoud.watchdog import Watchdog, interval_from_env
 
@@ -61,6 +69,19 @@ SERVICE_NAME = "fuyou.v1.Fuyou"
 
 class StartFailed(RuntimeError):
     """The daemon could not start (the message says why)."""
+
+
+class StopFailed(RuntimeError):
+    """The daemon stopped, but a step of its shutdown failed (the message names each)."""
+
+
+def _quietly(what: str, fn) -> None:
+    """Undo one step of a start that failed: an error here is logged, never raised over
+    the start's own."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        log.warning("while giving back what the failed start took: %s failed: %s", what, exc)
 
 
 def _refuse_if_served(path: Path, kind: int) -> None:
@@ -88,20 +109,28 @@ class Daemon:
         self.metrics_url = ""
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
-        self.engine, self.engine_reason = (engine, "given") if engine is not None else choose_engine(config.io)
-        self.staging = StagingPool(config.memory.staging_size, config.io.chunk_size + 2 * 4096)
-        self.huge_pages = HugePagePolicy(config.memory.huge_pages)
-        self.pool = Pool(config.memory.pinned_budget, config.session_budget, config.memory.segment_size,
-                         lock=config.memory.lock, pages=self.huge_pages.choose)
-        self.store = self._open_store()
-        recover(self.store)
-        namespaces.reclaim_left_behind(self.store)
-        buffers = StateBuffers(config.optimizer.buffers, config.optimizer.buffer_budget,
-                               config.optimizer.session_buffers)
-        self.optimizer = Optimizer(self.store, buffers, config.optimizer.state_cache)
-        self.sessions = SessionRegistry(self._session_closed, self.store.index_db.namespace_owner,
-                                        self.store.index_db.claim_namespace, config.daemon.admits)
-        self.checkpointer = Checkpointer(self.store, self.optimizer, self.sessions, config.checkpoint_dirs)
+        self.admission = Admission()
+        with ExitStack() as undo:  # (a failure below gives back what was taken, in reverse order)
+            self.engine, self.engine_reason = (engine, "given") if engine is not None else choose_engine(config.io)
+            undo.callback(_quietly, "closing the I/O engine", self.engine.close)
+            self.staging = StagingPool(config.memory.staging_size, config.io.chunk_size + 2 * 4096)
+            self.huge_pages = HugePagePolicy(config.memory.huge_pages)
+            self.store = self._open_store()
+            undo.callback(_quietly, "closing the store", self.store.close)
+            recover(self.store)
+            namespaces.reclaim_left_behind(self.store)
+            failpoints.hit("daemon.init")
+            buffers = StateBuffers(config.optimizer.buffers, config.optimizer.buffer_budget,
+                                   config.optimizer.session_buffers)
+            self.optimizer = Optimizer(self.store, buffers, config.optimizer.state_cache, Threads("optimizer"))
+            self.sessions = SessionRegistry(self._session_closed, self.store.index_db.namespace_owner,
+                                            self.store.index_db.claim_namespace, config.daemon.admits)
+            self.pool = Pool(config.memory.pinned_budget, config.session_budget, config.memory.segment_size,
+                             lock=config.memory.lock, pages=self.huge_pages.choose, describe=self.sessions.describe)
+            self.checkpointer = Checkpointer(self.store, self.optimizer, self.sessions, config.checkpoint_dirs)
+            undo.pop_all()
+        for reason in REASONS:  # (every reason exported from the start, at 0)
+            self.metrics.sessions_closed.labels(reason)
         self._grpc: grpc.Server | None = None
         self._health = health.HealthServicer()
         self._listener: SessionListener | None = None
@@ -125,7 +154,8 @@ class Daemon:
                 dev.close()
             raise
 
-    def _session_closed(self, session: Session) -> None:
+    def _session_closed(self, session: Session, reason: str) -> None:
+        failpoints.hit("session.closing")
         self.optimizer.forget(session.namespace)
         if session.ephemeral:  # (a namespace the daemon named: its state would be left on the SSDs for good)
             count, size = namespaces.delete_state(self.store, session.namespace)
@@ -134,7 +164,7 @@ class Daemon:
                          count, format_size(size), session.namespace)
         dropped = self.store.drop_transient(session.id)
         freed = self.pool.release_session(session.id)
-        self.metrics.sessions_closed.labels("closed").inc()
+        self.metrics.sessions_closed.labels(reason).inc()
         self.metrics.reclaimed_bytes.inc(freed)
         log.info("session %d: reclaimed %s pinned, %d transient objects", session.id, format_size(freed), dropped)
 
@@ -153,7 +183,8 @@ class Daemon:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="grpc"),
                              options=[("grpc.so_reuseport", 0)])
         services = Services(self.store, self.pool, self.optimizer, self.sessions, self.metrics, self.checkpointer,
-                            AdminAuth(self.admin_token, self.admin_token_path), self.snapshot, self.set_draining)
+                            AdminAuth(self.admin_token, self.admin_token_path), self.snapshot, self.set_draining,
+                            self.admission)
         rpc.add_FuyouServicer_to_server(FuyouServicer(services), server)
         rpc.add_FuyouAdminServicer_to_server(FuyouAdminServicer(services), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -171,7 +202,8 @@ class Daemon:
         os.chown(control, -1, cfg.socket_gid)
         os.chmod(control, cfg.socket_mode)
         self._grpc = server
-        self._listener = SessionListener(cfg.session_path, cfg.socket_mode, self.sessions, cfg.socket_gid)
+        self._listener = SessionListener(cfg.session_path, cfg.socket_mode, self.sessions, cfg.socket_gid,
+                                         self.metrics.session_accept_errors_by)
         self._listener.start()
         if self.config.metrics.enabled:
             self.metrics.attach(self.snapshot)
@@ -180,7 +212,7 @@ class Daemon:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         interval = interval_from_env()
         watchdog = Watchdog(str(control), interval, self._self_check) if interval else None
-        self.housekeeping = Housekeeping(self.store, watchdog)
+        self.housekeeping = Housekeeping(self.store, watchdog, reap=lambda: self.sessions.reap(peers.gone))
         self.housekeeping.start()
         if watchdog is not None:
             log.info("systemd watchdog: probing and pinging every %.1f s", interval)
@@ -191,28 +223,75 @@ class Daemon:
         notify(f"READY=1\nSTATUS=serving on {control}\nMAINPID={os.getpid()}")
         return self
 
-    def stop(self, grace: float = 10.0) -> None:
+    def stop(self, grace: float = 10.0, join_timeout: float = 60.0) -> None:
+        """Stop (see the module's doc): requests running get ``grace`` seconds to finish,
+        then gRPC cancels them; the threads still running then get ``join_timeout`` more.
+        Raises StopFailed, after releasing everything it could, if a step failed."""
         with self._stop_lock:
             if self._stopped.is_set():
                 return
-            notify("STOPPING=1")
-            log.info("stopping")
-            self.sessions.accepting = False
-            self._health.enter_graceful_shutdown()
-            if self.housekeeping is not None:
-                self.housekeeping.stop()
-            if self._listener is not None:
-                self._listener.close()
-            if self._grpc is not None:
-                self._grpc.stop(grace).wait()  # in-flight RPCs (and their I/O) finish
-            self.sessions.close_all("daemon stopping")
-            self.store.close()
-            self.engine.close()
-            self.metrics.close()
-            if self.owns_runtime_dir:  # (not another daemon's, refused at start)
-                self.admin_token_path.unlink(missing_ok=True)
-            self._stopped.set()
-            log.info("stopped")
+            problems: list[str] = []
+            try:
+                self._stop(grace, join_timeout, problems)
+            finally:
+                self._stopped.set()
+                if problems:
+                    log.error("stopped, with failures: %s", "; ".join(problems))
+                else:
+                    log.info("stopped")
+            if problems:
+                raise StopFailed("; ".join(problems))
+
+    def _stop(self, grace: float, join_timeout: float, problems: list[str]) -> None:
+        def step(what: str, fn) -> None:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - every step runs; the failures are reported together
+                log.exception("stopping: %s failed", what)
+                problems.append(f"{what} failed: {exc}")
+
+        notify("STOPPING=1")
+        log.info("stopping")
+        self.sessions.accepting = False
+        self.admission.close()  # (new requests: UNAVAILABLE "fuyoud is shutting down"; the sessions stay)
+        self._health.enter_graceful_shutdown()
+        still: list[str] = []  # what is still running after its time: the data files are then left open
+        if self.housekeeping is not None:  # (first: no reaping, no watchdog probe of a daemon going away)
+            step("stopping housekeeping", lambda: self._join("housekeeping", self.housekeeping.stop, join_timeout,
+                                                             still))
+        if self._listener is not None:
+            step("closing the session socket", self._listener.stop_accepting)
+        running = self.admission.wait_idle(grace)
+        if running:
+            log.warning("stopping: %d request(s) still running after the %.0f s grace period, cancelled: %s",
+                        len(running), grace, ", ".join(running))
+        if self._grpc is not None:
+            step("stopping gRPC", lambda: self._grpc.stop(0).wait())
+        # (gRPC's cancel does not stop a handler's thread: wait for our code to return)
+        still.extend(f"request {m}" for m in self.admission.wait_idle(join_timeout))
+        step("ending the sessions", lambda: self.sessions.close_all("daemon stopping"))
+        if self._listener is not None:
+            step("joining the session socket's threads", lambda: self._join("session socket", self._listener.close,
+                                                                           join_timeout, still))
+        step("joining the optimizer's read-aheads", lambda: self._join("optimizer", self.optimizer.close,
+                                                                      join_timeout, still))
+        if still:
+            # A descriptor closed under a running transfer can be reused for another file: leave
+            # the data files and the engine to the process's exit rather than risk that.
+            problems.append(f"still running {join_timeout:.0f} s after gRPC stopped: {', '.join(still)}; the data "
+                            "files and the I/O engine were left open (they close as the process exits)")
+        else:
+            step("closing the store", self.store.close)
+            step("closing the I/O engine", self.engine.close)
+        step("closing the metrics endpoint", self.metrics.close)
+        if self.owns_runtime_dir:  # (not another daemon's, refused at start)
+            step("removing the admin token", lambda: self.admin_token_path.unlink(missing_ok=True))
+
+    @staticmethod
+    def _join(what: str, close, timeout: float, still: list[str]) -> None:
+        left = close(timeout)
+        if left:
+            still.extend(f"{what} thread {name}" for name in left)
 
     def snapshot(self) -> Snapshot:
         """The daemon's state now, for Status and the metrics collector."""
@@ -258,14 +337,18 @@ class Daemon:
 
     def run_until_signalled(self) -> None:
         """Serve until SIGTERM or SIGINT, then stop cleanly. A failure to start raises
-        ``StartFailed`` (what was started is stopped first)."""
+        ``StartFailed`` (what was started is stopped first); a stop that failed,
+        ``StopFailed``."""
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         try:
             self.start()
         except Exception as exc:
-            self.stop()
+            try:
+                self.stop()
+            except StopFailed as again:
+                log.error("stopping after the failed start: %s", again)
             raise StartFailed(str(exc)) from exc
         while not stop.wait(1.0):
             pass

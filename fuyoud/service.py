@@ -100,6 +100,12 @@ class FuyouServicer(CheckpointMethods, rpc.FuyouServicer):
         return pb.BufferRef(segment=ref.segment, offset=ref.offset, length=ref.length, generation=ref.generation)
 
     @_handler
+    def Reserve(self, request, context):
+        session = self._session(context)
+        reserved = self.pool.reserve(session.id, request.bytes)
+        return pb.ReserveReply(reserved_bytes=reserved, held_bytes=self.pool.usage().by_session.get(session.id, 0))
+
+    @_handler
     def Free(self, request, context):
         session = self._session(context)
         self.pool.free(session.id, _ref(request))

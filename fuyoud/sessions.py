@@ -2,8 +2,9 @@
 
 A session owns its shared-memory segments and its transient objects; persistent objects
 belong to its namespace, which is held by at most one live session at a time and
-belongs to the uid that first used it. Closing a session (CloseSession, or EOF on the
-session socket when the process dies) releases everything it held, and where the daemon
+belongs to the uid that first used it. Closing a session (CloseSession, EOF on the
+session socket when the process dies, the reaper when its process is gone though the
+socket stays open, the daemon stopping) releases everything it held, and where the daemon
 named its namespace (the client named none) that namespace's persistent objects too:
 nobody could come back to them (fuyoud/unnamed.py). Its snapshot checkpoints' objects
 stay until the checkpoint is deleted.
@@ -44,10 +45,24 @@ class Session:
     ephemeral: bool = False
     # Sends a segment's fd to the client (set by the session socket handler).
     send_segment: Callable | None = None
+    # When its process started (peers.start_time at the handshake): a pid reused since is
+    # another process.
+    pid_start: int | None = None
+    # Ends its session socket's connection (set by the session socket handler): a session
+    # closed otherwise (reaped, CloseSession) leaves no thread waiting on it.
+    disconnect: Callable[[], None] | None = None
+
+
+# Why a session ended: the label of fuyoud_sessions_closed_total (bounded).
+CLOSED = "closed"  # CloseSession: the client closed it
+KILLED = "killed"  # its session socket ended without CloseSession: the process died (or exited without closing)
+REAPED = "reaped"  # its process is gone though the socket stayed open (children that inherited it)
+STOPPING = "stopping"  # the daemon stopped
+REASONS = (CLOSED, KILLED, REAPED, STOPPING)
 
 
 class SessionRegistry:
-    def __init__(self, on_close: Callable[[Session], None],
+    def __init__(self, on_close: Callable[[Session, str], None],
                  namespace_owner: Callable[[str], int | None],
                  claim_namespace: Callable[[str, int], None],
                  admits: Callable[[int], bool] = lambda uid: True):
@@ -63,7 +78,7 @@ class SessionRegistry:
         self.accepting = True  # False once the daemon is stopping
         self.draining = False  # fuyouctl drain: no new sessions, current ones go on
 
-    def open(self, uid: int, pid: int, namespace: str | None) -> Session:
+    def open(self, uid: int, pid: int, namespace: str | None, pid_start: int | None = None) -> Session:
         with self._lock:
             if not self.accepting:
                 raise Unavailable("fuyoud is shutting down and accepts no new sessions")
@@ -90,7 +105,7 @@ class SessionRegistry:
                 raise AlreadyExists(
                     f"namespace {shown(namespace)} is held by live session {holder.id} (pid {holder.pid})")
             session = Session(sid, secrets.token_urlsafe(32), uid, pid, namespace,
-                              namespace_claimed=owner is not None, ephemeral=ephemeral)
+                              namespace_claimed=owner is not None, ephemeral=ephemeral, pid_start=pid_start)
             self._by_token[session.token] = session
             self._by_namespace[namespace] = session
         log.info("session %d opened: uid %d pid %d namespace %s", sid, uid, pid, namespace)
@@ -110,7 +125,10 @@ class SessionRegistry:
         session.last_active = time.time()
         return session
 
-    def close(self, session: Session, reason: str) -> None:
+    def close(self, session: Session, reason: str, kind: str = CLOSED) -> None:
+        """End a session (once; later calls do nothing): ``reason`` for the log, ``kind``
+        one of REASONS for the metrics."""
+        assert kind in REASONS, kind
         with self._lock:
             if session.closed:
                 return
@@ -118,13 +136,40 @@ class SessionRegistry:
             self._by_token.pop(session.token, None)
             self._by_namespace.pop(session.namespace, None)
         log.info("session %d closed (%s)", session.id, reason)
-        self._on_close(session)
+        try:
+            self._on_close(session, kind)
+        finally:
+            if session.disconnect is not None:
+                session.disconnect()
+
+    def reap(self, gone: Callable[[int, int | None], bool]) -> list[Session]:
+        """Close the sessions whose process is gone (``gone(pid, pid_start)``: peers.gone)
+        though their session socket is still open; returns them."""
+        reaped = [s for s in self.all() if gone(s.pid, s.pid_start)]
+        for s in reaped:
+            log.warning("session %d (pid %d, namespace %s): its process is gone but its session socket is still "
+                        "open (a child process inherited it); reaping the session", s.id, s.pid, s.namespace)
+            self.close(s, "its process is gone", REAPED)
+        return reaped
 
     def by_id(self, session_id: int) -> Session:
         for s in self.all():
             if s.id == session_id:
                 return s
         raise NotFound(f"no live session {session_id} (fuyouctl sessions lists them)")
+
+    def describe(self, session_id: int, asker_id: int) -> str:
+        """How a refusal given to session ``asker_id`` names session ``session_id``: its
+        namespace and pid when both are one user's (or the asker is root); another user's
+        session only by its id (a tenant learns no other user's pid or namespace)."""
+        with self._lock:
+            live = {s.id: s for s in self._by_token.values()}
+        s, asker = live.get(session_id), live.get(asker_id)
+        if s is None:
+            return f"session {session_id} (ending)"
+        if asker is not None and asker.uid in (s.uid, 0):
+            return f"session {s.id} (namespace {s.namespace}, pid {s.pid})"
+        return f"session {s.id} (another user's)"
 
     @contextmanager
     def withheld(self, namespace: str):
@@ -153,6 +198,6 @@ class SessionRegistry:
         with self._lock:
             return list(self._by_token.values())
 
-    def close_all(self, reason: str) -> None:
+    def close_all(self, reason: str, kind: str = STOPPING) -> None:
         for s in self.all():
-            self.close(s, reason)
+            self.close(s, reason, kind)

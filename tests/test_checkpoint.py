@@ -241,3 +241,35 @@ def test_a_run_that_names_no_namespace_leaves_only_its_checkpoints_behind(short_
             assert s.objects("optim/")
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_deleted_snapshots_give_their_extents_back_whatever_copies_were_taken(short_tmp):
+    """The mix the docs recommend (snapshots, and copies for backup): a copy checkpoint
+    taken while a snapshot exists pinned the snapshot's objects for good, so deleting the
+    snapshot freed nothing; each round leaked an object's size, and an "auto" data file
+    grew for ever. Now every round ends where it began and the data file is reused."""
+    from fuyoud.server import Daemon
+    from conftest import in_process_config
+
+    d = Daemon(in_process_config(short_tmp, ndirs=1, storage__capacity_per_device="auto",
+                                 storage__keep_free="1GiB"))
+    d.start()
+    try:
+        data_file = d.store.devices[0].path
+        with fuyou_client.connect(str(d.config.daemon.control_path), namespace="job") as s:
+            buf = s.allocate(16 << 20)
+            buf.tensor(torch.uint8).random_(generator=torch.Generator().manual_seed(0))
+            s.swap_out("state", buf, persistent=True)
+            used = lambda: sum(dev.used_bytes for dev in s.status().devices)  # noqa: E731
+            baseline, size = used(), os.stat(data_file).st_size
+            for i in range(6):
+                s.checkpoint(short_tmp / f"snap{i}", mode="snapshot")
+                buf.view[:8] = i.to_bytes(8, "little")
+                s.swap_out("state", buf, persistent=True)  # (the snapshot now holds the old extents alone)
+                s.checkpoint(short_tmp / f"copy{i}", mode="copy")
+                s.delete_checkpoint(short_tmp / f"snap{i}")
+                s.delete_checkpoint(short_tmp / f"copy{i}")
+                assert used() == baseline, f"round {i}: {used() - baseline} bytes leaked"
+            assert os.stat(data_file).st_size == size
+    finally:
+        d.stop()

@@ -1,5 +1,7 @@
-"""The shared-memory pool: budgets, handle validation, segments given back."""
+"""The shared-memory pool: budgets, reservations, handle validation, segments given back,
+no lock held while a segment is made."""
 import os
+import threading
 
 import pytest
 
@@ -33,7 +35,7 @@ def test_session_and_daemon_budgets(pool):
     with pytest.raises(OutOfMemoryBudget, match="session pinned-memory budget"):
         pool.allocate(1, 8 * MiB)
     pool.allocate(2, 30 * MiB)
-    with pytest.raises(OutOfMemoryBudget, match="daemon pinned-memory budget"):
+    with pytest.raises(OutOfMemoryBudget, match="no room in fuyoud's pinned-memory budget"):
         pool.allocate(3, 8 * MiB)
     assert pool.release_session(1) == 30 * MiB
     pool.allocate(3, 8 * MiB)
@@ -91,3 +93,105 @@ def test_a_refused_mlock_is_an_error_with_lock_yes_and_a_warning_once_with_auto(
             assert seg is not None and not seg.locked
     assert [r.levelno for r in caplog.records].count(logging.WARNING) == 1
     assert "stay unlocked" in caplog.text
+
+
+def test_a_reservation_is_held_against_the_other_sessions_and_a_refusal_names_them():
+    """A plan admitted is a plan held: session 1 reserved 32 MiB and holds 8; session 2 may
+    take only what is left, and session 1 then gets all it reserved (it used to be refused:
+    the others were admitted against what it had allocated, not what it planned)."""
+    pool = Pool(budget=64 * MiB, session_budget=48 * MiB, segment_size=8 * MiB, lock=False,
+                describe=lambda holder, asker: f"session {holder} (namespace job{holder})")
+    pool.allocate(1, 8 * MiB)
+    pool.reserve(1, 32 * MiB)
+    pool.allocate(2, 16 * MiB)
+    pool.allocate(2, 16 * MiB)
+    with pytest.raises(OutOfMemoryBudget, match=r"other sessions hold 32\.0 MiB \(session 1 \(namespace job1\) "
+                                                r"32\.0 MiB \(32\.0 MiB reserved by its plan\)\), 0 B is free"):
+        pool.allocate(2, 8 * MiB)
+    for _ in range(3):
+        pool.allocate(1, 8 * MiB)  # (all it reserved)
+    usage = pool.usage()
+    assert usage.segments == 64 * MiB and usage.reserved == 0 and usage.reserved_by_session == {1: 32 * MiB}
+    with pytest.raises(OutOfMemoryBudget, match=r"to allocate 8\.0 MiB beyond the 32\.0 MiB its plan reserved"):
+        pool.allocate(1, 8 * MiB)
+    with pytest.raises(OutOfMemoryBudget, match=r"to reserve 16\.0 MiB.*session 1 \(namespace job1\) 32\.0 MiB.*"
+                                                r"session 2 \(namespace job2\) 32\.0 MiB"):
+        pool.reserve(3, 16 * MiB)
+    with pytest.raises(OutOfMemoryBudget, match="exceeds the session pinned-memory budget"):
+        pool.reserve(3, 56 * MiB)
+    pool.release_session(1)  # (its reservation goes with it)
+    assert pool.reserve(3, 32 * MiB) == 32 * MiB and pool.usage().reserved == 32 * MiB
+    pool.reserve(3, 0)
+    assert pool.usage().reserved_by_session == {}
+
+
+def test_no_lock_is_held_while_a_segment_is_made():
+    """Making a segment pre-faults and mlocks it (seconds for GBs): meanwhile every other
+    session's buffer lookups, allocations in its segments, frees and usage() (Status) go
+    on (they all waited for the pool's one lock)."""
+    from fuyoud.memory.segment import Segment
+
+    slow, made = threading.Event(), threading.Event()
+
+    def factory(segment_id, size, session_id, lock, pages):
+        if session_id == 2:
+            made.set()
+            assert slow.wait(60)
+        return Segment(segment_id, size, session_id, lock, pages)
+
+    pool = Pool(budget=64 * MiB, session_budget=32 * MiB, segment_size=8 * MiB, lock=False, segment_factory=factory)
+    ref, _ = pool.allocate(1, 4096)
+    big = threading.Thread(target=pool.allocate, args=(2, 16 * MiB))
+    big.start()
+    try:
+        assert made.wait(30)
+        done = threading.Event()
+
+        def others():
+            pool.view(1, ref, 0, 10)
+            more, seg = pool.allocate(1, 4096)
+            assert seg is None
+            pool.free(1, more)
+            assert pool.usage().segments == 8 * MiB + 16 * MiB  # (the one being made counts)
+            done.set()
+
+        threading.Thread(target=others, daemon=True).start()
+        assert done.wait(30), "session 1 waited for session 2's segment to be made"
+    finally:
+        slow.set()
+        big.join(30)
+    assert pool.usage().by_session == {1: 8 * MiB, 2: 16 * MiB}
+
+
+def test_a_session_released_while_its_segment_is_made_leaves_nothing():
+    from fuyoud.errors import Unauthenticated
+    from fuyoud.memory.segment import Segment
+
+    slow, made, closed = threading.Event(), threading.Event(), []
+
+    class Watched(Segment):
+        def close(self):
+            closed.append(self.id)
+            super().close()
+
+    def factory(segment_id, size, session_id, lock, pages):
+        made.set()
+        assert slow.wait(60)
+        return Watched(segment_id, size, session_id, lock, pages)
+
+    pool = Pool(budget=64 * MiB, session_budget=32 * MiB, segment_size=8 * MiB, lock=False, segment_factory=factory)
+    errors = []
+
+    def allocate():
+        try:
+            pool.allocate(1, 4096)
+        except Unauthenticated as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=allocate)
+    t.start()
+    assert made.wait(30)
+    pool.release_session(1)
+    slow.set()
+    t.join(30)
+    assert errors and closed and pool.usage().segments == 0

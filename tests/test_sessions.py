@@ -9,7 +9,8 @@ from fuyoud.sessions import SessionRegistry
 @pytest.fixture
 def world():
     owners, closed = {}, []
-    reg = SessionRegistry(closed.append, owners.get, lambda ns, uid, unnamed: owners.__setitem__(ns, uid))
+    reg = SessionRegistry(lambda s, reason: closed.append(s), owners.get,
+                          lambda ns, uid, unnamed: owners.__setitem__(ns, uid))
     return reg, owners, closed
 
 

@@ -97,6 +97,11 @@ def from_rpc_error(exc: grpc.RpcError) -> FuyouClientError:
             f"fuyoud is not reachable ({details}). If it died, everything it committed is safe on the SSD "
             "array: restart it (systemctl restart fuyoud, or fuyou_client.start_daemon on the same state "
             "directory) and continue with attach(model, resume=DIR) from your last engine.save_checkpoint(DIR)")
+    if code == grpc.StatusCode.CANCELLED:  # (the client cancels none of its calls: the daemon, stopping, did)
+        return DaemonUnavailable(
+            f"fuyoud cancelled this request ({exc.details() or 'CANCELLED'}): it is stopping and the request ran "
+            "past its grace period. Everything it committed is safe on the SSD array: once fuyoud runs again, "
+            "continue with attach(model, resume=DIR) from your last engine.save_checkpoint(DIR)")
     err = from_code(code.name, exc.details() or code.name)
     err.code = code.name
     return err

@@ -1,24 +1,38 @@
-"""The pinned shared-memory pool: segments per session, buffers inside them, budgets.
+"""The pinned shared-memory pool: segments per session, buffers inside them, budgets,
+reservations.
 
 A buffer handle is (segment, offset, length, generation). Generations are unique for
 the daemon's life, so a handle kept after Free (or forged) is refused rather than
 aliasing whatever was allocated at that place since. Budgets count segment bytes (the
 memory the host really gives up): per session and for the daemon as a whole.
+
+A plan admitted is a plan held: a session may reserve bytes (``reserve``: a training
+client's memory plan, at attach) and its allocations up to that many bytes are then
+never refused for room others took. What a session holds against the daemon's budget is
+the larger of its reservation and its segments; a reservation, or a segment beyond one,
+that the budget cannot hold beside what the other sessions hold is refused with the
+numbers and those sessions (``describe``: who they are, as the asking session may know).
+
+The lock guards the bookkeeping only: a new segment's bytes are counted under it, but
+the segment is created, pre-faulted and mlocked (page faults over hundreds of MB or GB)
+after it is released, and segments are unmapped after it too, so that one session's
+large allocation or release never stalls another's buffer lookups, its step or Status.
 """
 from __future__ import annotations
 
 import itertools
 import threading
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
 from fuyou_proto.contract import PAGE, segment_bytes
 from fuyoud.allocator import ExtentAllocator, OutOfSpace
-from fuyoud.errors import InvalidArgument, OutOfMemoryBudget
+from fuyoud.errors import InvalidArgument, OutOfMemoryBudget, Unauthenticated
 from fuyoud.memory.segment import Segment
 from fuyoud.units import align_up, format_size
 
-
+SHOWN_HOLDERS = 4  # other sessions a refusal names (the largest holders)
 
 
 @dataclass(frozen=True)
@@ -47,33 +61,101 @@ class PoolUsage:
     budget: int
     session_budget: int
     segment_size: int
-    segments: int  # bytes in segments (what is pinned)
+    segments: int  # bytes in segments (what is pinned), those being created included
     allocated: int  # bytes handed out as buffers
     by_session: dict[int, int]  # segment bytes per session
     by_pages: dict[str, int]  # segment bytes per page kind ("hugetlb", "thp", "none")
+    reserved: int = 0  # bytes sessions reserved beyond their segments: not free for the others
+    reserved_by_session: dict[int, int] = field(default_factory=dict)  # each session's reservation
 
 
 class Pool:
     def __init__(self, budget: int, session_budget: int, segment_size: int, lock: bool | str,
                  pages: Callable[[int], str] = lambda size: "none",
-                 segment_factory: Callable[..., Segment] = Segment):
+                 segment_factory: Callable[..., Segment] = Segment,
+                 describe: Callable[[int, int], str] = lambda holder, asker: f"session {holder}"):
         self.budget = budget
         self.session_budget = session_budget
         self.segment_size = segment_size
         self.lock_pages = lock
         self._make_segment = segment_factory
         self._pages = pages  # chooses the page kind of a new segment (hugepages.py)
+        self._describe = describe  # (holder session, asking session) -> how a refusal names the holder
         self._mutex = threading.Lock()
         self._segments: dict[int, _SegmentState] = {}
         self._by_session: dict[int, set[int]] = {}
+        self._reserved: dict[int, int] = {}  # session -> bytes its plan reserved
+        self._creating: dict[int, int] = defaultdict(int)  # session -> bytes of segments being created
+        self._ended: set[int] = set()  # sessions released while one of their segments was being created
         self._segment_ids = itertools.count(1)
         self._generations = itertools.count(1)
-        self._pinned = 0
+        self._pinned = 0  # segment bytes, those being created included
+
+    # -- what each session holds (the lock held) ---------------------------------------------
+    def _mine(self, session_id: int) -> int:
+        """Segment bytes of a session, those being created included."""
+        return self._session_bytes(session_id) + self._creating.get(session_id, 0)
+
+    def _held(self, session_id: int) -> int:
+        """What a session holds against the daemon's budget: its reservation or its segments."""
+        return max(self._reserved.get(session_id, 0), self._mine(session_id))
+
+    def _holders(self) -> set[int]:
+        return set(self._by_session) | set(self._reserved) | {s for s, n in self._creating.items() if n}
+
+    def _others(self, session_id: int) -> dict[int, int]:
+        """What every other session holds (non-zero only)."""
+        return {s: h for s in self._holders() if s != session_id and (h := self._held(s))}
+
+    # -- reservations ---------------------------------------------------------------------------
+    def reserve(self, session_id: int, nbytes: int) -> int:
+        """Hold ``nbytes`` of the budget for a session (replacing its reservation; 0 gives
+        it up): its allocations within them are never refused for room the others took.
+        OutOfMemoryBudget, with what the others hold, when the budget cannot."""
+        if nbytes < 0:
+            raise InvalidArgument(f"a reservation must be >= 0 bytes, got {nbytes}")
+        with self._mutex:
+            if nbytes > self.session_budget:
+                raise OutOfMemoryBudget(
+                    f"a reservation of {format_size(nbytes)} exceeds the session pinned-memory budget of "
+                    f"{format_size(self.session_budget)} ([memory] session_budget)")
+            mine, others = self._mine(session_id), self._others(session_id)
+            if nbytes > mine and sum(others.values()) + nbytes > self.budget:
+                raise OutOfMemoryBudget(self._no_room(session_id, f"reserve {format_size(nbytes)}", nbytes,
+                                                      others))
+            if nbytes:
+                self._reserved[session_id] = nbytes
+            else:
+                self._reserved.pop(session_id, None)
+            return nbytes
+
+    def _no_room(self, session_id: int, what: str, need: int, others: dict[int, int]) -> str:
+        """A refusal for room: the numbers, and who holds the rest."""
+        held = sum(others.values())
+        top = sorted(others.items(), key=lambda kv: -kv[1])
+        names = [f"{self._describe(sid, session_id)} {format_size(h)}"
+                 + (f" ({format_size(self._reserved[sid])} reserved by its plan)" if self._reserved.get(sid) else "")
+                 for sid, h in top[:SHOWN_HOLDERS]]
+        if len(top) > SHOWN_HOLDERS:
+            names.append(f"{len(top) - SHOWN_HOLDERS} more sessions {format_size(sum(h for _, h in top[SHOWN_HOLDERS:]))}")
+        now = self._held(session_id)
+        head = (f"no room in fuyoud's pinned-memory budget to {what}: this session "
+                + (f"holds {format_size(now)} and " if now else "")
+                + f"would hold {format_size(need)}, and of the budget of {format_size(self.budget)} ")
+        if not others:
+            return head + ("no other session holds anything: the budget itself is too small; raise "
+                           "[memory] pinned_budget")
+        free = max(0, self.budget - held - now)
+        return (head + f"other sessions hold {format_size(held)} ({'; '.join(names)}), {format_size(free)} is free. "
+                "The budget is shared: their memory comes back as they end (`fuyouctl sessions` lists them); "
+                + ("raise [memory] pinned_budget if this host has the memory for all of them" if need <= self.budget
+                   else "this alone is more than the whole budget: raise [memory] pinned_budget"))
 
     # -- allocation -----------------------------------------------------------------
     def allocate(self, session_id: int, nbytes: int) -> tuple[BufferRef, Segment | None]:
         """Allocate ``nbytes`` for a session. Returns the handle and, when a new segment
-        had to be created for it, that segment (whose fd the caller sends to the client)."""
+        had to be created for it, that segment (whose fd the caller sends to the client).
+        A new segment is made outside the pool's lock (see the module's doc)."""
         if nbytes <= 0:
             raise InvalidArgument(f"buffer size must be positive, got {nbytes}")
         size = align_up(nbytes, PAGE)
@@ -84,28 +166,48 @@ class Pool:
                     return ref, None
             seg_size = segment_bytes(size, self.segment_size)
             self._check_budget(session_id, seg_size, nbytes)
-            segment = self._make_segment(next(self._segment_ids), seg_size, session_id, self.lock_pages,
-                                         self._pages(seg_size))
-            state = _SegmentState(segment, ExtentAllocator(seg_size, PAGE))
-            self._segments[segment.id] = state
-            self._by_session.setdefault(session_id, set()).add(segment.id)
+            seg_id = next(self._segment_ids)
+            self._creating[session_id] += seg_size
             self._pinned += seg_size
-            ref = self._try_allocate(state, size)
-            assert ref is not None
-            return ref, segment
+        segment = None
+        try:
+            segment = self._make_segment(seg_id, seg_size, session_id, self.lock_pages, self._pages(seg_size))
+        finally:
+            with self._mutex:
+                self._creating[session_id] -= seg_size
+                if not self._creating[session_id]:
+                    del self._creating[session_id]
+                ended = session_id in self._ended
+                if ended and session_id not in self._creating:
+                    self._ended.discard(session_id)
+                if segment is None or ended:
+                    self._pinned -= seg_size
+                else:
+                    state = _SegmentState(segment, ExtentAllocator(seg_size, PAGE))
+                    self._segments[segment.id] = state
+                    self._by_session.setdefault(session_id, set()).add(segment.id)
+                    ref = self._try_allocate(state, size)
+                    assert ref is not None
+        if ended and segment is not None:
+            segment.close()
+            raise Unauthenticated(f"session {session_id} ended while its buffer was being allocated")
+        return ref, segment
 
-    def _check_budget(self, session_id: int, seg_size: int, nbytes: int) -> None:
-        held = self._session_bytes(session_id)
-        if held + seg_size > self.session_budget:
+    def _check_budget(self, session_id: int, seg_size: int, nbytes: int) -> None:  # (the lock held)
+        mine = self._mine(session_id)
+        if mine + seg_size > self.session_budget:
             raise OutOfMemoryBudget(
                 f"session pinned-memory budget spent: asked {format_size(nbytes)}, session holds "
-                f"{format_size(held)} of {format_size(self.session_budget)}; free buffers or raise "
+                f"{format_size(mine)} of {format_size(self.session_budget)}; free buffers or raise "
                 "[memory.session_budget]")
-        if self._pinned + seg_size > self.budget:
-            raise OutOfMemoryBudget(
-                f"daemon pinned-memory budget spent: asked {format_size(nbytes)}, "
-                f"{format_size(self._pinned)} of {format_size(self.budget)} in use by all sessions; "
-                "raise [memory.pinned_budget]")
+        if mine + seg_size <= self._reserved.get(session_id, 0):
+            return  # (within its reservation: held for it)
+        others = self._others(session_id)
+        if sum(others.values()) + mine + seg_size > self.budget:
+            reserved = self._reserved.get(session_id, 0)
+            what = f"allocate {format_size(nbytes)}" + (
+                f" beyond the {format_size(reserved)} its plan reserved" if reserved else "")
+            raise OutOfMemoryBudget(self._no_room(session_id, what, mine + seg_size, others))
 
     def _try_allocate(self, state: _SegmentState, size: int) -> BufferRef | None:
         try:
@@ -117,30 +219,36 @@ class Pool:
         return BufferRef(state.segment.id, offset, size, alloc.generation)
 
     def free(self, session_id: int, ref: BufferRef) -> None:
+        gone = None
         with self._mutex:
             state, _ = self._lookup(session_id, ref)
             del state.allocations[ref.offset]
             state.allocator.free(ref.offset, ref.length)
             if not state.allocations:  # give the memory back as soon as a segment empties
-                self._drop_segment(state)
+                gone = self._drop_segment(state)
+        if gone is not None:
+            gone.close()  # (unmapped outside the lock)
 
     def release_session(self, session_id: int) -> int:
-        """Drop every segment of a session; returns the bytes given back."""
+        """Drop every segment and the reservation of a session; returns the bytes given
+        back."""
         with self._mutex:
-            freed = 0
-            for seg_id in list(self._by_session.get(session_id, ())):
-                state = self._segments[seg_id]
-                freed += state.segment.size
-                self._drop_segment(state)
+            gone = [self._drop_segment(self._segments[seg_id]) for seg_id in list(self._by_session.get(session_id, ()))]
             self._by_session.pop(session_id, None)
-            return freed
+            self._reserved.pop(session_id, None)
+            if self._creating.get(session_id):
+                self._ended.add(session_id)  # (the segment being made is dropped once made)
+        for seg in gone:
+            seg.close()
+        return sum(seg.size for seg in gone)
 
-    def _drop_segment(self, state: _SegmentState) -> None:
+    def _drop_segment(self, state: _SegmentState) -> Segment:
+        """(the lock held) Forget a segment; the caller closes it once the lock is released."""
         seg = state.segment
         del self._segments[seg.id]
         self._by_session[seg.session_id].discard(seg.id)
         self._pinned -= seg.size
-        seg.close()
+        return seg
 
     # -- lookups ----------------------------------------------------------------------
     def _lookup(self, session_id: int, ref: BufferRef) -> tuple[_SegmentState, _Allocation]:
@@ -175,8 +283,9 @@ class Pool:
             by_pages = {"hugetlb": 0, "thp": 0, "none": 0}
             for s in self._segments.values():
                 by_pages[s.segment.pages] += s.segment.size
+            reserved = sum(max(0, r - self._mine(sid)) for sid, r in self._reserved.items())
             return PoolUsage(self.budget, self.session_budget, self.segment_size, self._pinned, allocated, by_session,
-                             by_pages)
+                             by_pages, reserved, dict(self._reserved))
 
     def _session_bytes(self, session_id: int) -> int:
         return sum(self._segments[s].segment.size for s in self._by_session.get(session_id, ()))

@@ -49,7 +49,9 @@ from typing import Iterator
 
 import torch
 
+from fuyoud import failpoints
 from fuyoud.errors import DataLoss, FuyouError, InvalidArgument, NonFinite, NotFound
+from fuyoud.fairness import FairTurns
 from fuyoud.names import shown
 from fuyoud.optimizer import chunks
 from fuyoud.optimizer import held as held_weights
@@ -59,6 +61,7 @@ from fuyoud.optimizer.kernels import OptimizerSpec, all_finite, step as run_kern
 from fuyoud.optimizer.layout import HEADER
 from fuyou_proto.contract import STATE_PREFIX, group_of, state_object, step_buffer_bytes
 from fuyoud.storage.store import ReadItem, Store, WriteItem
+from fuyoud.threads import Threads
 
 log = logging.getLogger(__name__)
 CACHE_RESERVE = 3  # buffers the state cache leaves free: a step, a read-ahead and a FetchWeights in backward
@@ -141,14 +144,18 @@ def _tensor(view: memoryview, dtype: torch.dtype, numel: int) -> torch.Tensor:
 
 
 class Optimizer:
-    def __init__(self, store: Store, buffers: StateBuffers, cache: bool = True):
+    def __init__(self, store: Store, buffers: StateBuffers, cache: bool = True, threads: Threads | None = None):
         self.store = store
         self.buffers = buffers
         self.cache = cache  # keep states in spare buffers between steps
+        self._threads = threads or Threads("optimizer")  # the read-aheads (joined by close)
         buffers.evict = self._evict_one
         self._groups: dict[tuple[str, str], Group] = {}
         self._lock = threading.Lock()
-        self._compute = threading.Lock()  # one kernel at a time: it is memory-bound and uses every core
+        # One kernel at a time (it is memory-bound and uses every core), the sessions served in
+        # turn while several wait (fairness.py): a job with many groups in flight does not
+        # take the CPU from one with few.
+        self._compute = FairTurns(1)
         self._scratch = lowp.Scratch()  # the reduced-precision kernels' temporaries (under _compute)
         self._order: dict[str, list[str]] = {}  # namespace -> step order of the last iteration
         self._current: dict[str, list[str]] = {}
@@ -359,7 +366,7 @@ class Optimizer:
         t1 = time.perf_counter()
         n, layout = group.numel, group.spec.layout(group.numel)
         slots = layout.tensors(state)
-        with self._compute:
+        with self._compute.turn(group.namespace):
             g = grad  # the kernels only read gradients: no copy unless they must change
             if grad.dtype != torch.float32:
                 g = grad.float()
@@ -394,7 +401,7 @@ class Optimizer:
         def compute(a: int, b: int, slots: list[torch.Tensor], weights: torch.Tensor | None) -> None:
             nonlocal written
             part = grad[a:b]
-            with self._compute:
+            with self._compute.turn(group.namespace):
                 g = part if part.dtype == torch.float32 else part.float()
                 if grad_scale != 1.0:
                     g = g.clone() if g is part else g
@@ -563,10 +570,22 @@ class Optimizer:
         if nxt is None or nxt is group or nxt.prefetched is not None or self.chunked(nxt) \
                 or not nxt.lock.acquire(blocking=False):
             return
-        threading.Thread(target=self._prefetch, args=(nxt,), name="optim-prefetch", daemon=True).start()
+        try:
+            started = self._threads.start(self._prefetch, nxt, name="optim-prefetch")
+        except BaseException:
+            nxt.lock.release()
+            raise
+        if started is None:  # (the daemon is stopping: no new reads)
+            nxt.lock.release()
+
+    def close(self, timeout: float = 30.0) -> list[str]:
+        """Start no more read-aheads and wait for those running (before the store closes);
+        returns the names of threads still running after ``timeout`` seconds."""
+        return self._threads.join(timeout)
 
     def _prefetch(self, group: Group) -> None:
         try:  # group.lock is held (taken by _prefetch_next)
+            failpoints.hit("optimizer.prefetch")
             if group.prefetched is not None or group.dead:  # FetchWeights got there first, or it is gone
                 return
             buf = self.buffers.try_acquire(group.buffer_bytes, leave=1, owner=group.namespace)

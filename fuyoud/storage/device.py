@@ -144,5 +144,12 @@ class Device:
         os.fdatasync(self.fd)
 
     def close(self) -> None:
-        os.close(self.fd)
-        os.close(self._lock_fd)
+        """Close the data file and give up the directory's lock (both, even if the first
+        close fails; idempotent)."""
+        fds, self.fd, self._lock_fd = (self.fd, self._lock_fd), -1, -1
+        try:
+            if fds[0] >= 0:
+                os.close(fds[0])
+        finally:
+            if fds[1] >= 0:
+                os.close(fds[1])

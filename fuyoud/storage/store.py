@@ -279,11 +279,13 @@ class Store:
             self.unpin(entries)
 
     # -- snapshots: versions held past a later overwrite -----------------------------------
-    def pin(self, namespace: str) -> list[Entry]:
-        """Hold the current version of every persistent object of a namespace: later
-        overwrites and deletes do not recycle its extents until ``unpin``."""
+    def pin(self, namespace: str, exclude: str | None = None) -> list[Entry]:
+        """Hold the current version of every persistent object of a namespace (but those
+        whose names start with ``exclude``): later overwrites and deletes do not recycle
+        its extents until ``unpin`` of exactly these entries."""
         with self._lock:
-            entries = [e for (ns, _), e in self._objects.items() if ns == namespace and e.meta.persistent]
+            entries = [e for (ns, n), e in self._objects.items() if ns == namespace and e.meta.persistent
+                       and not (exclude and n.startswith(exclude))]
             for e in entries:
                 e.readers += 1
         return entries
@@ -393,9 +395,22 @@ class Store:
                                  for (dev, direction), value in lifetime.items()})
 
     def close(self) -> None:
-        self.save_lifetime()
+        """Save the counters, sync and close every data file, close the index: each one
+        even when another failed (its lock and descriptors are released); the first
+        failure is raised afterwards."""
+        errors: list[BaseException] = []
+
+        def attempt(fn) -> None:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - raised below, after the rest is closed
+                errors.append(exc)
+
+        attempt(self.save_lifetime)
         with self._lock:
             for d in self.devices:
-                d.sync()
-                d.close()
-            self.index_db.close()
+                attempt(d.sync)
+                attempt(d.close)
+            attempt(self.index_db.close)
+        if errors:
+            raise errors[0]

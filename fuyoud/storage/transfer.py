@@ -8,6 +8,14 @@ errors per item) and, for reads, checked against the object's checksums
 moves, per device and direction, and the requests in flight. The store (store.py) uses
 it for whole objects, pending writes (pending.py) and the chunked optimizer steps
 (optimizer/chunks.py) for pieces of one.
+
+The array is shared fairly between tenants: an engine batch goes to the engine in
+windows of at most WINDOW_BYTES, each taking one of IO_SLOTS turns on the array
+(fairness.py) on behalf of the batch's namespace. A tenant alone keeps up to IO_SLOTS
+windows in flight (each with the engine's queue depth: as many requests as before);
+tenants that all want more get the turns in a round, so each has an equal share of the
+array in flight however many transfers it runs at once (a checkpoint copy, an export
+or a burst of swaps of one job no longer crowds out another's step).
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from fuyoud.errors import DataLoss, StorageFull
+from fuyoud.fairness import FairTurns
 from fuyoud.io.engine import IOEngine, IORequest, IOResult, Op
 from fuyoud.memory.staging import StagingPool
 from fuyoud.storage import checksums
@@ -31,6 +40,8 @@ from fuyou_proto.contract import PAGE as BLOCK, buffer_address
 
 log = logging.getLogger(__name__)
 READ_ATTEMPTS = 2
+IO_SLOTS = 4  # windows in flight on the array at once, all tenants together
+WINDOW_BYTES = 32 << 20  # the most one window (one turn) moves
 
 # Called after each engine batch: (device, "read"|"write", bytes, operations, seconds).
 IOObserver = Callable[[int, str, int, int, float], None]
@@ -62,9 +73,10 @@ class Batch:
 
 class Transfers:
     def __init__(self, devices: Sequence[Device], engine: IOEngine, staging: StagingPool, chunk_size: int,
-                 observer: IOObserver | None = None):
+                 observer: IOObserver | None = None, turns: FairTurns | None = None):
         self.devices = list(devices)
         self.engine = engine
+        self.turns = turns or FairTurns(IO_SLOTS)  # the array's turns, shared by the tenants
         self.staging = staging
         self.chunk_size = chunk_size
         self._observe = observer or (lambda *a: None)
@@ -108,12 +120,13 @@ class Transfers:
     def execute(self, batch: Batch, op: Op, items: Sequence[Item]) -> dict[int, Exception]:
         """Run a batch; returns {item index: error} for the items that failed."""
         errors: dict[int, Exception] = {}
+        owner = items[0].namespace if items else None
         if batch.direct:
-            results = self._timed(batch.direct, op)
+            results = self._timed(batch.direct, op, owner)
             for req, item, res in zip(batch.direct, batch.direct_items, results):
                 self._check(res, len(req.buf), op, req.device, req.offset, items[item], item, errors)
         if batch.bounce:
-            self._bounce(batch.bounce, op, items, errors)
+            self._bounce(batch.bounce, op, items, errors, owner)
         return errors
 
     def read_checked(self, items: Sequence[ReadItem], metas: Sequence[ObjectMeta]) -> None:
@@ -155,7 +168,7 @@ class Transfers:
         return f"device {dev.index} ({dev.path}) at device offset {piece.device_offset}"
 
     # -- inside a batch -----------------------------------------------------------------------
-    def _bounce(self, pieces, op: Op, items, errors: dict[int, Exception]) -> None:
+    def _bounce(self, pieces, op: Op, items, errors: dict[int, Exception], owner=None) -> None:
         """Unaligned ranges go through a staging slab: aligned superset on the device side."""
         pending = list(pieces)
         while pending:
@@ -176,19 +189,22 @@ class Transfers:
                         space[:len(view)] = view
                         space[len(view):] = bytes(len(space) - len(view))
                 reqs = [IORequest(op, self.devices[dev].fd, lo, space, dev) for _, dev, _, _, lo, space in group]
-                results = self._timed(reqs, op)
+                results = self._timed(reqs, op, owner)
                 for (item, dev, dev_off, view, lo, space), res in zip(group, results):
                     if self._check(res, len(space), op, dev, lo, items[item], item, errors) and op is Op.READ:
                         view[:] = space[dev_off - lo:dev_off - lo + len(view)]
 
-    def _timed(self, reqs: list[IORequest], op: Op) -> list[IOResult]:
+    def _timed(self, reqs: list[IORequest], op: Op, owner=None) -> list[IOResult]:
         queued: dict[int, int] = defaultdict(int)
         for req in reqs:
             queued[req.device] += 1
         self._count_in_flight(queued, 1)
         t0 = time.perf_counter()
         try:
-            results = self.engine.execute(reqs)
+            results = []
+            for window in _windows(reqs):
+                with self.turns.turn(owner):
+                    results.extend(self.engine.execute(window))
         finally:
             self._count_in_flight(queued, -1)
         elapsed = time.perf_counter() - t0
@@ -226,3 +242,17 @@ class Transfers:
             err = DataLoss(f"short {op.name.lower()} on {where}: {res.nbytes} of {want} bytes")
         errors.setdefault(index, err)
         return False
+
+
+def _windows(reqs: list[IORequest]) -> list[list[IORequest]]:
+    """The requests cut, in order, into runs of at most WINDOW_BYTES (one request at least)."""
+    out, run, size = [], [], 0
+    for r in reqs:
+        if run and size + len(r.buf) > WINDOW_BYTES:
+            out.append(run)
+            run, size = [], 0
+        run.append(r)
+        size += len(r.buf)
+    if run:
+        out.append(run)
+    return out

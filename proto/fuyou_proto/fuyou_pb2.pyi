@@ -49,6 +49,20 @@ class AllocateRequest(_message.Message):
     size: int
     def __init__(self, size: _Optional[int] = ...) -> None: ...
 
+class ReserveRequest(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
+
+class ReserveReply(_message.Message):
+    __slots__ = ("reserved_bytes", "held_bytes")
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    reserved_bytes: int
+    held_bytes: int
+    def __init__(self, reserved_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
+
 class SwapOutItem(_message.Message):
     __slots__ = ("name", "buffer", "offset", "length", "persistent", "namespace")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -296,7 +310,7 @@ class DeviceStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., path: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., available_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "io_engine", "io_engine_reason", "devices", "pinned_budget_bytes", "pinned_used_bytes", "sessions", "objects", "pid", "metrics_url", "session_socket", "bytes_read", "bytes_written", "draining", "read_bytes_per_second", "write_bytes_per_second", "uptime_seconds", "session_list", "session_budget_bytes", "segment_bytes", "optimizer_buffer_budget_bytes", "optimizer_buffers")
+    __slots__ = ("version", "io_engine", "io_engine_reason", "devices", "pinned_budget_bytes", "pinned_used_bytes", "sessions", "objects", "pid", "metrics_url", "session_socket", "bytes_read", "bytes_written", "draining", "read_bytes_per_second", "write_bytes_per_second", "uptime_seconds", "session_list", "session_budget_bytes", "segment_bytes", "optimizer_buffer_budget_bytes", "optimizer_buffers", "pinned_reserved_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     IO_ENGINE_FIELD_NUMBER: _ClassVar[int]
     IO_ENGINE_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +333,7 @@ class StatusReply(_message.Message):
     SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_BUFFER_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     io_engine: str
     io_engine_reason: str
@@ -341,7 +356,8 @@ class StatusReply(_message.Message):
     segment_bytes: int
     optimizer_buffer_budget_bytes: int
     optimizer_buffers: int
-    def __init__(self, version: _Optional[str] = ..., io_engine: _Optional[str] = ..., io_engine_reason: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., pinned_budget_bytes: _Optional[int] = ..., pinned_used_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., objects: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_url: _Optional[str] = ..., session_socket: _Optional[str] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., draining: _Optional[bool] = ..., read_bytes_per_second: _Optional[float] = ..., write_bytes_per_second: _Optional[float] = ..., uptime_seconds: _Optional[int] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., session_budget_bytes: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., optimizer_buffer_budget_bytes: _Optional[int] = ..., optimizer_buffers: _Optional[int] = ...) -> None: ...
+    pinned_reserved_bytes: int
+    def __init__(self, version: _Optional[str] = ..., io_engine: _Optional[str] = ..., io_engine_reason: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., pinned_budget_bytes: _Optional[int] = ..., pinned_used_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., objects: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_url: _Optional[str] = ..., session_socket: _Optional[str] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., draining: _Optional[bool] = ..., read_bytes_per_second: _Optional[float] = ..., write_bytes_per_second: _Optional[float] = ..., uptime_seconds: _Optional[int] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., session_budget_bytes: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., optimizer_buffer_budget_bytes: _Optional[int] = ..., optimizer_buffers: _Optional[int] = ..., pinned_reserved_bytes: _Optional[int] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
     __slots__ = ("iterations", "iteration_seconds", "exposed_optimizer_seconds", "activation_bytes_to_host", "activation_bytes_to_ssd")
@@ -358,7 +374,7 @@ class ReportRequest(_message.Message):
     def __init__(self, iterations: _Optional[int] = ..., iteration_seconds: _Optional[float] = ..., exposed_optimizer_seconds: _Optional[float] = ..., activation_bytes_to_host: _Optional[int] = ..., activation_bytes_to_ssd: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("id", "uid", "pid", "namespace", "started", "last_active", "pinned_bytes", "model_params", "groups", "step", "persistent_bytes")
+    __slots__ = ("id", "uid", "pid", "namespace", "started", "last_active", "pinned_bytes", "model_params", "groups", "step", "persistent_bytes", "reserved_bytes")
     ID_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -370,6 +386,7 @@ class SessionInfo(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PERSISTENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     id: int
     uid: int
     pid: int
@@ -381,7 +398,8 @@ class SessionInfo(_message.Message):
     groups: int
     step: int
     persistent_bytes: int
-    def __init__(self, id: _Optional[int] = ..., uid: _Optional[int] = ..., pid: _Optional[int] = ..., namespace: _Optional[str] = ..., started: _Optional[float] = ..., last_active: _Optional[float] = ..., pinned_bytes: _Optional[int] = ..., model_params: _Optional[int] = ..., groups: _Optional[int] = ..., step: _Optional[int] = ..., persistent_bytes: _Optional[int] = ...) -> None: ...
+    reserved_bytes: int
+    def __init__(self, id: _Optional[int] = ..., uid: _Optional[int] = ..., pid: _Optional[int] = ..., namespace: _Optional[str] = ..., started: _Optional[float] = ..., last_active: _Optional[float] = ..., pinned_bytes: _Optional[int] = ..., model_params: _Optional[int] = ..., groups: _Optional[int] = ..., step: _Optional[int] = ..., persistent_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ...) -> None: ...
 
 class ListSessionsReply(_message.Message):
     __slots__ = ("sessions",)

@@ -44,6 +44,11 @@ class FuyouStub:
                 request_serializer=fuyou__proto_dot_fuyou__pb2.BufferRef.SerializeToString,
                 response_deserializer=fuyou__proto_dot_fuyou__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/fuyou.v1.Fuyou/Reserve',
+                request_serializer=fuyou__proto_dot_fuyou__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=fuyou__proto_dot_fuyou__pb2.ReserveReply.FromString,
+                _registered_method=True)
         self.SwapOut = channel.unary_unary(
                 '/fuyou.v1.Fuyou/SwapOut',
                 request_serializer=fuyou__proto_dot_fuyou__pb2.SwapOutRequest.SerializeToString,
@@ -128,6 +133,19 @@ class FuyouServicer:
 
     def Free(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reserve(self, request, context):
+        """Hold pinned memory for this session: a plan admitted is a plan held. fuyou_client's
+        attach reserves what its memory plan takes before it allocates any of it; the
+        session's allocations within the reservation are then never refused for room
+        another session took. Replaces the session's reservation (0 gives it up); it ends
+        with the session. RESOURCE_EXHAUSTED when the daemon's budget cannot hold it beside
+        what the other sessions hold (reserved or allocated): the message gives the numbers
+        and those sessions (their namespace and pid when they are the caller's user's).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -257,6 +275,11 @@ def add_FuyouServicer_to_server(servicer, server):
                     request_deserializer=fuyou__proto_dot_fuyou__pb2.BufferRef.FromString,
                     response_serializer=fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
             ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=fuyou__proto_dot_fuyou__pb2.ReserveRequest.FromString,
+                    response_serializer=fuyou__proto_dot_fuyou__pb2.ReserveReply.SerializeToString,
+            ),
             'SwapOut': grpc.unary_unary_rpc_method_handler(
                     servicer.SwapOut,
                     request_deserializer=fuyou__proto_dot_fuyou__pb2.SwapOutRequest.FromString,
@@ -382,6 +405,33 @@ class Fuyou:
             '/fuyou.v1.Fuyou/Free',
             fuyou__proto_dot_fuyou__pb2.BufferRef.SerializeToString,
             fuyou__proto_dot_fuyou__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuyou.v1.Fuyou/Reserve',
+            fuyou__proto_dot_fuyou__pb2.ReserveRequest.SerializeToString,
+            fuyou__proto_dot_fuyou__pb2.ReserveReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,14 +3,38 @@
 A SharedBuffer is a view of a memfd segment that the daemon mapped too: filling it or
 reading it is plain memory access, and the daemon's I/O engine moves those same pages
 to and from the SSD. ``tensor()`` gives a torch view (no copy).
+
+A segment closed (its last buffer freed, or the session closed) gives its shared pages
+back at once, even while a tensor view of it is still alive somewhere (in a reference
+cycle until the next gc, say): its address range is then remapped to fresh private
+zero pages (MAP_FIXED), so the daemon's memory is no longer mapped here, and a stale
+view reads zeros instead of another tenant's bytes or a fault. The range itself goes
+when the last view does.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 from typing import TYPE_CHECKING, Callable
 
 from fuyou_proto import pb
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+MAP_FIXED, MAP_NORESERVE = 0x10, 0x4000
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _replace_with_zero_pages(address: int, size: int) -> None:
+    """Put private anonymous pages (read as zeros, allocated only if written) over
+    [address, address+size): the shared mapping there is gone."""
+    got = _libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0)
+    if got in (None, MAP_FAILED) or got != address:
+        err = ctypes.get_errno()
+        raise OSError(err, f"remapping a closed shared segment failed: {os.strerror(err)}")
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +52,7 @@ class Segment:
             os.close(fd)
         self.live_buffers = 0
         self.device = None  # the compute device it is registered with (cudaHostRegister)
+        self.closed = False
 
     @property
     def address(self) -> int:
@@ -47,11 +72,19 @@ class Segment:
             self.device = None
 
     def close(self) -> bool:
+        """Unmap the segment's shared pages (see the module's doc); True when the range is
+        unmapped too, False when a view still holds it (it holds zero pages now)."""
+        if self.closed:
+            return True
         self.close_registration()  # unregistered before it is unmapped
+        address = self.address
         try:
             self.map.close()
+            self.closed = True
             return True
-        except BufferError:  # a tensor view still uses it; it goes with the last view
+        except BufferError:  # a view still uses the range: keep the range, drop the shared pages
+            _replace_with_zero_pages(address, self.size)
+            self.closed = True
             return False
 
 

@@ -98,6 +98,9 @@ def _wrap_future(call: grpc.Future, convert=lambda r: r) -> Future:
     fut: Future = Future()
 
     def done(c: grpc.Future) -> None:
+        if c.cancelled():  # (never by this client: a channel closed under it)
+            fut.set_exception(errors.DaemonUnavailable("the request was cancelled: the session's channel closed"))
+            return
         exc = c.exception()
         if exc is None:
             fut.set_result(convert(c.result()))
@@ -275,6 +278,20 @@ class Session:
         segment = self._segment(ref.segment)
         segment.live_buffers += 1
         return SharedBuffer(self._free, ref, segment, nbytes)
+
+    def reserve(self, nbytes: int) -> int:
+        """Have the daemon hold ``nbytes`` of pinned memory for this session in all (what
+        it holds counts; 0 gives the reservation up): allocations within them are then
+        never refused for room another session took. ResourceExhausted, naming what the
+        other sessions hold, when the daemon's budget cannot. Returns the reservation
+        (0 from a daemon older than reservations: nothing is held then)."""
+        try:
+            reply = self._stub.Reserve(pb.ReserveRequest(bytes=nbytes), metadata=self._metadata)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return 0
+            raise errors.from_rpc_error(exc) from None
+        return reply.reserved_bytes
 
     def _segment(self, segment_id: int) -> Segment:
         """The mapping of a segment; its fd arrived on the session socket before the reply."""

@@ -10,6 +10,7 @@ rank is an error on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -156,6 +157,8 @@ def _undo(owns: bool, session, device, materializer) -> None:
         session.close()
     else:
         session.use_device(None)
+        with contextlib.suppress(Exception):  # (the plan's reservation: the session is the caller's)
+            session.reserve(0)
     device.close()
     if materializer is not None:
         materializer.undo()  # (the model is on the meta device again)

@@ -20,7 +20,7 @@ from torch import nn
 from fuyou_proto.contract import stepped_in_chunks
 from fuyou_proto.units import format_size
 
-from fuyou_client import memory
+from fuyou_client import errors, memory
 from fuyou_client.activations import ActivationPolicy, ActivationSwapper, AutoPlanner, treatments
 from fuyou_client.connection import Session
 from fuyou_client.device import Device
@@ -48,8 +48,10 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
     # Every shared buffer below, and the compute device's memory, planned from the session's
     # budget and the device's first (memory/): by whole blocks, or by their modules where
     # blocks do not fit; a budget that cannot hold the smallest plan is refused before
-    # anything is allocated.
-    specs, layout, plan = plan_granularity(model, session, specs, torch_groups, options, device, parallel, resume)
+    # anything is allocated; the plan is then reserved in the daemon (held against the
+    # other sessions).
+    specs, layout, plan = hold_plan(session, lambda: plan_granularity(model, session, specs, torch_groups, options,
+                                                                      device, parallel, resume))
     (log.warning if plan.shrunk else log.info)("%s", plan.describe())
     options = dataclasses.replace(options, prefetch=plan.prefetch, host_budget=plan.host_budget)
     if parallel.holds_state:  # (an optimizer-host worker keeps no state: its optimizer ranks check theirs)
@@ -156,6 +158,37 @@ def _create_groups(session, device, layout, torch_groups, strategies, resume, ma
                 p.grad = grad
         raise
     return groups
+
+
+def hold_plan(session, make_plan):
+    """``make_plan()``'s (specs, layout, memory plan), the plan reserved in the daemon: a
+    plan admitted is a plan held, so that no session admitted later takes what this one's
+    plan counts on. Another session admitted between the plan and its reservation, or
+    gone between a refusal and the daemon's account of it: planned again, once, against
+    what is left. A plan that cannot fit for what the others hold is refused with the
+    daemon's own account of them."""
+    for attempt in range(2):
+        try:
+            specs, layout, plan = make_plan()
+        except memory.DoesNotFit as exc:
+            if exc.smallest is None or not exc.smallest.limits.others:
+                raise
+            try:  # (the daemon's refusal names the sessions that hold the budget)
+                session.reserve(exc.smallest.limits.held + exc.smallest.total)
+            except errors.ResourceExhausted as why:
+                raise memory.DoesNotFit(f"{exc}\nfuyoud: {why}", exc.smallest) from None
+            session.reserve(0)  # (room came back meanwhile: planned again)
+            if attempt:
+                raise
+            continue
+        try:
+            session.reserve(plan.limits.held + plan.total)
+            return specs, layout, plan
+        except errors.ResourceExhausted as exc:
+            if attempt:
+                raise memory.DoesNotFit(f"the memory plan could not be reserved: {exc}\n{plan.describe()}",
+                                        plan) from None
+    raise AssertionError("unreachable")
 
 
 def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_groups: TorchGroups,

@@ -25,6 +25,7 @@ resident. Gradients of every group stay in shared memory (they accumulate there)
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -395,6 +396,9 @@ class Engine:
             self.device.synchronize()
             if self._owns_session:
                 self.session.close()
+            elif not self.session.closed:  # (the caller's session goes on: its plan's reservation goes)
+                with contextlib.suppress(Exception):
+                    self.session.reserve(0)
             self.session.use_device(None)
             self.device.close()
 

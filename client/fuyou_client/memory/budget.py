@@ -91,6 +91,7 @@ class Limits:
     segment: int = 64 << 20
     optimizer_buffer_budget: int = 1 << 30
     optimizer_buffers: int = 6
+    others: int = 0  # what the daemon's other sessions hold of its budget (allocated or reserved by their plans)
 
     @property
     def room(self) -> int:
@@ -104,9 +105,9 @@ def limits_of(session) -> Limits:
     st = session.status()
     budget = st.session_budget_bytes or st.pinned_budget_bytes
     held = session.pinned_bytes
-    others = max(0, st.pinned_used_bytes - held)
+    others = max(0, st.pinned_used_bytes + st.pinned_reserved_bytes - held)  # (their plans' reservations too)
     return Limits(min(budget, max(0, st.pinned_budget_bytes - others)), held, st.segment_bytes or 64 << 20,
-                  st.optimizer_buffer_budget_bytes or 1 << 30, st.optimizer_buffers or 6)
+                  st.optimizer_buffer_budget_bytes or 1 << 30, st.optimizer_buffers or 6, others)
 
 
 @dataclass(frozen=True)
@@ -406,11 +407,15 @@ def _fixed(groups: list[GroupShape], shares_host_memory: bool) -> list[Item]:
 def _refusal(smallest: MemoryPlan, wanted: Wanted, limits: Limits, kept: int = 0) -> str:
     fixed = [f"{w}={v}" for w, v in (("prefetch", wanted.prefetch), ("keep", wanted.keep or None),
                                       ("host_budget", wanted.host_budget)) if v is not None]
+    shared = (f"; fuyoud's other sessions hold {format_size(limits.others)} of its budget (allocated or reserved "
+              "by their plans): it frees as they end (`fuyouctl sessions` lists them)" if limits.others else "")
     return (f"this model does not fit the session's pinned-memory budget: the smallest plan takes "
             f"{format_size(smallest.total)} and the session may take {format_size(limits.room)} (budget "
-            f"{format_size(limits.session_budget)}{f', {format_size(limits.held)} held already' if limits.held else ''}). "
-            f"Raise fuyoud's [memory] pinned_budget (and session_budget, if set) to at least "
-            f"{format_size(smallest.total + limits.held)}"
+            f"{format_size(limits.session_budget)}{f', {format_size(limits.held)} held already' if limits.held else ''}"
+            f"{shared}). "
+            + ("Wait for them, or raise" if limits.others else "Raise")
+            + f" fuyoud's [memory] pinned_budget (and session_budget, if set) to at least "
+            f"{format_size(smallest.total + limits.held + limits.others)}"
             + (f", or leave {', '.join(fixed)} to the plan" if fixed else "")
             + "; bf16 weights halve the blocks' buffers."
             + (f" Every block keeps its gradients until the step ({format_size(kept)}: accumulation_steps > 1 or "
