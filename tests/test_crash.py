@@ -33,8 +33,9 @@ def slow(*values):
 
 
 # Seeds whose kill comes after the first checkpoint (random.Random(seed).randrange(16):
-# 12, 4, 7), so that every trial resumes one.
-@pytest.mark.parametrize("seed, at", [(0, "random"), (1, "checkpoint"), slow(1, "random"), slow(3, "random"),
+# 12, 4, 7), so that every trial resumes one. The default suite's case kills inside a
+# checkpoint: it has the most to clean up.
+@pytest.mark.parametrize("seed, at", [(1, "checkpoint"), slow(0, "random"), slow(1, "random"), slow(3, "random"),
                                       slow(0, "checkpoint")])
 def test_sigkill_loses_nothing_committed_and_leaves_nothing_behind(short_tmp, reference, seed, at):
     ref, data = reference
