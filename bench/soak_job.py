@@ -187,8 +187,14 @@ def attach_resumed(spec: dict, log: Log):
 
 
 def rotate(engine, directory: Path, keep: int) -> None:
-    for _, path in checkpoints(directory)[keep:]:
-        engine.session.delete_checkpoint(path)
+    """Keep the newest ``keep`` steps' checkpoints, one per step (a step checkpointed again
+    by a later life: the later one), as a run without faults keeps."""
+    kept: set[int] = set()
+    for step, path in checkpoints(directory):  # (newest first)
+        if step in kept or len(kept) >= keep:
+            engine.session.delete_checkpoint(path)
+        else:
+            kept.add(step)
 
 
 def train(spec: dict, log: Log) -> None:
@@ -211,6 +217,7 @@ def train(spec: dict, log: Log) -> None:
             engine.save_checkpoint(path, extra={"sched": sched.state_dict()}, mode=mode)
             log("checkpointed", step=s + 1, checkpoint=str(path), mode=mode)
             rotate(engine, directory, spec["keep"])
+    rotate(engine, directory, spec["keep"])  # (a life killed between a checkpoint and its rotation left one more)
     digest = state_digest(engine.session, engine)
     engine.close()
     log("done", state=digest, weights=weights_digest(model), steps=spec["steps"])

@@ -87,7 +87,16 @@ def test_several_jobs_survive_every_kind_of_fault_bitwise(tmp_path):
     damaged = [(f["detail"], run["jobs"][f["target"]]["refusals"]) for f in run["faults"] if f["kind"] == "damaged_checkpoint"]
     assert r["damaged_checkpoints"] >= 1 and r["damaged_refused_and_previous_used"] == r["damaged_checkpoints"], damaged
     assert r["final_used_bytes_equal_reference"], (r["reference_used_bytes_after_restart"], run["array"])
+    assert r["unreferenced_bytes_after_restart_max"] == 0, run["usage_after_restart"]
     assert r["emptied_used_bytes"] == 0
     # Every error a fault gave a job is one a caller can act on: none internal.
     errors = {e for f in run["faults"] for _, e, _ in f["errors"]}
     assert "InternalError" not in errors, run["faults"]
+    # Within a daemon's life too, no extent outlives every object and snapshot holding it.
+    # Until issue 43's fix of copy checkpoints' pins (branch issue-43d, "A copy checkpoint
+    # pins only what it copies") is merged, deleted snapshots keep their extents until the
+    # next restart: then this is expected to fail, and should become a plain assert.
+    if r["unreferenced_bytes_before_restart_max"]:
+        pytest.xfail(f"{r['unreferenced_bytes_before_restart_max']} bytes of the array held by no object or "
+                     f"snapshot before the final restart (used {r['used_bytes_before_restart_max']}): deleted "
+                     "snapshots' extents pinned by copy checkpoints until a restart")
