@@ -3,8 +3,9 @@ the training jobs (``Job``, each life a bench/soak_job.py process), and ``Run``:
 one daemon to their end, tending them (a job that dies is started again; a daemon that dies
 on its own too, counted as unexpected) and, with a random generator, injecting the faults
 one after another (``inject``: what each kind does, bench/soak.py's docstring lists them).
-A death is put down to the fault in progress until every job it stopped trains again and
-a few seconds more, else it is unexpected."""
+A death is put down to the last fault that struck before it, if it came before that fault
+was over (every job it stopped training again) or within a few seconds after; else it is
+unexpected."""
 from __future__ import annotations
 
 import json
@@ -46,6 +47,7 @@ CONFIG = {  # small buffers, two data directories (the array stripes over both),
     "optimizer": {"buffer_budget": "48MiB", "buffers": 6},
 }
 CHECKPOINT_PAUSE_S = 0.25  # (fault runs: the daemon pauses this long inside every checkpoint)
+SETTLE_S = 5.0  # (a failed transfer can reach its job a few seconds after the fault is over)
 
 
 
@@ -54,6 +56,7 @@ class Fault:
     kind: str
     at: float  # seconds since the run began
     t_wall: float = 0.0  # when it struck (time.time(), the clock of the jobs' events)
+    t_end: float | None = None  # when every job it stopped was training again
     target: str = ""  # a job's name, or "daemon"
     detail: dict = field(default_factory=dict)
     fired: bool = True
@@ -168,8 +171,6 @@ class Run:
         self.t0 = time.monotonic()
         self.unexpected: list[str] = []  # deaths no fault explains
         self.usage_after_restart: list[dict] = []
-        self.current: Fault | None = None  # the fault deaths are put down to, until `settled`
-        self.settled = 0.0
         self.timeline: list[tuple[float, str]] = []
 
     # -- the daemon's life -------------------------------------------------------------
@@ -198,9 +199,7 @@ class Run:
     # -- the jobs -----------------------------------------------------------------------
     def tend(self) -> None:
         """One look at everything: restart a daemon that died on its own, restart jobs that
-        ended without finishing (a death is the current fault's, if any, else unexpected)."""
-        fault = self.current if self.current is not None and (
-            self.settled == 0.0 or time.monotonic() < self.settled) else None
+        ended without finishing (each death put down to a fault: ``blame``)."""
         if not self.daemon.alive():
             code = self.daemon.proc.process.poll()
             self.unexpected.append(f"{self.now():.1f}s: fuyoud exited ({code}) on its own; log tail: "
@@ -218,16 +217,31 @@ class Run:
                 job.done = True
                 continue
             failure = last[-1] if last and last[-1]["event"] == "failed" else {
-                "error": "SIGKILL" if code == -signal.SIGKILL else f"exit {code}", "message": ""}
+                "error": "SIGKILL" if code == -signal.SIGKILL else f"exit {code}", "message": "", "t": time.time()}
+            fault = self.blame(failure["t"])
             if fault is not None:
                 if job.name not in fault.stopped:
                     fault.stopped.append(job.name)
                 fault.errors.append((job.name, failure["error"], failure["message"][:300]))
-            elif code != -signal.SIGKILL:
+            else:
                 self.unexpected.append(f"{self.now():.1f}s: {job.name} ended, {failure['error']}: "
                                        f"{failure['message'][:300]}")
             time.sleep(0.2)  # (a scheduler's pause before it starts the job again)
             job.start(self.daemon.socket)
+
+    def strike(self, fault: Fault) -> None:
+        """The moment ``fault`` strikes: recorded, and deaths from now on may be its."""
+        fault.t_wall = time.time()
+        self.faults.append(fault)
+
+    def blame(self, t: float) -> Fault | None:
+        """The fault a death at ``t`` (time.time()) is put down to: the last that struck
+        before it, unless it was over more than SETTLE_S before."""
+        struck = [f for f in self.faults if f.t_wall <= t]
+        if not struck:
+            return None
+        fault = struck[-1]
+        return fault if fault.t_end is None or t <= fault.t_end + SETTLE_S else None
 
     def back_at(self, job: Job, since: float) -> float | None:
         """When ``job`` first stepped in a life begun after ``since`` (None: not yet; a
@@ -308,7 +322,8 @@ class Run:
         if kind == "trainer_sigkill":
             job = rng.choice(running)
             time.sleep(rng.uniform(0, 0.5))
-            fault.target, fault.t_wall = job.name, time.time()
+            fault.target = job.name
+            self.strike(fault)
             job.kill()
         elif kind == "trainer_sigkill_in_checkpoint":
             job = self.in_checkpoint([rng.choice(running).name])
@@ -316,7 +331,7 @@ class Run:
                 return None
             time.sleep(rng.uniform(0.02, 0.8 * CHECKPOINT_PAUSE_S))
             fault.target, fault.detail = job.name, {"checkpoint_returned_first": self._returned(job)}
-            fault.t_wall = time.time()
+            self.strike(fault)
             job.kill()
         elif kind in ("daemon_sigkill", "daemon_sigterm", "daemon_kill_in_checkpoint"):
             if kind == "daemon_kill_in_checkpoint":
@@ -327,7 +342,8 @@ class Run:
                 fault.detail = {"job": job.name, "checkpoint_returned_first": self._returned(job)}
             else:
                 time.sleep(rng.uniform(0, 0.5))
-            fault.target, fault.t_wall = "daemon", time.time()
+            fault.target = "daemon"
+            self.strike(fault)
             self.daemon.signal(signal.SIGTERM if kind == "daemon_sigterm" else signal.SIGKILL)
             self.restart_daemon(kind)
         elif kind in ("write_eio", "read_eio"):
@@ -335,9 +351,9 @@ class Run:
             # (a read is retried once whole: 2 failures are mostly absorbed, 64 reach a job)
             count = 1 if kind == "write_eio" else rng.choice([2, 64])
             spec = {"kind": "eio", "op": kind[:-4], "skip": rng.randrange(0, 40), "count": count}
-            fault.target, fault.detail, fault.t_wall = "daemon", spec, time.time()
+            fault.target, fault.detail = "daemon", spec
+            self.strike(fault)
             self.arm([spec])
-            self.current, self.settled = fault, 0.0
             fault.fired = self.wait_until(lambda: self.injected() > before, 30)
             self.arm([])
         elif kind == "disk_full":
@@ -346,9 +362,8 @@ class Run:
             seconds = rng.uniform(0.5, 2.0)
             fault.target, fault.detail = "daemon", {"kind": "enospc", "op": "write", "seconds_after_first": seconds}
             before = self.injected()
-            fault.t_wall = time.time()
+            self.strike(fault)
             self.arm([{"kind": "enospc", "op": "write", "count": -1}])
-            self.current, self.settled = fault, 0.0
             fault.fired = self.wait_until(lambda: self.injected() > before, 30)
             self.wait_until(lambda: False, seconds)
             self.arm([])
@@ -357,14 +372,16 @@ class Run:
             if not candidates:
                 return None
             job = rng.choice(candidates)
-            fault.t_wall = time.time()
+            self.strike(fault)
             job.kill()
             # A save the kill interrupted is finished or dropped by the daemon within its pause:
             # then the newest checkpoint is what the next life will find.
             time.sleep(4 * CHECKPOINT_PAUSE_S)
             listed = checkpoints(job.dir)
-            if not self._newest_is_a_copy(job, listed):
-                return None  # (a snapshot came last: the kill stands, uncounted)
+            if not self._newest_is_a_copy(job, listed):  # (a save the kill interrupted came last, a snapshot)
+                fault.kind, fault.target = "trainer_sigkill", job.name
+                fault.detail = {"meant": "damaged_checkpoint", "but": "its newest checkpoint was a snapshot"}
+                return fault
             newest = listed[0][1]
             victim = rng.choice(sorted(p for p in (newest / "objects").iterdir()))
             data = bytearray(victim.read_bytes())
@@ -420,14 +437,12 @@ class Run:
                 self.note(f"{kind}: no occasion now, later")
                 kinds.insert(0, kind)
                 continue
-            self.faults.append(fault)
-            self.note(f"{kind} {fault.target} {fault.detail}")
-            # Deaths are the fault's until every job it stopped trains again, and for a few
-            # seconds more (a failed read reaches its job a moment after it fired).
-            self.current, self.settled = fault, 0.0
-            self.wait_until(lambda: False, 1.0)
+            if fault.kind != kind:
+                kinds.insert(0, kind)  # (it became another kind: this one later)
+            self.note(f"{fault.kind} {fault.target} {fault.detail}")
+            self.wait_until(lambda: False, 1.0)  # (who it stopped: they die within this, mostly)
             self.wait_until(lambda: self.training_again(fault.stopped, fault.t_wall), 180)
-            self.settled = time.monotonic() + 5.0
+            fault.t_end = time.time()
         for fault in self.faults:  # (from the jobs' own logs: when each it stopped stepped again)
             back = [self.back_at(j, fault.t_wall) for j in self.jobs if j.name in fault.stopped]
             fault.recovery_s = (max(back) - fault.t_wall) if None not in back and back else (
