@@ -1,8 +1,10 @@
 """Faults under load: several training jobs share one fuyoud for many steps while the faults
 an operator meets hit them at random points; nothing may be lost.
 
-    python bench/soak.py [--jobs 4] [--steps 60] [--every 5] [--faults 30] [--seeds 0,1,2]
-                         [--budget-s 1800] [--dir DIR] [--json PATH]
+    python bench/soak.py [--jobs 4] [--steps 1000] [--every 20] [--faults 30] [--seeds 0,1,2]
+                         [--restart-s 1] [--budget-s 3600] [--dir DIR] [--json PATH] [--keep-files]
+
+(A job's steps are ``--steps`` times its kind's pace: soak_run.JOBS.)
 
 First the jobs run together on a daemon without faults: the reference. Then, per seed, the
 same jobs run again on a fresh daemon while faults come one after another, each at a
@@ -33,9 +35,10 @@ seed: it finished; each step's loss, every time it was computed, equals the refe
 its final optimizer state (masters, moments, step counts) and weights are bitwise the
 reference's; each life resumed from the newest checkpoint acknowledged before it (or a
 newer one the interrupted save completed), except a damaged one, which was refused with
-a message naming it, the previous one used. The array: its used bytes right after each
-restart, and at the end (after one more restart) equal to the reference's; once every
-checkpoint and namespace is deleted, nothing. Reported per fault kind: injected, fired
+a message naming it, the previous one used. The array: right after each restart, no
+extent held by no object or snapshot; at the end (after one more restart) its used bytes
+equal to the reference's; once every checkpoint and namespace is deleted, nothing (and,
+reported, what it held beyond its objects and snapshots before that last restart). Reported per fault kind: injected, fired
 (I/O faults: the daemon's log says so), jobs it stopped, survived, lost (jobs that did not
 end bitwise equal: 0), and recovery time (from the fault until every job it stopped is
 training again: a step done in a new life).
@@ -237,8 +240,8 @@ def summarize(result: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--every", type=int, default=5, help="a checkpoint every so many steps")
+    ap.add_argument("--steps", type=int, default=1000, help="steps of a job of pace 1 (soak_run.JOBS)")
+    ap.add_argument("--every", type=int, default=20, help="a checkpoint every so many steps")
     ap.add_argument("--faults", type=int, default=30, help="faults per seed")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--restart-s", type=float, default=1.0, help="pause before fuyoud is started again")
