@@ -9,7 +9,10 @@
 #
 # Set-up: Debian packages (liburing-dev, a C compiler, Python headers, venv), a
 # virtualenv at .venv, PyTorch (the CPU build on hosts without an NVIDIA GPU), and
-# Fuyou itself, editable, with its io_uring extension. Needs Python >= 3.11.
+# Fuyou itself, editable, with its C extensions (fuyoud._uring, fuyoud._lowp). Where
+# the compiler and headers are installed (by this script, or already), the extensions
+# must build: a failed build fails set-up, with the compiler's error (FUYOU_NATIVE=require,
+# setup.py). Needs Python >= 3.11.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -62,6 +65,22 @@ install_torch() {
     fi
 }
 
+# What the C extensions need, present or not: "require" when a compiler, liburing's
+# headers and Python's are all here (a failed build is then an error), else "optional"
+# with the reason (the daemon then falls back: thread-pool I/O, the torch int8 codec).
+native_mode() {
+    local py="$1" missing=()
+    command -v "${CC:-gcc}" >/dev/null 2>&1 || missing+=("a C compiler (${CC:-gcc})")
+    { pkg-config --exists liburing 2>/dev/null || [ -e /usr/include/liburing.h ]; } || missing+=("liburing's headers")
+    [ -e "$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ] || missing+=("Python.h")
+    if [ ${#missing[@]} -eq 0 ]; then
+        echo require
+    else
+        log "C extensions optional: missing ${missing[*]} (fuyoud will use its fallbacks)"
+        echo optional
+    fi
+}
+
 setup() {
     local py; py="$(find_python)"
     system_packages "$py"
@@ -70,14 +89,26 @@ setup() {
         "$py" -m venv .venv
     fi
     install_torch
-    # Reinstall Fuyou only when its build inputs changed.
+    local native; native="$(native_mode "$py")"
+    local check_native='import fuyoud._uring, fuyoud._lowp'
+    # Reinstall Fuyou only when its build inputs changed (or a required extension is missing).
     local stamp=.venv/.fuyou-build-inputs want
-    want="$(cat pyproject.toml setup.py native/* | sha256sum | cut -d' ' -f1)"
-    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c 'import fuyoud, fuyou_client' 2>/dev/null; then
-        log "installing fuyou (editable) and its dependencies"
+    want="$( (cat pyproject.toml setup.py native/*; echo "native=$native") | sha256sum | cut -d' ' -f1)"
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c 'import fuyoud, fuyou_client' 2>/dev/null \
+            || { [ "$native" = require ] && ! .venv/bin/python -c "$check_native" 2>/dev/null; }; then
+        log "installing fuyou (editable) and its dependencies (C extensions: $native)"
+        rm -f "$stamp"
         .venv/bin/pip install -q "setuptools>=68" wheel "cffi>=1.16"
-        .venv/bin/pip install -q --no-build-isolation -e ".[test]"
+        if ! FUYOU_NATIVE="$native" .venv/bin/pip install -q --no-build-isolation -e ".[test]"; then
+            log "set-up failed: installing fuyou did not succeed (see the errors above)"
+            exit 1
+        fi
         echo "$want" > "$stamp"
+    fi
+    if [ "$native" = require ] && ! .venv/bin/python -c "$check_native"; then
+        log "set-up failed: the compiler and headers are installed, but fuyoud's C extensions do not import (above)"
+        rm -f "$stamp"
+        exit 1
     fi
     .venv/bin/python -c 'from fuyoud.io import uring; ok, why = uring.available(); print("[fuyou] io_uring engine:", "available" if ok else why)' >&2
 }

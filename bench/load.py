@@ -10,8 +10,11 @@ client loops: fill a 1 MiB shared buffer with fresh random bytes, swap it out (e
 third object persistent), swap it back into another buffer and compare every byte;
 every fifth round it steps its own small AdamW group. The greedy client first takes
 shared memory until refused (its session budget), then writes 8 MiB objects until
-refused (its namespace quota), then floods the daemon with 8 concurrent 8 MiB
-swap-outs at a time, verifying what it reads back too.
+refused (its namespace quota), then floods the daemon with 4 concurrent 8 MiB
+swap-outs at a time for ``--seconds``, verifying what it reads back too. With the
+greedy client, the modest ones go on until its flood is over, and each counts the round
+trips it began and finished during the flood (``modest_ops_during_flood``): a starved
+client finishes none there, however many it did before.
 
 Reported per phase: operations and verified bytes per second of the modest clients,
 their round-trip latency p50/p99 (swap out + swap in), optimizer step latency, and the
@@ -48,13 +51,15 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def modest(index: int, socket: str, seconds: float, out) -> None:
+def modest(index: int, socket: str, seconds: float, out, until=None) -> None:
+    """``until``: an event; the client goes on past ``seconds`` until it is set."""
     import torch
 
     import fuyou_client
 
     rng = random.Random(index)
-    result = {"role": "modest", "index": index, "ops": 0, "bytes": 0, "errors": [], "rtt": [], "step": []}
+    result = {"role": "modest", "index": index, "ops": 0, "bytes": 0, "errors": [], "rtt": [], "step": [],
+              "done_at": [], "elapsed": 0.0}
     try:
         with fuyou_client.connect(socket) as s:
             src, dst = s.allocate(MiB), s.allocate(MiB)
@@ -62,8 +67,10 @@ def modest(index: int, socket: str, seconds: float, out) -> None:
             weights.tensor(torch.float32).normal_()
             grads.tensor(torch.float32).normal_()
             s.create_group("g", weights, fuyou_client.AdamW())
-            end, i = time.monotonic() + seconds, 0
-            while time.monotonic() < end:
+            start = time.monotonic()
+            end, i = start + seconds, 0
+            while time.monotonic() < end or (until is not None and not until.is_set()):
+                begun = time.monotonic()  # (CLOCK_MONOTONIC: one clock for every process)
                 payload = rng.randbytes(MiB)
                 src.view[:] = payload
                 t0 = time.perf_counter()
@@ -78,18 +85,21 @@ def modest(index: int, socket: str, seconds: float, out) -> None:
                     s.step_group("g", grads, lr=1e-3)
                     result["step"].append(time.perf_counter() - t0)
                 result["ops"] += 1
+                result["done_at"].append((begun, time.monotonic()))
                 i += 1
+            result["elapsed"] = time.monotonic() - start
     except Exception as exc:  # noqa: BLE001 - reported
         result["errors"].append(f"{type(exc).__name__}: {exc}")
     out.put(result)
 
 
-def greedy(socket: str, seconds: float, out) -> None:
+def greedy(socket: str, seconds: float, out, over=None) -> None:
+    """``over``: an event set once the flood is over (or the client failed)."""
     import fuyou_client
 
     rng = random.Random(99)
     result = {"role": "greedy", "allocated": 0, "memory_refused": "", "stored": 0, "quota_refused": "",
-              "flood_bytes": 0, "errors": []}
+              "flood_bytes": 0, "flood_rounds": 0, "flood_started": None, "flood_ended": None, "errors": []}
     try:
         with fuyou_client.connect(socket) as s:
             held = []
@@ -110,7 +120,8 @@ def greedy(socket: str, seconds: float, out) -> None:
             for i in range(result["stored"] // (8 * MiB)):
                 s.delete(f"hoard{i}")
             flood = held[:4]
-            end = time.monotonic() + seconds
+            result["flood_started"] = time.monotonic()
+            end = result["flood_started"] + seconds
             while time.monotonic() < end:
                 futures = [s.swap_out_async([fuyou_client.Out(f"flood{j}", b)]) for j, b in enumerate(flood)]
                 for f in futures:
@@ -120,31 +131,42 @@ def greedy(socket: str, seconds: float, out) -> None:
                 if bytes(back.view) != bytes(flood[0].view):
                     result["errors"].append("flood bytes read back differ")
                 result["flood_bytes"] += 5 * 8 * MiB
+                result["flood_rounds"] += 1
+            result["flood_ended"] = time.monotonic()
     except Exception as exc:  # noqa: BLE001 - reported
         result["errors"].append(f"{type(exc).__name__}: {exc}")
+    finally:
+        if over is not None:
+            over.set()
     out.put(result)
 
 
 def phase(socket: str, clients: int, seconds: float, with_greedy: bool) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=modest, args=(i, socket, seconds, out)) for i in range(clients - 1)]
+    over = ctx.Event() if with_greedy else None
+    procs = [ctx.Process(target=modest, args=(i, socket, seconds, out, over)) for i in range(clients - 1)]
     if with_greedy:
-        procs.append(ctx.Process(target=greedy, args=(socket, seconds, out)))
+        procs.append(ctx.Process(target=greedy, args=(socket, seconds, out, over)))
     for p in procs:
         p.start()
     results = [out.get(timeout=seconds + 300) for _ in procs]
     for p in procs:
         p.join(60)
-    mod = [r for r in results if r["role"] == "modest"]
+    mod = sorted((r for r in results if r["role"] == "modest"), key=lambda r: r["index"])
     rtt = [x for r in mod for x in r["rtt"]]
     steps = [x for r in mod for x in r["step"]]
+    g = next((r for r in results if r["role"] == "greedy"), None)
+    flood = (g["flood_started"], g["flood_ended"]) if g and g["flood_ended"] is not None else None
     return {
-        "greedy": next((r for r in results if r["role"] == "greedy"), None),
+        "greedy": g,
         "modest_ops": [r["ops"] for r in mod],
+        # (round trips begun and finished while the flood went on: a client the flood starves has none)
+        "modest_ops_during_flood": [sum(flood[0] <= a and b <= flood[1] for a, b in r["done_at"]) for r in mod]
+        if flood else None,
         "modest_errors": [e for r in mod for e in r["errors"]],
-        "modest_verified_bytes_per_s": sum(r["bytes"] for r in mod) / seconds,
-        "modest_ops_per_s": sum(r["ops"] for r in mod) / seconds,
+        "modest_verified_bytes_per_s": sum(r["bytes"] / r["elapsed"] for r in mod if r["elapsed"]),
+        "modest_ops_per_s": sum(r["ops"] / r["elapsed"] for r in mod if r["elapsed"]),
         "rtt_p50_s": percentile(rtt, 0.5), "rtt_p99_s": percentile(rtt, 0.99),
         "step_p50_s": percentile(steps, 0.5), "step_p99_s": percentile(steps, 0.99),
     }

@@ -757,6 +757,9 @@ def main(argv=None) -> int:
         "deepspeed_version": ds.version if ds else None, "deepspeed_op_load_s": ds.load_s if ds else None,
         "skipped": notes, "dir": str(workdir), "kept": args.keep, "wall_s": wall, "host": host_info(parent),
         "argv": sys.argv, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        # (what tests/test_figures.py asks of a result a page cites: how, where and when)
+        "command": " ".join(["python bench/optimizer.py", *(argv if argv is not None else sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -112,6 +112,9 @@ def main(argv=None) -> int:
         def median(case: str, key: str) -> float:
             return statistics.median(g[case][key] for g in rounds)
         result = {
+            # (what tests/test_figures.py asks of a result a page cites: how, where and when)
+            "command": " ".join(["python bench/schedule.py", *(argv if argv is not None else sys.argv[1:])]),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
             "host": host_info(root),
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "params": params, "tokens_per_iteration": tokens,

@@ -38,11 +38,12 @@ from fuyou_proto import rpc
 from fuyoud import __version__, failpoints, namespaces, peers
 from fuyoud.checkpoint import Checkpointer, recover
 from fuyoud.config import Config
-from fuyoud.errors import FailedPrecondition
+from fuyoud.errors import FailedPrecondition, InvalidArgument
 from fuyoud.handler import Admission, AdminAuth, Services
 from fuyoud.housekeeping import Housekeeping
 from fuyoud.io.engine import IOEngine
 from fuyoud.io.select import choose_engine
+from fuyoud.malformed import MalformedRequests
 from fuyoud.memory.hugepages import HugePagePolicy
 from fuyoud.memory.pool import Pool
 from fuyoud.memory.staging import StagingPool
@@ -180,8 +181,9 @@ class Daemon:
                 d.mkdir(parents=True, exist_ok=True, mode=0o750)
             except OSError as exc:
                 log.warning("cannot create checkpoint directory %s: %s", d, exc)
+        malformed = MalformedRequests(lambda method: self.metrics.errors.labels(InvalidArgument.kind).inc())
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="grpc"),
-                             options=[("grpc.so_reuseport", 0)])
+                             interceptors=[malformed], options=[("grpc.so_reuseport", 0)])
         services = Services(self.store, self.pool, self.optimizer, self.sessions, self.metrics, self.checkpointer,
                             AdminAuth(self.admin_token, self.admin_token_path), self.snapshot, self.set_draining,
                             self.admission)

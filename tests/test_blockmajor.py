@@ -333,6 +333,8 @@ def test_the_schedule_bench_runs_and_halves_the_ssd_traffic(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     r = json.loads(out.read_text())
     assert r["losses_bitwise_equal"]
+    # how, where and when, as tests/test_figures.py asks of a result a page cites; the command reruns it
+    assert r["command"] == "python bench/schedule.py " + " ".join(run.args[2:]) and r["host"] and r["date"]
     loop, block = r["cases"]["loop"], r["cases"]["block-major"]
     assert block["weights_read_bytes_per_param_per_iter"] < loop["weights_read_bytes_per_param_per_iter"]
 

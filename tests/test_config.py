@@ -1,5 +1,6 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -68,8 +69,38 @@ def test_check_config_command(tmp_path):
     assert "unknown key [storage.capacity]" in refused.stderr
 
 
-def test_example_config_in_deploy_is_valid():
-    from pathlib import Path
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+# Where the sample says its values differ from the defaults (its header: "the paths,
+# pinned_budget, data_dirs, capacity_per_device"): a systemd install's.
+SYSTEMD_VALUES = {
+    "daemon.state_dir": Path("/var/lib/fuyoud"), "daemon.runtime_dir": Path("/run/fuyoud"),
+    "daemon.checkpoint_dirs": [Path("/var/lib/fuyoud/checkpoints")], "memory.pinned_budget": 8 << 30,
+    "storage.data_dirs": [Path("/var/lib/fuyoud/data")], "storage.capacity_per_device": 16 << 30,
+}
 
-    example = Path(__file__).parent.parent / "deploy" / "fuyoud.toml"
-    load(example)
+
+def test_the_sample_config_sets_every_option_to_its_default_but_a_systemd_installs():
+    """deploy/fuyoud.toml promises every option, each at its default except a systemd
+    install's paths and sizes: an option added without it, a default changed on one side
+    only, or a value the loader drops or misreads fails here."""
+    import dataclasses
+    import tomllib
+
+    from fuyoud.config import Config
+
+    sample = tomllib.loads((DEPLOY / "fuyoud.toml").read_text())
+    cfg, defaults = load(DEPLOY / "fuyoud.toml"), Config()
+    options = {f"{s.name}.{f.name}" for s in dataclasses.fields(Config) for f in dataclasses.fields(getattr(cfg, s.name))}
+    written = {f"{section}.{key}" for section, values in sample.items() for key in values}
+    assert written == options, f"missing from the sample: {sorted(options - written)}; unknown: {sorted(written - options)}"
+    for key in sorted(options):
+        section, name = key.split(".")
+        got, default = getattr(getattr(cfg, section), name), getattr(getattr(defaults, section), name)
+        if key in SYSTEMD_VALUES:
+            assert got == SYSTEMD_VALUES[key] != default, key
+        else:
+            assert got == default, f"[{key}]: the sample says {got!r}, the default is {default!r}"
+    assert cfg.checkpoint_dirs == [cfg.daemon.state_dir / "checkpoints"]  # (the default's place under that state_dir)
+    # The paths are those the unit gives the daemon (StateDirectory=, RuntimeDirectory=).
+    unit = (DEPLOY / "fuyoud.service").read_text()
+    assert "StateDirectory=fuyoud" in unit and "RuntimeDirectory=fuyoud" in unit

@@ -247,3 +247,18 @@ def test_the_block_major_arena_holds_what_train_step_reserves(bench):
         while micro > 1:
             micro, accum = micro // 2, accum * 2
             assert -(-micro * 7 * 3 * 2 // 4096) * 4096 * 4 * accum <= need
+
+
+def test_the_h100_runs_command_reruns_that_run():
+    """bench/results/gpu-h100.json ran the loop (its commit's only schedule); today's default
+    is block-major, so its recorded command names the schedule and every option whose
+    default changed since: parsed by today's bench/gpu.py, it gives the run's own settings."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    gpu = importlib.import_module("gpu")
+    run = json.loads((ROOT / "bench" / "results" / "gpu-h100.json").read_text())
+    command = run["command"].split()
+    assert command[:2] == ["python", "bench/gpu.py"]
+    args = vars(gpu.parse(command[2:]))
+    assert args["schedule"] == run["schedule"] == "loop"
+    for key, value in run["args"].items():
+        assert str(args[key]) == str(value), (key, args[key], value)

@@ -55,9 +55,93 @@ def random_mmap(n, seed):
     return m
 
 
-def test_available_reports_a_reason():
+def _kernel_gives_a_ring() -> tuple[bool, int]:
+    """io_uring_setup(2) called directly, without the extension: (True, 0) where the kernel
+    gives this process a ring, else (False, errno) (ENOSYS: an old kernel; EPERM: disabled
+    by kernel.io_uring_disabled or a seccomp filter)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    params = ctypes.create_string_buffer(120)  # struct io_uring_params, zeroed
+    fd = libc.syscall(425, ctypes.c_uint(8), params)  # (__NR_io_uring_setup on x86-64 and arm64)
+    if fd < 0:
+        return False, ctypes.get_errno()
+    os.close(fd)
+    return True, 0
+
+
+def _toolchain_missing() -> list[str]:
+    """What the C extensions' build needs that this host lacks (run.sh's native_mode)."""
+    import shutil
+    import sysconfig
+
+    missing = [] if shutil.which(os.environ.get("CC", "gcc")) else ["a C compiler"]
+    if not os.path.exists("/usr/include/liburing.h"):
+        missing.append("liburing.h")
+    if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        missing.append("Python.h")
+    return missing
+
+
+def test_the_c_extensions_are_built_where_their_toolchain_is():
+    """A host with a compiler and the headers must have both extensions: a build that
+    fails there is a failure (setup.py under FUYOU_NATIVE=require), not a reason for the
+    io_uring and C-codec tests to skip."""
+    missing = _toolchain_missing()
+    if missing:
+        pytest.skip(f"no toolchain for the C extensions here: {', '.join(missing)}")
+    import importlib
+
+    for name in ("fuyoud._uring", "fuyoud._lowp"):
+        importlib.import_module(name)  # (ImportError: not built although it could have been)
+    from fuyoud.optimizer import lowp
+
+    assert lowp._C is not None  # the int8 codec runs in C, not in its torch fallback
+
+
+def test_available_agrees_with_the_kernel():
+    """``available()`` says yes exactly where the kernel gives a ring (probed here without
+    the extension), and otherwise names the errno it got."""
+    gives, err = _kernel_gives_a_ring()
     ok, why = uring.available()
-    assert isinstance(ok, bool) and isinstance(why, str) and why
+    if gives:
+        assert (ok, why) == (True, "ok")
+        with uring.UringEngine(queue_depth=DEPTH) as eng:  # (and the engine it vouches for works)
+            assert eng.execute([IORequest(Op.READ, -1, 0, memoryview(bytearray(1)))]) == [IOResult(0, errno.EBADF)]
+    else:
+        assert not ok and errno.errorcode[err] in why, why
+
+
+def test_available_without_the_extension_says_it_is_not_built(monkeypatch):
+    import sys
+
+    import fuyoud
+
+    monkeypatch.delattr(fuyoud, "_uring", raising=False)
+    monkeypatch.setitem(sys.modules, "fuyoud._uring", None)  # (import now raises ImportError)
+    ok, why = uring.available()
+    assert not ok and why.startswith("fuyoud._uring not built:"), why
+    with pytest.raises(RuntimeError, match="io_uring engine unavailable: fuyoud._uring not built"):
+        uring.UringEngine()
+
+
+def test_the_engine_is_chosen_by_config_and_availability(monkeypatch):
+    """auto: io_uring where available, else the thread pool with the reason; "io_uring"
+    where it is unavailable: refused with the reason (never a silent fallback)."""
+    from fuyoud.config import IOSection
+    from fuyoud.io.select import choose_engine
+
+    engine, reason = choose_engine(IOSection(engine="threadpool", threads=3))
+    assert isinstance(engine, ThreadPoolEngine) and "configured" in reason
+    engine.close()
+    engine, reason = choose_engine(IOSection(engine="auto"))
+    assert (engine.name == "io_uring") == URING_OK, (engine.name, reason)
+    assert reason == ("auto: io_uring is available" if URING_OK else f"auto: io_uring unavailable ({URING_WHY})")
+    engine.close()
+    monkeypatch.setattr(uring, "available", lambda: (False, "io_uring_queue_init failed: EPERM (refused)"))
+    engine, reason = choose_engine(IOSection(engine="auto"))
+    assert engine.name == "threadpool" and "EPERM" in reason
+    engine.close()
+    with pytest.raises(RuntimeError, match=r'\[io.engine\] = "io_uring" but io_uring is not usable here: .*EPERM'):
+        choose_engine(IOSection(engine="io_uring"))
 
 
 def test_direct_round_trip(engine, path):

@@ -1,8 +1,10 @@
 """Load, short: several clients at once for a few seconds, every byte verified; a greedy
-client is refused by its memory budget and SSD quota and does not starve the others
-(bench/load.py runs it for minutes and reports throughput and latency). Four clients in
-the default suite, for 1.5 s per phase; eight for 3 s (each a spawned Python process, in
-two phases) with `-m slow`."""
+client is refused by its memory budget and SSD quota and does not starve the others:
+each of them begins and finishes verified round trips while the greedy one floods the
+daemon (counted, not timed: a starved client finishes none during the flood, however many
+it did before it). bench/load.py runs it for minutes and reports throughput and latency.
+Four clients in the default suite, for 1.5 s per phase; eight for 3 s (each a spawned
+Python process, in two phases) with `-m slow`."""
 from __future__ import annotations
 
 import sys
@@ -23,6 +25,9 @@ def check_clients_and_a_greedy_one(clients: int, seconds: float) -> None:
         assert len(p["modest_ops"]) == clients - 1 and min(p["modest_ops"]) > 0  # everyone made progress
     g = result["phases"]["greedy"][0]["greedy"]
     assert not g["errors"], g["errors"]
+    assert g["flood_rounds"] > 0
+    during = result["phases"]["greedy"][0]["modest_ops_during_flood"]
+    assert len(during) == clients - 1 and min(during) > 0, f"round trips finished during the flood: {during}"
     assert "budget" in g["memory_refused"] and g["allocated"] <= 48 << 20
     assert "quota" in g["quota_refused"] and g["stored"] <= 96 << 20
     assert g["flood_bytes"] > 0

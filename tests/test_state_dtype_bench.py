@@ -24,6 +24,8 @@ def test_optimizer_bench_reports_every_state_dtype(short_tmp):
     r = json.loads(out.read_text())
     for key in ("fuyou_step_s", "ssd_bound_s", "fuyou_over_ssd_bound", "state_bytes", "correctness"):
         assert key in r, key
+    # how, where and when, as tests/test_figures.py asks of a result a page cites; the command reruns it
+    assert r["command"] == "python bench/optimizer.py " + " ".join(run.args[2:]) and r["host"] and r["date"]
     assert r["state_dtype"] == "fp32" and r["correctness"]["bitwise_equal"]
     by = r["by_state_dtype"]
     assert sorted(by) == sorted(DTYPES)
