@@ -77,6 +77,10 @@ class SessionRegistry:
         self._ids = itertools.count(1)
         self.accepting = True  # False once the daemon is stopping
         self.draining = False  # fuyouctl drain: no new sessions, current ones go on
+        # This daemon's life, the prefix of each token it gives: a token of an earlier life
+        # (a client of a daemon that stopped or died, calling the one started since on the
+        # same socket) is told so (UNAVAILABLE), not taken for an unknown session.
+        self.life = secrets.token_hex(4)
 
     def open(self, uid: int, pid: int, namespace: str | None, pid_start: int | None = None) -> Session:
         with self._lock:
@@ -104,7 +108,7 @@ class SessionRegistry:
             if holder is not None:
                 raise AlreadyExists(
                     f"namespace {shown(namespace)} is held by live session {holder.id} (pid {holder.pid})")
-            session = Session(sid, secrets.token_urlsafe(32), uid, pid, namespace,
+            session = Session(sid, f"{self.life}.{secrets.token_urlsafe(32)}", uid, pid, namespace,
                               namespace_claimed=owner is not None, ephemeral=ephemeral, pid_start=pid_start)
             self._by_token[session.token] = session
             self._by_namespace[namespace] = session
@@ -120,6 +124,11 @@ class SessionRegistry:
 
     def authenticate(self, token: str | None) -> Session:
         session = self._by_token.get(token or "")
+        life, dot, _ = (token or "").partition(".")
+        if session is None and dot and life != self.life:
+            raise Unavailable("fuyoud is not the one that opened this session: that one stopped and this one started "
+                              "since (its sessions ended with it). Everything it committed is safe on the SSD array: "
+                              "continue with attach(model, resume=DIR) from your last engine.save_checkpoint(DIR)")
         if session is None or session.closed:
             raise Unauthenticated("missing or unknown session token: open a session on the session socket first")
         session.last_active = time.time()

@@ -3,6 +3,7 @@ holds nothing; the accept loop outlives EMFILE; a session whose process is gone 
 whose socket a child still holds is reaped; a killed client is counted as killed."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -13,10 +14,13 @@ import sys
 import textwrap
 import time
 
+import grpc
 import pytest
 
 import fuyou_client
-from conftest import SMALL, in_process_config, scrape
+from conftest import SMALL, in_process_config, merge, scrape
+from fuyou_proto import SESSION_METADATA_KEY
+from fuyou_proto import fuyou_pb2 as pb
 from fuyoud import failpoints
 from fuyoud.server import Daemon
 
@@ -178,3 +182,30 @@ def test_a_killed_client_is_counted_as_killed_and_a_closed_one_as_closed(short_t
         assert m['fuyoud_sessions_closed_total{reason="killed"}'] == 1
         assert m['fuyoud_sessions_closed_total{reason="closed"}'] == 1
         assert m['fuyoud_sessions_closed_total{reason="reaped"}'] == 0
+
+
+def test_a_session_of_a_daemon_that_stopped_gets_daemon_unavailable_from_the_one_started_since(short_tmp):
+    """A client whose daemon was restarted (as systemd does) calls the new one on the same
+    socket with the old life's token: it is told the daemon restarted and how to resume
+    (DaemonUnavailable), not that its session is unknown (SessionClosed); a token this
+    daemon never gave is still SessionClosed."""
+    cfg = merge(SMALL, {"storage": {"data_dirs": [str(short_tmp / "a")]}})
+    first = fuyou_client.start_daemon(short_tmp / "state", config=cfg)
+    s = fuyou_client.connect(first.socket, namespace="job")
+    try:
+        first.kill()
+        first.stop()
+        with fuyou_client.start_daemon(short_tmp / "state", config=cfg) as second:
+            assert second.socket == first.socket
+            with pytest.raises(fuyou_client.DaemonUnavailable, match="not the one that opened this session.*resume="):
+                s.objects()
+            with fuyou_client.connect(second.socket, namespace="job") as fresh:  # (the namespace is free)
+                assert fresh.objects() == []
+                with pytest.raises(grpc.RpcError) as err:
+                    fresh._stub.Stat(pb.StatRequest(name="x"), metadata=((SESSION_METADATA_KEY, "nonsense"),))
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "unknown session token" in err.value.details()
+    finally:
+        with contextlib.suppress(fuyou_client.FuyouClientError):
+            s.close()
+        first.stop()
