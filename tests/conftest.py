@@ -5,9 +5,11 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import fuyou_client
 from fuyoud import config as config_mod
@@ -156,3 +158,26 @@ def step_pair(ours, engine, ref, opt, x) -> None:
     ref(x, labels=x).loss.backward()
     opt.step()
     opt.zero_grad()
+
+
+def wait_until(cond, what: str, seconds: float = 30.0, poll: float = 0.02) -> None:
+    """Poll for a state the code under test reaches on its own (a liveness bound, not a
+    timing assertion)."""
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(poll)
+
+
+class TokenRows(torch.utils.data.Dataset):
+    """A causal LM's dataset for the Trainer's tests: ``n`` rows of random tokens below
+    256, each its own labels."""
+
+    def __init__(self, n=16, length=16):
+        self.rows = torch.randint(0, 256, (n, length), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import mmap
 import threading
-import time
 
-from conftest import random_bytes
+from conftest import random_bytes, wait_until
 from fuyoud.fairness import FairTurns
 from fuyoud.io.threadpool import ThreadPoolEngine
 from fuyoud.memory.staging import StagingPool
@@ -17,13 +16,6 @@ from fuyoud.storage.index import IndexDB
 from fuyoud.storage.store import ReadItem, Store, WriteItem
 
 MiB = 1 << 20
-
-
-def wait_until(cond, what: str, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not cond():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.002)
 
 
 def test_turns_go_round_the_owners_that_wait():
@@ -42,7 +34,7 @@ def test_turns_go_round_the_owners_that_wait():
         t = threading.Thread(target=waiter, args=(owner, tag))
         t.start()
         threads.append(t)
-        wait_until(lambda n=i + 1: sum(turns.waiting().values()) == n, f"waiter {tag} queued")
+        wait_until(lambda n=i + 1: sum(turns.waiting().values()) == n, f"waiter {tag} queued", poll=0.002)
     turns.release()
     for t in threads:
         t.join(30)
@@ -69,14 +61,14 @@ def test_busy_owners_hold_equal_shares_of_the_slots():
     workers = [threading.Thread(target=worker, args=(o,), daemon=True) for o in "AAAAAAAA"]
     for w in workers:
         w.start()
-    wait_until(lambda: turns.waiting().get("A") == 8, "A's waiters queued")
+    wait_until(lambda: turns.waiting().get("A") == 8, "A's waiters queued", poll=0.002)
     more = [threading.Thread(target=worker, args=("B",), daemon=True) for _ in range(2)]
     for w in more:
         w.start()
-    wait_until(lambda: turns.waiting().get("B") == 2, "B's waiters queued")
+    wait_until(lambda: turns.waiting().get("B") == 2, "B's waiters queued", poll=0.002)
     for _ in range(4):
         turns.release()  # (A's first four let go)
-    wait_until(lambda: sum(held.values()) == 4, "the slots handed over")
+    wait_until(lambda: sum(held.values()) == 4, "the slots handed over", poll=0.002)
     assert held == {"A": 2, "B": 2}
     gate.set()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import STREAMING, private_daemon, tiny_gpt2, tiny_llama
+from conftest import STREAMING, TokenRows, private_daemon, tiny_gpt2, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -19,17 +19,6 @@ from fuyou_client.integrations.transformers import FuyouTrainer  # noqa: E402
 def daemon():
     with private_daemon(STREAMING, "fy-peft-") as d:
         yield d
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=16, length=16):
-        self.rows = torch.randint(0, 256, (n, length), generator=torch.Generator().manual_seed(7))
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
 LORA = {"gpt2": dict(target_modules=["c_attn", "c_proj"], fan_in_fan_out=True),
@@ -63,9 +52,9 @@ def trained(request, daemon, tmp_path_factory):
     """The plain Trainer and FuyouTrainer after the same three steps of the same LoRA model."""
     family, root = request.param, tmp_path_factory.mktemp(f"peft-{request.param}")
     ref = transformers.Trainer(model=lora_model(family, root / "base"), args=arguments(root / "ref"),
-                               train_dataset=Tokens())
+                               train_dataset=TokenRows())
     ref.train()
-    ours = FuyouTrainer(model=lora_model(family, root / "base"), args=arguments(root / "ours"), train_dataset=Tokens(),
+    ours = FuyouTrainer(model=lora_model(family, root / "base"), args=arguments(root / "ours"), train_dataset=TokenRows(),
                         fuyou={"socket": daemon.socket})
     ours.train()
     yield family, root, ref, ours
@@ -128,11 +117,11 @@ def test_the_best_adapter_is_loaded_at_the_end(daemon, tmp_path):
                 metric_for_best_model="eval_loss", greater_is_better=True)
     ref = transformers.Trainer(model=lora_model("llama", tmp_path / "base"),
                                args=arguments(tmp_path / "ref", max_steps=6, **best),
-                               train_dataset=Tokens(), eval_dataset=Tokens(4))
+                               train_dataset=TokenRows(), eval_dataset=TokenRows(4))
     ref.train()
     ours = FuyouTrainer(model=lora_model("llama", tmp_path / "base"), args=arguments(tmp_path / "ours", max_steps=6,
                                                                                      **best),
-                        train_dataset=Tokens(), eval_dataset=Tokens(4), fuyou={"socket": daemon.socket})
+                        train_dataset=TokenRows(), eval_dataset=TokenRows(4), fuyou={"socket": daemon.socket})
     ours.train()
     name = lambda t: t.state.best_model_checkpoint.rsplit("/", 1)[1]  # noqa: E731
     assert name(ours) == name(ref) != "checkpoint-6"  # (not the last: loading it changes the model)

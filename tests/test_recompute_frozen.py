@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fuyou_client
-from conftest import HYPER, STREAMING, private_daemon, tiny_gpt2
+from conftest import HYPER, STREAMING, private_daemon, step_pair, tiny_gpt2
 
 pytest.importorskip("transformers")
 
@@ -34,13 +34,7 @@ def test_a_block_frozen_before_its_trained_parameters_trains_bitwise(daemon, act
     opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **HYPER, fused=True)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
-        x = torch.randint(0, 256, (2, 16), generator=gen)
-        ours(x, labels=x).loss.backward()
-        engine.step()
-        engine.zero_grad()
-        ref(x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
+        step_pair(ours, engine, ref, opt, torch.randint(0, 256, (2, 16), generator=gen))
     got = ours.state_dict()
     for name, p in ref.state_dict().items():
         assert torch.equal(got[name], p), name

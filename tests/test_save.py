@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fuyou_client
-from conftest import HYPER, STREAMING, private_daemon, step_pair, tiny_gpt2, tiny_llama
+from conftest import HYPER, STREAMING, TokenRows, private_daemon, tiny_gpt2, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,17 +114,6 @@ def test_what_would_not_fit_or_comes_mid_iteration_is_refused(daemon):
     engine.close()
 
 
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=16, length=16):
-        self.rows = torch.randint(0, 256, (n, length), generator=torch.Generator().manual_seed(7))
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
-
-
 def test_the_plain_trainers_own_checkpoint_holds_the_trained_weights(daemon, tmp_path):
     """The plain Trainer given attach's optimizer saves its checkpoint through state_dict():
     checkpoint-N/model.safetensors holds the weights of step N (as engine.export has them),
@@ -137,7 +126,7 @@ def test_the_plain_trainers_own_checkpoint_holds_the_trained_weights(daemon, tmp
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2,
                                           max_steps=2, save_strategy="steps", save_steps=2,
                                           report_to="none", use_cpu=True, disable_tqdm=True, logging_steps=1)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(engine.optimizer, None))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenRows(), optimizers=(engine.optimizer, None))
     trainer.train()
     engine.export(tmp_path / "exported")
     want = fuyou_client.load_exported(tmp_path / "exported")

@@ -12,27 +12,18 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import grpc
 import pytest
 
 import fuyou_client
-from conftest import SMALL, in_process_config, merge, scrape
+from conftest import SMALL, in_process_config, merge, scrape, wait_until
 from fuyou_proto import SESSION_METADATA_KEY
 from fuyou_proto import fuyou_pb2 as pb
 from fuyoud import failpoints
 from fuyoud.server import Daemon
 
 MiB = 1 << 20
-
-
-def wait_until(cond, what: str, seconds: float = 30.0) -> None:
-    """Poll for a state the daemon reaches on its own (a liveness bound, not a timing assertion)."""
-    deadline = time.monotonic() + seconds
-    while not cond():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.02)
 
 
 @pytest.fixture
