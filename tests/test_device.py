@@ -115,7 +115,7 @@ def test_host_accumulation_bounds_the_gradients_waiting_to_leave(daemon):
     before this bound: every group of a backward queued at once). Counted per group: its
     parameters' downloads, pending while its last one is."""
     device = LateCopyDevice(max_delay=0.01)  # copies much slower than this backward
-    waiting, download = [], device.download
+    waiting = []
     from fuyou_client.gradients.host import HostAccumulation
     add = HostAccumulation.add
 

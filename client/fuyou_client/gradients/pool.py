@@ -26,15 +26,13 @@ from fuyou_client.device.devices import Device, after
 from fuyou_client.connection.session import Session
 
 
-from fuyou_client.memory import DEVICE_GRAD_BUFFERS as DEVICE_BUFFERS  # the group in backward, the one downloading
-
-
 class GradientPool:
     """Per size class (``classes``: (host count, device count, bytes), the memory plan's:
     blocks' or sub-blocks' gradients, and cut blocks' own groups', memory/budget.py), host
     buffers for the group in backward and the steps in flight (and a cut block's sums over
-    train_step's micro-batches); on a device with its own memory at most ``DEVICE_BUFFERS``
-    device buffers, since a group's device buffer is free again once its download has run
+    train_step's micro-batches); on a device with its own memory at most
+    ``memory.DEVICE_GRAD_BUFFERS`` device buffers (the group in backward, the one
+    downloading), since a group's device buffer is free again once its download has run
     (milliseconds), not when its step ends: more would take the GPU memory a capped device
     computes with (more only where several groups are in backward at once). A group takes
     a buffer of the smallest class that holds it."""
