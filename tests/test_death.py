@@ -124,8 +124,10 @@ def test_a_dead_daemon_raises_within_seconds_at_any_point(short_tmp, point, rpc)
     # steps go out during backward and are waited for in engine.step().
     env = dict(os.environ, FUYOUD_FAILPOINTS=f"rpc.{rpc}=kill")
     d = fuyou_client.start_daemon(short_tmp / "state", config=merge(SMALL, {}), env=env)
-    model = Blocks()
-    engine = fuyou_client.attach(model, socket=d.socket)
+    # (more blocks than the weight slots: backward fetches those whose slots forward's later
+    # blocks took; it finds the last ones still in theirs)
+    model = Blocks(depth=16)
+    engine = fuyou_client.attach(model, socket=d.socket, prefetch=1)
     x = torch.randn(8, 128)
     t0 = time.monotonic()
     with pytest.raises(fuyou_client.DaemonUnavailable, match="resume=DIR") as err:

@@ -85,7 +85,7 @@ def _write_shards(trained: "Trained", out: Path, names: dict[int, str], dtype: t
     """Each layer group's shard (and the parameters no group holds, and the buffers, in the
     last), then the index and the model's config; ``writer`` None: this rank writes nothing."""
     model = trained.model
-    keys = set(model.state_dict().keys())
+    keys = set(model.state_dict(keep_vars=True).keys())  # (the names only: no trained values read)
     buffers = {n: b.detach().cpu().clone() for n, b in model.named_buffers() if n in keys}
     count = len(trained.groups)
     weight_map, total, done = {}, 0, set()
@@ -150,7 +150,7 @@ def _shard_tensors(trained: "Trained", names: dict[int, str], dtype: torch.dtype
         params, shapes = group_params(g), group_shapes(g)
         done.update(id(p) for p in params)
         shards.append([(names[id(p)], shape, dtype or g.dtype) for p, shape in zip(params, shapes)])
-    keys = set(model.state_dict().keys())
+    keys = set(model.state_dict(keep_vars=True).keys())  # (the names only: no trained values read)
     shards[-1] += [(names[id(p)], p.shape, dtype or p.dtype) for p in model.parameters() if id(p) not in done]
     shards[-1] += [(n, b.shape, b.dtype) for n, b in model.named_buffers() if n in keys]
     return shards

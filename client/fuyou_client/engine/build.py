@@ -50,8 +50,9 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
     # blocks do not fit; a budget that cannot hold the smallest plan is refused before
     # anything is allocated; the plan is then reserved in the daemon (held against the
     # other sessions).
+    sharers = parallel.daemon_sharers(session)  # (a collective: once, on every rank, whatever the plans do)
     specs, layout, plan = hold_plan(session, lambda: plan_granularity(model, session, specs, torch_groups, options,
-                                                                      device, parallel, resume))
+                                                                      device, parallel, resume, sharers))
     (log.warning if plan.shrunk else log.info)("%s", plan.describe())
     options = dataclasses.replace(options, prefetch=plan.prefetch, host_budget=plan.host_budget)
     if parallel.holds_state:  # (an optimizer-host worker keeps no state: its optimizer ranks check theirs)
@@ -192,12 +193,13 @@ def hold_plan(session, make_plan):
 
 
 def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_groups: TorchGroups,
-                     options: AttachOptions, device: Device, parallel, resume: bool = False):
+                     options: AttachOptions, device: Device, parallel, resume: bool = False, sharers: int = 1):
     """(specs, layout, memory plan): the layer groups by whole blocks, or cut into sub-blocks
     (model/cuts.py) where ``granularity`` asks or ("auto") where whole blocks do not fit the
     pinned or the device plan (``resume``: as the checkpoint's groups are); the memory plan
     holds the device plan (``plan.device``). Raises memory.DoesNotFit or
-    memory.DeviceDoesNotFit, naming the bytes, before any allocation."""
+    memory.DeviceDoesNotFit, naming the bytes, before any allocation. ``sharers``: the
+    job's processes sharing the daemon (memory.limits_of)."""
     wanted = options.granularity if options.offload else "block"
     if parallel.strategy_kind is not None:  # (data parallelism, an optimizer host's worker)
         if wanted == "module":
@@ -207,7 +209,7 @@ def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_gr
     elif resume:
         wanted = restored_granularity(session, specs, wanted)
     tries = ["block", "module"] if wanted == "auto" else [wanted]
-    limits = memory.limits_of(session)
+    limits = memory.limits_of(session, sharers)
     budget, available = options.device_memory, device.memory_available()
     if budget is None and available is not None:
         budget = max(0, available - device.memory_reserve())

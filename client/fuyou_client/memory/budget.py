@@ -92,22 +92,27 @@ class Limits:
     optimizer_buffer_budget: int = 1 << 30
     optimizer_buffers: int = 6
     others: int = 0  # what the daemon's other sessions hold of its budget (allocated or reserved by their plans)
+    sharers: int = 1  # the job's processes on this daemon, each within an equal part of its budget
 
     @property
     def room(self) -> int:
         return max(0, self.session_budget - self.held)
 
 
-def limits_of(session) -> Limits:
+def limits_of(session, sharers: int = 1) -> Limits:
     """The limits of a session of a running daemon, now (its Status; daemons older than
     the session budget's field: their whole pinned budget). The daemon's budget for all
-    sessions bounds it too."""
+    sessions bounds it too, and ``sharers``: the processes of one job that share this
+    daemon (data parallelism's ranks of one host) each take at most an equal part of it,
+    so that the first to plan does not hold what the others' plans need."""
     st = session.status()
     budget = st.session_budget_bytes or st.pinned_budget_bytes
+    if sharers > 1:
+        budget = min(budget, st.pinned_budget_bytes // sharers)
     held = session.pinned_bytes
     others = max(0, st.pinned_used_bytes + st.pinned_reserved_bytes - held)  # (their plans' reservations too)
     return Limits(min(budget, max(0, st.pinned_budget_bytes - others)), held, st.segment_bytes or 64 << 20,
-                  st.optimizer_buffer_budget_bytes or 1 << 30, st.optimizer_buffers or 6, others)
+                  st.optimizer_buffer_budget_bytes or 1 << 30, st.optimizer_buffers or 6, others, sharers)
 
 
 @dataclass(frozen=True)
@@ -407,15 +412,18 @@ def _fixed(groups: list[GroupShape], shares_host_memory: bool) -> list[Item]:
 def _refusal(smallest: MemoryPlan, wanted: Wanted, limits: Limits, kept: int = 0) -> str:
     fixed = [f"{w}={v}" for w, v in (("prefetch", wanted.prefetch), ("keep", wanted.keep or None),
                                       ("host_budget", wanted.host_budget)) if v is not None]
+    needed = max(smallest.total + limits.held + limits.others, (smallest.total + limits.held) * limits.sharers)
+    ranks = (f"; this job's {limits.sharers} processes on this fuyoud take an equal part of its budget each"
+             if limits.sharers > 1 else "")
     shared = (f"; fuyoud's other sessions hold {format_size(limits.others)} of its budget (allocated or reserved "
               "by their plans): it frees as they end (`fuyouctl sessions` lists them)" if limits.others else "")
     return (f"this model does not fit the session's pinned-memory budget: the smallest plan takes "
             f"{format_size(smallest.total)} and the session may take {format_size(limits.room)} (budget "
             f"{format_size(limits.session_budget)}{f', {format_size(limits.held)} held already' if limits.held else ''}"
-            f"{shared}). "
+            f"{ranks}{shared}). "
             + ("Wait for them, or raise" if limits.others else "Raise")
             + f" fuyoud's [memory] pinned_budget (and session_budget, if set) to at least "
-            f"{format_size(smallest.total + limits.held + limits.others)}"
+            f"{format_size(needed)}"
             + (f", or leave {', '.join(fixed)} to the plan" if fixed else "")
             + "; bf16 weights halve the blocks' buffers."
             + (f" Every block keeps its gradients until the step ({format_size(kept)}: accumulation_steps > 1 or "

@@ -67,6 +67,11 @@ class SingleProcess:
         """(after the engine is built) Each rank's (host, daemon); None for one process."""
         return None
 
+    def daemon_sharers(self, session) -> int:
+        """(every rank, before the memory plan) How many of the job's processes share this
+        process's daemon, this one included: each plans within its part of the daemon's budget."""
+        return 1
+
     # -- the engine's parts ---------------------------------------------------------------
     def gradient_strategy(self, options, device, param_groups):
         """(with ``strategy_kind``) The gradient strategy of every trained group.
@@ -169,6 +174,10 @@ class DataParallel(SingleProcess):
     def joined(self, session) -> list:
         self.world.agree(None, "attach")
         return self.world.gather(distributed.daemon_identity(session))
+
+    def daemon_sharers(self, session) -> int:
+        mine = distributed.daemon_identity(session)
+        return sum(peer == mine for peer in self.world.gather(mine))
 
     # -- the engine's parts ---------------------------------------------------------------
     def gradient_strategy(self, options, device, param_groups) -> Sharded:
