@@ -105,3 +105,24 @@ def test_the_daemons_memory_is_unmapped_in_the_client_when_the_engine_closes():
             assert d.status().pinned_used_bytes == 0
     finally:
         gc.enable()
+
+
+def test_a_jobs_processes_on_one_daemon_each_plan_within_an_equal_part_of_its_budget():
+    """Data parallelism's ranks of one host share its daemon: each plans within an equal
+    part of the budget (memory.limits_of's sharers), so the first ranks' plans, held, do
+    not take what the last one needs; a refusal says so and names the budget they all need."""
+    from fuyou_client import memory
+    from fuyou_proto.units import format_size
+
+    with private_daemon(CONFIG, prefix="fy-ten-") as d, fuyou_client.connect(d.socket) as s:
+        budget = s.status().pinned_budget_bytes
+        assert memory.limits_of(s).session_budget == budget
+        three = memory.limits_of(s, sharers=3)
+        assert three.session_budget == budget // 3 and three.sharers == 3
+        shapes = [memory.GroupShape(f"block{i}", 40_000_000, 4) for i in range(4)]
+        with pytest.raises(memory.DoesNotFit) as refused:
+            memory.plan(shapes, three)
+        text = str(refused.value)
+        assert "this job's 3 processes on this fuyoud take an equal part of its budget each" in text, text
+        smallest = refused.value.smallest.total
+        assert f"to at least {format_size(3 * smallest)}" in text, text
