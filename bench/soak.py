@@ -60,7 +60,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import host_info  # noqa: E402
-from soak_run import CHECKPOINT_PAUSE_S, CONFIG, JOBS, KINDS, Fault, Run  # noqa: E402
+from soak_run import CHECKPOINT_PAUSE_S, JOBS, KINDS, Fault, Run, daemon_config  # noqa: E402
 
 
 
@@ -155,7 +155,7 @@ def soak(jobs: int, steps: int, every: int, faults: int, seeds: list[int], direc
     for spec in specs:
         spec["steps"] = max(every, round(steps * spec.pop("pace") / every) * every)
     result: dict = {"jobs": specs, "steps": steps, "every": every, "keep": keep, "restart_s": restart_s,
-                    "config": CONFIG, "checkpoint_pause_s": CHECKPOINT_PAUSE_S, "runs": []}
+                    "config": daemon_config(jobs), "checkpoint_pause_s": CHECKPOINT_PAUSE_S, "runs": []}
     try:
         t = time.monotonic()
         clean = Run(root / "clean", specs, None, 0, restart_s, deadline)

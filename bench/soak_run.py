@@ -40,9 +40,10 @@ JOBS = [
          pace=0.4),
 ]
 MiB = 1 << 20
+PINNED_MIB = 512
 CONFIG = {  # small buffers, two data directories (the array stripes over both), data files that grow
     "storage": {"stripe_size": "1MiB"},
-    "memory": {"pinned_budget": "512MiB", "segment_size": "8MiB", "staging_size": "4MiB"},
+    "memory": {"pinned_budget": f"{PINNED_MIB}MiB", "segment_size": "8MiB", "staging_size": "4MiB"},
     "io": {"chunk_size": "256KiB", "queue_depth": 16, "threads": 4},
     "optimizer": {"buffer_budget": "48MiB", "buffers": 6},
 }
@@ -65,11 +66,21 @@ class Fault:
     recovery_s: float | None = None
 
 
+def daemon_config(jobs: int) -> dict:
+    """CONFIG, each of ``jobs`` jobs given its part of the pinned budget, as an operator
+    sharing a daemon among N jobs sets it: a job's memory plan is held from its attach, so
+    the first jobs' default plans would leave the last too little (refused at attach until
+    one ends)."""
+    out = {k: dict(v) for k, v in CONFIG.items()}
+    out["memory"]["session_budget"] = f"{PINNED_MIB // max(1, jobs)}MiB"
+    return out
+
+
 class Daemon:
     """fuyoud under the soak, restarted as systemd would: same state, same config."""
 
-    def __init__(self, root: Path, env: dict | None):
-        self.root, self.env, self.proc = root, env, None
+    def __init__(self, root: Path, env: dict | None, jobs: int):
+        self.root, self.env, self.proc, self.jobs = root, env, None, jobs
         self.restarts: list[dict] = []
 
     def start(self) -> float:
@@ -80,7 +91,7 @@ class Daemon:
         return time.monotonic() - t0
 
     def config(self) -> dict:
-        out = {k: dict(v) for k, v in CONFIG.items()}
+        out = daemon_config(self.jobs)
         out["storage"]["data_dirs"] = [str(self.root / "ssd0"), str(self.root / "ssd1")]
         return out
 
@@ -165,7 +176,7 @@ class Run:
             env = dict(os.environ, FUYOUD_IO_FAULTS=str(self.fault_file),
                        FUYOUD_FAILPOINTS=f"checkpoint.linked=sleep({CHECKPOINT_PAUSE_S}),"
                                          f"checkpoint.copied=sleep({CHECKPOINT_PAUSE_S})")
-        self.daemon = Daemon(root, env)
+        self.daemon = Daemon(root, env, len(specs))
         self.jobs = [Job(f"job{i}", spec, root) for i, spec in enumerate(specs)]
         self.faults: list[Fault] = []
         self.t0 = time.monotonic()
