@@ -211,7 +211,8 @@ def launch(config: str, args, dtype: str, daemons: list, workdir: Path, tag: str
     procs, logs = [], []
     t0, busy0, own0, load0 = now(), busy_cpu_s(), own_cpu_s(daemons), os.getloadavg()[0]
     for host, cmd in enumerate(commands(config, args, dtype, out, tag)):
-        env = dict(os.environ, OMP_NUM_THREADS="1", FUYOUD_SOCKET=daemons[host].socket)
+        # (TMPDIR: torchrun's torchelastic_* directories go with the work directory)
+        env = dict(os.environ, OMP_NUM_THREADS="1", FUYOUD_SOCKET=daemons[host].socket, TMPDIR=str(workdir))
         log = open(workdir / f"{tag}-host{host}.log", "wb")
         logs.append(log)
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,

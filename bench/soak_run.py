@@ -379,8 +379,11 @@ class Run:
             self.wait_until(lambda: False, seconds)
             self.arm([])
         elif kind == "damaged_checkpoint":
-            candidates = [j for j in running if self._newest_is_a_copy(j)]
-            if not candidates:
+            # (a third of the checkpoints are copies: wait for a moment a running job's newest is one)
+            if not self.wait_until(lambda: any(self.busy(j) and self._newest_is_a_copy(j) for j in self.jobs), 30):
+                return None
+            candidates = [j for j in self.jobs if self.busy(j) and self._newest_is_a_copy(j)]
+            if not candidates:  # (gone again meanwhile)
                 return None
             job = rng.choice(candidates)
             self.strike(fault)

@@ -87,6 +87,10 @@ def from_code(code: str, message: str) -> FuyouClientError:
     return BY_CODE.get(code, FuyouClientError)(message)
 
 
+# What gRPC's transport says, with INTERNAL, of a stream reset or dropped under a call.
+TRANSPORT_RESETS = ("RST_STREAM", "Stream removed", "Socket closed", "Connection reset")
+
+
 def from_rpc_error(exc: grpc.RpcError) -> FuyouClientError:
     code = exc.code()
     if code == grpc.StatusCode.UNAVAILABLE:
@@ -97,6 +101,13 @@ def from_rpc_error(exc: grpc.RpcError) -> FuyouClientError:
             f"fuyoud is not reachable ({details}). If it died, everything it committed is safe on the SSD "
             "array: restart it (systemctl restart fuyoud, or fuyou_client.start_daemon on the same state "
             "directory) and continue with attach(model, resume=DIR) from your last engine.save_checkpoint(DIR)")
+    if code == grpc.StatusCode.INTERNAL and any(t in (exc.details() or "") for t in TRANSPORT_RESETS):
+        # (gRPC's own INTERNAL for a stream the other end reset or dropped mid-call: the daemon
+        # stopped or died under it; fuyoud's own INTERNAL says "internal error in <method>")
+        return DaemonUnavailable(
+            f"fuyoud's connection broke during this request ({exc.details()}): it stopped or died. Everything it "
+            "committed is safe on the SSD array: once fuyoud runs again, continue with attach(model, resume=DIR) "
+            "from your last engine.save_checkpoint(DIR)")
     if code == grpc.StatusCode.CANCELLED:  # (the client cancels none of its calls: the daemon, stopping, did)
         return DaemonUnavailable(
             f"fuyoud cancelled this request ({exc.details() or 'CANCELLED'}): it is stopping and the request ran "
