@@ -62,22 +62,14 @@ class MalformedRequests(grpc.ServerInterceptor):
                     refuse(m, context)
                 yield m
 
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            def behaviour(request, context):
-                if isinstance(request, _Malformed):
-                    refuse(request, context)
-                return inner(request, context)
-            return handler._replace(request_deserializer=deserialize, unary_unary=behaviour)
-        if handler.unary_stream is not None:
-            inner = handler.unary_stream
-
-            def behaviour(request, context):
-                if isinstance(request, _Malformed):
-                    refuse(request, context)
-                return inner(request, context)
-            return handler._replace(request_deserializer=deserialize, unary_stream=behaviour)
+        for kind in ("unary_unary", "unary_stream"):  # (one request message: checked before the method)
+            inner = getattr(handler, kind)
+            if inner is not None:
+                def behaviour(request, context, inner=inner):
+                    if isinstance(request, _Malformed):
+                        refuse(request, context)
+                    return inner(request, context)
+                return handler._replace(request_deserializer=deserialize, **{kind: behaviour})
         if handler.stream_unary is not None:
             inner = handler.stream_unary
             return handler._replace(request_deserializer=deserialize,
