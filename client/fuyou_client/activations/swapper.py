@@ -64,6 +64,7 @@ class ActivationStats:
     spill_s: float = 0.0
     read_back: int = 0
     read_back_s: float = 0.0
+    returned: int = 0  # bytes backward took back
 
     def kept(self, n: int) -> None:
         self.device_bytes += n
@@ -95,10 +96,12 @@ class _Kept:
 
 
 class ActivationSwapper:
-    def __init__(self, session: Session, host_budget: int, protected=lambda t: False, device: Device | None = None):
+    def __init__(self, session: Session, host_budget: int, protected=lambda t: False, device: Device | None = None,
+                 min_bytes: int = MIN_BYTES):
         if host_budget < ALIGN:
             raise ValueError(f"host_budget must be at least {ALIGN} bytes, got {host_budget}")
         self.session = session
+        self.min_bytes = min_bytes  # (smaller saved tensors are kept where they are)
         self.device = device or HostDevice()
         self.measure = False  # time copies to completion (the planner's profile on an asynchronous device)
         self._uploading: list[tuple[object, int, int]] = []  # (event, offset, nbytes): arena ranges in use
@@ -110,6 +113,21 @@ class ActivationSwapper:
         self._keys = itertools.count()
         self._host: dict[int, _Parked] = {}  # in the arena, in pack order
         self._ssd: dict[int, _Parked] = {}  # spilled, in pack order
+
+    def sibling(self, host_budget: int) -> "ActivationSwapper":
+        """Another swapper on the same session and device, telling weights from activations
+        as this one does, with an arena of its own of ``host_budget`` bytes, swapping
+        every activation however small (train_step's: blockmajor/swapped.py; the device
+        plan counts one block's activations at a time, so none may stay there for the step)."""
+        return ActivationSwapper(self.session, host_budget, self._protected, self.device, min_bytes=0)
+
+    def close(self) -> None:
+        """Everything parked dropped and the arena given back (the engine's close)."""
+        if self._arena is not None:
+            self.reset()
+            self.device.synchronize()
+            self._arena.free()
+            self._arena = self._tier = None
 
     @property
     def arena(self) -> Arena:
@@ -145,7 +163,7 @@ class ActivationSwapper:
         nbytes = t.numel() * t.element_size()
         if self._protected(t):
             return t
-        if not swap or nbytes < MIN_BYTES or t.device != self.device.torch_device:
+        if not swap or nbytes < self.min_bytes or t.device != self.device.torch_device:
             self.stats.kept(nbytes)
             return _Kept(t, nbytes)
         if nbytes > self.arena.size:
@@ -206,6 +224,7 @@ class ActivationSwapper:
         if not isinstance(saved, _Parked):
             return saved
         p = saved
+        self.stats.returned += p.nbytes
         if p.key in self._ssd:
             self._read_back(p)
         self._read_ahead(p.key)

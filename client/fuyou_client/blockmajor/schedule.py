@@ -48,33 +48,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fuyou_client.blockmajor.store import Store
-
-
-@contextmanager
-def micro_batch_rng(seed: int, k: int, device: torch.device | None = None):
-    """The generators micro-batch ``k`` of a ``train_step`` whose seed was ``seed`` draws
-    from: ``with micro_batch_rng(seed, k): loss_fn(mb).backward()`` in an ordinary loop
-    draws the same dropout masks. The default generators are restored after."""
-    cuda = device is not None and device.type == "cuda"
-    with torch.random.fork_rng(devices=[device.index or 0] if cuda else [], device_type="cuda"):
-        _seed(seed + k, device if cuda else None)
-        yield
-
-
-def _seed(seed: int, cuda: torch.device | None) -> None:
-    torch.default_generator.manual_seed(seed)
-    if cuda is not None:
-        torch.cuda.default_generators[cuda.index or 0].manual_seed(seed)
-
-
-def _rng(cuda: torch.device | None):
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(cuda) if cuda is not None else None)
-
-
-def _set_rng(state, cuda: torch.device | None) -> None:
-    torch.set_rng_state(state[0])
-    if cuda is not None:
-        torch.cuda.set_rng_state(state[1], cuda)
+from fuyou_client.blockmajor.swapped import Swapped
+from fuyou_client.blockmajor.turns import Aborted, Turns, rng_state, seed_generators, set_rng_state
 
 
 def _is_cache(x) -> bool:
@@ -88,45 +63,6 @@ def _checked(loss, i: int) -> torch.Tensor:
                          f"{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)} for micro-batch {i}: "
                          "it must return a scalar floating-point tensor")
     return loss
-
-
-class _Aborted(Exception):
-    """Another micro-batch's thread failed: this one stops."""
-
-
-class _Turns:
-    """Whose turn it is: one micro-batch's thread computes at a time, in a fixed order of
-    (block, micro-batch) turns ("prologue" turns first: each micro-batch up to block 0).
-    ``turn_done()`` runs on the thread that ends a turn, before the next one may start
-    (the device gives back what it keeps per computing thread: device.devices)."""
-
-    def __init__(self, order: list[tuple[int, int]], k: int, turn_done=lambda: None):
-        self.order, self.i, self.turn_done = order, 0, turn_done
-        self.ready = [threading.Event() for _ in range(k)]
-        self.error: BaseException | None = None
-        self.ready[order[0][1]].set()
-
-    def wait(self, turn: tuple[int, int]) -> None:
-        event = self.ready[turn[1]]
-        event.wait()
-        event.clear()
-        if self.error is not None:
-            raise _Aborted
-        if self.order[self.i] != turn:
-            raise RuntimeError(f"the model called block {turn[0]} of micro-batch {turn[1]} when "
-                               f"{self.order[self.i]} was due: train_step needs blocks called once each, in order")
-
-    def advance(self) -> None:
-        self.turn_done()
-        self.i += 1
-        if self.i < len(self.order):
-            self.ready[self.order[self.i][1]].set()
-
-    def abort(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
-        for event in self.ready:
-            event.set()
 
 
 @dataclass
@@ -165,8 +101,10 @@ class BlockMajor:
     """One ``train_step``: forward, backward and the rest's backward, in block-major order.
     ``blocks``: [(module, offloaded group or None, forward)], in forward order."""
 
-    def __init__(self, model, device, offloader, blocks: list, rest_trains: bool, store: Store):
+    def __init__(self, model, device, offloader, blocks: list, rest_trains: bool, store: Store,
+                 swapped: Swapped | None = None):
         self.model, self.offloader, self.blocks, self.store = model, offloader, blocks, store
+        self.swapped = swapped  # (blocks whose graphs are kept, their activations swapped: swapped.py)
         self._rest = rest_trains  # (the embeddings', head's, final norm's group has trained parameters)
         self.device = device
         self.cuda = self.device.torch_device if self.device.torch_device.type == "cuda" else None
@@ -182,12 +120,12 @@ class BlockMajor:
         with torch.random.fork_rng(devices=[self.cuda.index or 0] if self.cuda else [], device_type="cuda"):
             micros = []
             for i in range(k):
-                _seed(seed + i, self.cuda)
-                state = _rng(self.cuda)
+                seed_generators(seed + i, self.cuda)
+                state = rng_state(self.cuda)
                 micros.append(_Micro(rng=state, initial=state))
             if not self.blocks:  # (no repeated blocks: every parameter is in the rest group)
                 for i, (mb, micro) in enumerate(zip(micro_batches, micros)):
-                    _set_rng(micro.initial, self.cuda)
+                    set_rng_state(micro.initial, self.cuda)
                     micro.loss = _checked(loss_fn(mb), i)
                     micro.loss.backward()
                     micro.loss = micro.loss.detach()
@@ -230,7 +168,7 @@ class BlockMajor:
     def _forward(self, micro_batches, loss_fn, micros) -> None:
         k, n = len(micro_batches), len(self.blocks)
         order = [(-1, i) for i in range(k)] + [(l, i) for l in range(n) for i in range(k)]
-        self.turns = _Turns(order, k, self.device.thread_turn_done)
+        self.turns = Turns(order, k, self.device.thread_turn_done)
         self.micros = micros
         context = self._context()
         errors: list[BaseException] = []
@@ -240,7 +178,7 @@ class BlockMajor:
             try:
                 with context():
                     self.turns.wait((-1, i))
-                    _set_rng(micros[i].rng, self.cuda)
+                    set_rng_state(micros[i].rng, self.cuda)
                     loss = _checked(loss_fn(micro_batches[i]), i)
                     if micros[i].last != n - 1:
                         raise RuntimeError(f"micro-batch {i}'s forward called {micros[i].last + 1} of the {n} blocks: "
@@ -256,7 +194,7 @@ class BlockMajor:
                     micros[i].loss = loss.detach()
                     micros[i].rng = None
                 self.turns.advance()
-            except _Aborted:
+            except Aborted:
                 pass
             except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
                 errors.append(exc)
@@ -297,14 +235,14 @@ class BlockMajor:
         if micro.last != l - 1:
             raise RuntimeError(f"micro-batch {i} called block {l} after block {micro.last}: train_step needs every "
                                "block called once, in order")
-        micro.rng = _rng(self.cuda)
+        micro.rng = rng_state(self.cuda)
         early = l == 0 and not self.device.shares_host_memory
         if early:  # (still its prologue's turn)
             call, carried = self._record(0, i, args, kwargs)
             self._park(carried, tree_flatten((args, kwargs))[0], i)
         self.turns.advance()  # (its prologue or previous block is done)
         self.turns.wait((l, i))
-        _set_rng(micro.rng, self.cuda)
+        set_rng_state(micro.rng, self.cuda)
         module, og, forward = self.blocks[l]
         if not early:
             call, carried = self._record(l, i, args, kwargs)
@@ -313,33 +251,41 @@ class BlockMajor:
             self.offloader.prefetch_within = og.unit if i < k - 1 else None
         if i == 0 and og is not None:
             self.offloader.enter_forward(og)  # (weights in, the next blocks' fetches started)
-        if l > 0 or early:
-            carried = self.store.take(("x", l, i), keep=True)
+        swapped = self.swapped is not None and l in self.swapped
+        if l > 0 or early:  # (a swapped block's: forward's take is its last)
+            carried = self.store.take(("x", l, i), keep=not swapped, forward=swapped)
+        elif swapped:  # (block 0 on the CPU computes from the model's own tensors)
+            self.store.drop(("x", 0, i))
         for nxt in ([("x", l, i + 1)] if i + 1 < k else [("x", l + 1, 0)] if l + 1 < n else []):
             self.store.prefetch(nxt)
         self.rng[(l, i)] = micro.rng  # (the state the block starts from, for its recomputation)
-        args, kwargs = self._rebuild(call, carried)
-        with torch.no_grad():
-            out = forward(*args, **kwargs)
-        del args, kwargs, carried
+        if swapped:
+            out = self.swapped.forward((l, i), forward, lambda entered: self._rebuild(call, entered), carried,
+                                       set(call.sources))
+        else:
+            args, kwargs = self._rebuild(call, carried)
+            with torch.no_grad():
+                out = forward(*args, **kwargs)
+            del args, kwargs
+        del carried
         if i == k - 1 and og is not None:
             self.offloader.exit_forward(og)
         leaves, spec = tree_flatten(out)
         floating = [j for j, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
         self.out_specs.setdefault(l, (spec, floating))
-        tensors = [leaves[j] for j in floating]
+        tensors = [leaves[j].detach() for j in floating]
         if l + 1 < n or self._rest_trains():  # (the last outputs: for the rest's backward only)
             self.store.put(("x", l + 1, i), tensors)
         micro.last = l
         if l == n - 1:  # the tail: with a graph, from leaves
             given = [t.detach().requires_grad_() for t in tensors]
             self._last_leaves[i] = given
-            micro.tail = _rng(self.cuda)
+            micro.tail = rng_state(self.cuda)
         else:
             given = [torch.empty_like(t, device="meta") for t in tensors]
             micro.ghosts = {id(g): j for j, g in enumerate(given)}
             micro.ghost_refs = given
-            micro.rng = _rng(self.cuda)
+            micro.rng = rng_state(self.cuda)
         for j, t in zip(floating, given):
             leaves[j] = t
         return tree_unflatten(leaves, spec)
@@ -395,7 +341,8 @@ class BlockMajor:
                                        "the previous block's output: train_step cannot carry it")
         if l == 0:
             self.store.reserve(sum(t.numel() * t.element_size() for t in tensors) or 1, len(self.blocks),
-                               len(self.micros), last=self._rest_trains())
+                               len(self.micros), last=self._rest_trains(),
+                               swapped=self.swapped.blocks if self.swapped is not None else frozenset())
             self.store.put(("x", 0, i), tensors)
         for j in carried:
             leaves[j] = None  # (the stored tensors stand in for them)
@@ -433,28 +380,39 @@ class BlockMajor:
                             [("x", l - 1, 0), ("g", l - 1, 0)] if l > 0 else []):
                     self.store.prefetch(nxt)
                 call = self.calls.pop((l, i))
-                stored = self.store.take(("x", l, i))
-                args, kwargs, inputs = self._rebuild(call, stored, grad=True)
-                grads = self.store.take(("g", l, i))
-                _set_rng(self.rng.pop((l, i)), self.cuda)
-                with torch.enable_grad():
-                    out = forward(*args, **kwargs)
-                leaves, _ = tree_flatten(out)
-                pairs = [(leaves[j], g) for j, g in zip(floating, grads)
-                         if g is not None and leaves[j].requires_grad]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                del out, leaves, pairs
-                d_inputs = [None] * len(stored)  # (aligned with the previous block's outputs)
-                for x, s in zip(inputs, call.sources):
-                    if x.grad is not None:
-                        d_inputs[s] = x.grad if d_inputs[s] is None else d_inputs[s] + x.grad
+                rng = self.rng.pop((l, i))
+                if self.swapped is not None and l in self.swapped:  # (no recomputation: its graph was kept)
+                    if og is not None and og.cut and i:
+                        offloader.next_micro_batch(og)
+                    d_inputs = self.swapped.backward((l, i), floating, self.store.take(("g", l, i)))
+                else:
+                    d_inputs = self._recomputed_backward(forward, call, floating, rng, (l, i))
                 self.store.put(("g", l - 1, i), d_inputs)
-                del stored, inputs, args, kwargs
+                del d_inputs
             if og is not None and og.slot is not None:  # (a frozen block: no gradient released it)
                 offloader.let_go(og)
         if offloader is not None:
             offloader.prefetch_within = None
+
+    def _recomputed_backward(self, forward, call: _Call, floating: list[int], rng, key) -> list:
+        """A block's backward for one micro-batch, its forward recomputed from its kept
+        input; returns the input gradients, aligned with the previous block's outputs."""
+        stored = self.store.take(("x", *key))
+        args, kwargs, inputs = self._rebuild(call, stored, grad=True)
+        grads = self.store.take(("g", *key))
+        set_rng_state(rng, self.cuda)
+        with torch.enable_grad():
+            out = forward(*args, **kwargs)
+        leaves, _ = tree_flatten(out)
+        pairs = [(leaves[j], g) for j, g in zip(floating, grads) if g is not None and leaves[j].requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        del out, leaves, pairs
+        d_inputs = [None] * len(stored)
+        for x, s in zip(inputs, call.sources):
+            if x.grad is not None:
+                d_inputs[s] = x.grad if d_inputs[s] is None else d_inputs[s] + x.grad
+        return d_inputs
 
     # -- the rest -------------------------------------------------------------------------
     def _rest_backward(self, micro_batches, loss_fn, micros) -> None:
@@ -471,7 +429,7 @@ class BlockMajor:
                                    and x.requires_grad]
             if l == n - 1:
                 tensors = state["last"]
-                _set_rng(state["tail"], self.cuda)
+                set_rng_state(state["tail"], self.cuda)
             else:
                 tensors = [None] * len(floating)
             leaves = [None] * spec.num_leaves
@@ -487,7 +445,7 @@ class BlockMajor:
                 state["last"] = self.store.take(("x", n, i))
                 state["tail"] = micros[i].tail
                 d_inputs = self.store.take(("g", -1, i))
-                _set_rng(micros[i].initial, self.cuda)
+                set_rng_state(micros[i].initial, self.cuda)
                 loss = loss_fn(micro_batches[i])
                 heads = [loss] if loss.requires_grad else []
                 pairs = [(x, g) for x, g in zip(state.pop("inputs", []), d_inputs) if g is not None]
@@ -507,30 +465,8 @@ class _StandIn(nn.Module):
         return self._turn(self._index, args, kwargs)
 
 
-def check_micro_batches(micro_batches, loss_fn) -> None:
-    """Refuse, before any work, what train_step cannot run: no micro-batches, micro-batches
-    of mixed structure or shapes, a loss_fn that is not callable."""
-    if not isinstance(micro_batches, (list, tuple)) or not micro_batches:
-        raise ValueError("train_step needs a non-empty list of micro-batches")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (micro_batch -> scalar loss), got {type(loss_fn).__name__}")
-    first, spec = tree_flatten(micro_batches[0])
-    for i, mb in enumerate(micro_batches[1:], 1):
-        leaves, other = tree_flatten(mb)
-        if other != spec:
-            raise ValueError(f"micro-batch {i} is structured differently from micro-batch 0: {other} vs {spec}")
-        for a, b in zip(first, leaves):
-            if isinstance(a, torch.Tensor) and (a.shape != b.shape or a.dtype != b.dtype):
-                raise ValueError(f"micro-batch {i} holds a {b.dtype} tensor of shape {tuple(b.shape)} where "
-                                 f"micro-batch 0 has {a.dtype} {tuple(a.shape)}: train_step needs micro-batches "
-                                 "of one shape (pad them, or call it once per shape)")
-    if not torch.is_grad_enabled():
-        raise RuntimeError("train_step under torch.no_grad() or inference_mode: it trains, so it needs gradients")
-
-
-
 def run(model, device, coordinator, offloader, store: Store, blocks: list, rest_trains: bool, micro_batches,
-        loss_fn, barrier, on_failure) -> tuple[torch.Tensor, StepTimes]:
+        loss_fn, barrier, on_failure, swapped: Swapped | None = None) -> tuple[torch.Tensor, StepTimes]:
     """Engine.train_step's work, once it has checked the micro-batches
     (``check_micro_batches``) and that no iteration is under way: BlockMajor, with the
     step coordinator counting each group's gradient once over the micro-batches, then
@@ -539,7 +475,7 @@ def run(model, device, coordinator, offloader, store: Store, blocks: list, rest_
     (``on_failure()``: the engine's zero_grad). Returns the losses and where the seconds went."""
     try:
         with coordinator.block_major(len(micro_batches)):
-            schedule = BlockMajor(model, device, offloader, blocks, rest_trains, store)
+            schedule = BlockMajor(model, device, offloader, blocks, rest_trains, store, swapped)
             losses = schedule.run(micro_batches, loss_fn)
             t0 = time.perf_counter()
             barrier()
@@ -549,5 +485,8 @@ def run(model, device, coordinator, offloader, store: Store, blocks: list, rest_
         on_failure()
         raise
     finally:
+        if swapped is not None:
+            swapped.count(store.stats)
+            swapped.discard()
         store.discard()
     return losses, schedule.times

@@ -63,35 +63,45 @@ class StoreStats:
     read_ahead: int = 0  # of those, reads started before backward asked for them
     read_wait_s: float = 0.0  # take waited for a read from the SSD array (exposed)
     write_wait_s: float = 0.0  # put waited for room held by writes in flight (exposed)
+    # Swapped blocks' activations (swap_blocks: blockmajor/swapped.py), bytes this step:
+    swapped_blocks: int = 0
+    activations_to_host: int = 0  # down into their arena
+    activations_back: int = 0  # taken back by backward
+    activations_to_ssd: int = 0  # beyond the arena: written to the SSD array
+    activations_from_ssd: int = 0  # and read back
 
 
-def spill_order(blocks: int, micro_batches: int, last: bool = True) -> list[tuple]:
-    """The entries that may go to the SSD array, the one backward needs last first."""
+def spill_order(blocks: int, micro_batches: int, last: bool = True, swapped=frozenset()) -> list[tuple]:
+    """The entries that may go to the SSD array, the one backward needs last first (not
+    the inputs of ``swapped`` blocks: backward does not take them)."""
     n, k = blocks, micro_batches
     tail = [("x", n, i) for i in reversed(range(k))] if last else []
-    return tail + [("x", l, i) for l in range(n) for i in reversed(range(k))]
+    return tail + [("x", l, i) for l in range(n) if l not in swapped for i in reversed(range(k))]
 
 
-def need_order(blocks: int, micro_batches: int, last: bool = True) -> list[tuple]:
+def need_order(blocks: int, micro_batches: int, last: bool = True, swapped=frozenset()) -> list[tuple]:
     """The block inputs in the order backward (then the rest) takes them."""
     n, k = blocks, micro_batches
-    return [("x", l, i) for l in reversed(range(n)) for i in range(k)] + \
+    return [("x", l, i) for l in reversed(range(n)) if l not in swapped for i in range(k)] + \
         ([("x", n, i) for i in range(k)] if last else [])
 
 
-def forward_peak(blocks: int, micro_batches: int, to_ssd, last: bool = True, prologue_first: bool = False) -> int:
+def forward_peak(blocks: int, micro_batches: int, to_ssd, last: bool = True, prologue_first: bool = False,
+                 swapped=frozenset()) -> int:
     """The most entries host memory holds at once in forward (its peak: backward only
     frees) when ``to_ssd`` go: one that goes leaves once forward has taken it (the last
     outputs, which forward does not take, pass through ``STAGING``; so do block 0's inputs,
     but with ``prologue_first``, a device with its own memory, where every micro-batch's
-    input to block 0 leaves the device before block 0 runs and forward takes it back)."""
+    input to block 0 leaves the device before block 0 runs and forward takes it back). A
+    ``swapped`` block's inputs leave once forward has taken them too (backward does not
+    need them: blockmajor/swapped.py)."""
     n, k = blocks, micro_batches
     held = peak = k if prologue_first else 0
     for l in range(n):
         for i in range(k):
             if l == 0 and not prologue_first:
-                held += ("x", 0, i) not in to_ssd
-            elif ("x", l, i) in to_ssd:
+                held += ("x", 0, i) not in to_ssd and 0 not in swapped
+            elif ("x", l, i) in to_ssd or l in swapped:
                 held -= 1  # (forward's take was its last use before backward)
             if l + 1 < n or last:
                 held += 1
@@ -108,17 +118,17 @@ class Plan:
     """Which entries of a step go to the SSD array, and the order they come back in."""
 
     def __init__(self, nbytes: int, blocks: int, micro_batches: int, budget: int, last: bool = True,
-                 prologue_first: bool = False):
+                 prologue_first: bool = False, swapped=frozenset()):
         self.slot = aligned(max(nbytes, 1))
         self.blocks, self.micro_batches, self.last = blocks, micro_batches, last
-        self.prologue_first = prologue_first
+        self.prologue_first, self.swapped = prologue_first, frozenset(swapped)
         n, k = blocks, micro_batches
         self.entries = (n + 1 + last) * k
         self.capacity = budget // self.slot
         self.to_ssd: frozenset = frozenset()
-        if self.entries > self.capacity:
-            order = spill_order(n, k, last)
-            least = forward_peak(n, k, set(order), last, prologue_first) + STAGING
+        if forward_peak(n, k, frozenset(), last, prologue_first, swapped) > self.capacity:
+            order = spill_order(n, k, last, swapped)
+            least = forward_peak(n, k, set(order), last, prologue_first, swapped) + STAGING
             if least > self.capacity:
                 raise ValueError(
                     f"train_step keeps each micro-batch's input to every block until backward, {self.slot} bytes "
@@ -130,16 +140,16 @@ class Plan:
             lo, hi = 0, len(order)  # the fewest that fit (the peak falls as more go)
             while lo < hi:
                 mid = (lo + hi) // 2
-                if forward_peak(n, k, set(order[:mid]), last, prologue_first) + STAGING <= self.capacity:
+                if forward_peak(n, k, set(order[:mid]), last, prologue_first, swapped) + STAGING <= self.capacity:
                     hi = mid
                 else:
                     lo = mid + 1
             self.to_ssd = frozenset(order[:lo])
-        self.reads = [key for key in need_order(n, k, last) if key in self.to_ssd]
+        self.reads = [key for key in need_order(n, k, last, swapped) if key in self.to_ssd]
 
-    def same(self, nbytes: int, blocks: int, micro_batches: int, last: bool) -> bool:
-        return (aligned(max(nbytes, 1)), blocks, micro_batches, last) == \
-            (self.slot, self.blocks, self.micro_batches, self.last)
+    def same(self, nbytes: int, blocks: int, micro_batches: int, last: bool, swapped=frozenset()) -> bool:
+        return (aligned(max(nbytes, 1)), blocks, micro_batches, last, frozenset(swapped)) == \
+            (self.slot, self.blocks, self.micro_batches, self.last, self.swapped)
 
     def label(self, key) -> str:
         kind, l, i = key
@@ -189,16 +199,17 @@ class Store:
         self.bytes_down = self.bytes_up = 0
 
     # -- the step -------------------------------------------------------------------------
-    def reserve(self, nbytes: int, blocks: int, micro_batches: int, last: bool = True) -> None:
+    def reserve(self, nbytes: int, blocks: int, micro_batches: int, last: bool = True, swapped=frozenset()) -> None:
         """Room for a step of ``blocks`` blocks and ``micro_batches`` micro-batches whose
         entries are of up to ``nbytes`` each (``last``: the last block's outputs are kept
-        for the rest). Called before the step's first put (again within a step: no-op)."""
+        for the rest; ``swapped``: blocks whose inputs forward takes for the last time).
+        Called before the step's first put (again within a step: no-op)."""
         if self._open:
-            if not self.plan.same(nbytes, blocks, micro_batches, last):
+            if not self.plan.same(nbytes, blocks, micro_batches, last, swapped):
                 raise RuntimeError("train_step's kept inputs changed size mid-step")
             return
-        plan = self.plan if self.plan is not None and self.plan.same(nbytes, blocks, micro_batches, last) \
-            else Plan(nbytes, blocks, micro_batches, self.budget, last, prologue_first=not self.host)
+        plan = self.plan if self.plan is not None and self.plan.same(nbytes, blocks, micro_batches, last, swapped) \
+            else Plan(nbytes, blocks, micro_batches, self.budget, last, prologue_first=not self.host, swapped=swapped)
         if plan is not self.plan and plan.to_ssd:
             self._check_room(len(plan.to_ssd) * plan.slot)
         if self.host:
@@ -288,12 +299,13 @@ class Store:
             e.fetch.result()  # (checked: a bad checksum raises)
         self._upload(e)
 
-    def take(self, key, keep: bool = False) -> list:
+    def take(self, key, keep: bool = False, forward: bool = False) -> list:
         """The entry's tensors on the compute device (the compute stream waits for them);
-        ``keep``: the entry stays for a later take."""
+        ``keep``: the entry stays for a later take; ``forward``: forward's take, and the
+        entry's last (a swapped block's input): backward's reads do not start yet."""
         self._reap()
         e = self._entries[key]
-        self._backward = self._backward or not keep
+        self._backward = self._backward or not (keep or forward)
         if e.fetch is not None or not self._held(e):
             self._read_back(e)  # (a failed one stays an entry: discard cleans it up)
         if not keep:
@@ -317,6 +329,14 @@ class Store:
             self._retire(e)
         self._read_ahead()
         return out
+
+    def drop(self, key) -> None:
+        """An entry no one will take (a swapped block 0's input on the CPU): gone now."""
+        self._reap()
+        e = self._entries.pop(key, None)
+        if e is not None:
+            e.tensors = None
+            self._retire(e)
 
     def discard(self) -> None:
         """End the step: wait for the transfers in flight, delete what is on the SSD

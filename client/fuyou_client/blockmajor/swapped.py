@@ -22,6 +22,8 @@ get_gradient_edge``), the roots backward starts from.
 from __future__ import annotations
 
 import torch
+from torch.autograd.graph import get_gradient_edge
+from torch.utils._pytree import tree_flatten
 
 
 def swapped_blocks(n: int, count: int) -> frozenset[int]:
@@ -47,3 +49,62 @@ class Entry(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.box.append(grad)
         return None, None, None
+
+
+class Swapped:
+    """The swapped blocks of one ``train_step`` and their graphs, kept from forward to
+    backward, keyed (block, micro-batch). ``saving()``: the saved-tensor hooks a swapped
+    block's forward runs under (engine/hooks.py ``ModelHooks.saving``: offloaded weights as
+    markers, activations to ``swapper``, an activations/swapper.ActivationSwapper of
+    train_step's own)."""
+
+    def __init__(self, blocks: frozenset[int], swapper, saving):
+        self.blocks, self.swapper, self.saving = blocks, swapper, saving
+        self._graphs: dict[tuple[int, int], tuple[list, list]] = {}
+        self._anchor = torch.zeros((), requires_grad=True)
+        st = swapper.stats
+        self._start = (st.copied, st.returned, st.spilled, st.read_back)
+
+    def count(self, stats) -> None:
+        """This step's activation traffic into ``stats`` (store.StoreStats)."""
+        st = self.swapper.stats
+        now = (st.copied, st.returned, st.spilled, st.read_back)
+        stats.swapped_blocks = len(self.blocks)
+        (stats.activations_to_host, stats.activations_back, stats.activations_to_ssd,
+         stats.activations_from_ssd) = (b - a for a, b in zip(self._start, now))
+
+    def __contains__(self, l: int) -> bool:
+        return l in self.blocks
+
+    def forward(self, key: tuple[int, int], forward, rebuild, stored: list, used) -> object:
+        """Block ``key[0]`` for micro-batch ``key[1]`` with a graph: ``rebuild(inputs)`` makes
+        its arguments from its inputs (``stored``: the previous block's outputs; ``used``:
+        the positions the call takes) entered through ``Entry``. Returns its output, whose
+        tensors the caller detaches."""
+        boxes = [[] for _ in stored]
+        entered = [Entry.apply(self._anchor, t.detach(), box) if t is not None and j in used else None
+                   for j, (t, box) in enumerate(zip(stored, boxes))]
+        args, kwargs = rebuild(entered)
+        del entered
+        with torch.enable_grad(), self.saving(self.swapper):
+            out = forward(*args, **kwargs)
+        torch.clear_autocast_cache()  # (this thread's casts of the block's weights: saved as markers)
+        leaves, _ = tree_flatten(out)
+        edges = [get_gradient_edge(x) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in leaves]
+        self._graphs[key] = (edges, boxes)
+        return out
+
+    def backward(self, key: tuple[int, int], floating: list[int], grads: list) -> list:
+        """Backward through the kept graph from its outputs' gradients (``grads``, aligned
+        with the output's ``floating`` positions); returns the gradients of its inputs,
+        aligned with the previous block's outputs."""
+        edges, boxes = self._graphs.pop(key)
+        pairs = [(edges[j], g) for j, g in zip(floating, grads) if g is not None and edges[j] is not None]
+        if pairs:
+            torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
+        return [box[0] if box else None for box in boxes]
+
+    def discard(self) -> None:
+        """The step is over (or failed): every graph left and what it parked go."""
+        self._graphs.clear()
+        self.swapper.reset()

@@ -32,7 +32,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch import nn
 
-from fuyou_client.blockmajor import StepTimes, Store, check_micro_batches, run as run_block_major
+from fuyou_client.blockmajor import StepTimes, Store, check_micro_batches, run as run_block_major, swapped_blocks
+from fuyou_client.blockmajor.swapped import Swapped
 from fuyou_client.checkpoints import Trained, restore_groups
 from fuyou_client.checkpoints.durability import checkpoint_mode
 from fuyou_client.engine.hooks import hf_checkpointing
@@ -110,6 +111,7 @@ class Engine:
         self._owns_session = owns_session
         self._block_modules = block_modules  # every block, in forward order (frozen ones too)
         self._train_step_store: Store | None = None
+        self._train_step_swapper = None  # (swap_blocks: train_step's activation swapper, its arena half of host_budget)
         self.train_step_times: StepTimes | None = None  # the last train_step's: forward, backward, step seconds
         self.peers: list | None = None  # data parallelism: each rank's (host, daemon)
         self.checkpoint_extra = None  # what save_checkpoint(extra=...) kept, after a resume
@@ -200,7 +202,9 @@ class Engine:
         until backward, in host memory up to ``host_budget`` bytes (on a GPU in a shared
         arena), the rest on the SSD array, read back ahead of backward (blockmajor/store.py;
         ``engine.train_step_stats`` counts it); ``host_budget`` must hold at least the
-        micro-batches of one block plus two. ``activations=`` does not apply to it. Each
+        micro-batches of one block plus two. ``activations=`` does not apply to it;
+        ``swap_blocks=N`` (attach) swaps N blocks' activations instead of recomputing them
+        (blockmajor/swapped.py). Each
         group's gradients add up over the micro-batches in the parameters' dtype, as torch
         adds them, on the compute device (a sub-block's sum waits on the host between them:
         ``granularity="module"``), and leave it once per step, whatever ``grad_accumulation``
@@ -215,8 +219,10 @@ class Engine:
         self.require_idle("train_step")
         self._refuse_block_hooks()
         self._check_device_room(micro_batches)
+        swapped = self._swapped()
         if self._train_step_store is None:
-            self._train_step_store = Store(self.session, self.device, self.options.host_budget)
+            budget = self.options.host_budget
+            self._train_step_store = Store(self.session, self.device, budget // 2 if swapped is not None else budget)
         by_module = {id(g.spec.module): g for g in self.groups if g.spec.module is not None}
         blocks = []
         for module in self._block_modules:
@@ -227,26 +233,40 @@ class Engine:
         try:
             losses, self.train_step_times = run_block_major(
                 self.model, self.device, self.coordinator, self.offloader, self._train_step_store, blocks,
-                rest_trains, micro_batches, loss_fn, barrier=self.step, on_failure=self.zero_grad)
+                rest_trains, micro_batches, loss_fn, barrier=self.step, on_failure=self.zero_grad, swapped=swapped)
         except torch.OutOfMemoryError as exc:  # (another process took device memory the plan counted on)
             raise DeviceOutOfMemory(out_of_device_memory(self.memory.device, self.device, exc)) from exc
         self.zero_grad()
         return losses
 
+    def _swapped(self) -> Swapped | None:
+        """train_step's swapped blocks (``swap_blocks``), with the activation swapper they
+        park in: its arena the half of ``host_budget`` the kept inputs leave."""
+        which = swapped_blocks(len(self._block_modules), self.options.swap_blocks)
+        if not which:
+            return None
+        if self._train_step_swapper is None:
+            budget = self.options.host_budget
+            self._train_step_swapper = self.activations.sibling(budget - budget // 2)
+        return Swapped(which, self._train_step_swapper, self.hooks.saving)
+
     def _check_device_room(self, micro_batches) -> None:
         """train_step's micro-batches against the device plan, before any work: its tokens'
         activations (memory/device_plan.py), and with several micro-batches a cut block's
-        sub-blocks' gradients, kept on the device until the last one."""
+        sub-blocks' gradients, kept on the device until the last one. Swapped blocks'
+        activations come back into device memory even on a device that computes elsewhere
+        (the stand-in): counted there too."""
         dplan = self.memory.device
         if dplan is None or dplan.budget is None:
             return
         tokens = micro_batch_tokens(micro_batches[0])
-        need = dplan.total(tokens, activations=self.device.computes_in_its_memory)
+        activations = self.device.computes_in_its_memory or self.options.swap_blocks > 0
+        need = dplan.total(tokens, activations=activations)
         why = [f"{format_size(dplan.fixed_bytes)} fixed"]
         if tokens:
             why.append(f"{format_size(need - dplan.fixed_bytes)} for {tokens} tokens a micro-batch")
         if need > dplan.budget:
-            fit = dplan.max_tokens(self.device.computes_in_its_memory)
+            fit = dplan.max_tokens(activations)
             raise ResourceExhausted(
                 f"train_step's micro-batches do not fit the device plan: {format_size(need)} "
                 f"({', '.join(why)}) against a budget of {format_size(dplan.budget)}; pass micro-batches of at most "
@@ -381,6 +401,8 @@ class Engine:
         self.activation_policy.close()  # (the recomputed forwards unpatched)
         if self._train_step_store is not None:
             self._train_step_store.close()
+        if self._train_step_swapper is not None:
+            self._train_step_swapper.close()
         try:
             for g in self.groups:  # steps in flight still write into shared buffers: let them land
                 if g.future is not None and g.future.exception() is None and not g.strategy.lands_weights:

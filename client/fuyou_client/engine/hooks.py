@@ -25,6 +25,8 @@ block's ``forward`` is the policy's.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from fuyou_client.offload import Saved, SavedCast
@@ -145,10 +147,27 @@ class ModelHooks:
             self.auto.saved(self._current, t.numel() * t.element_size())
         return self.activations.pack(t, self._swap_now)
 
-    def _unpack(self, saved):
+    def _unpack(self, saved, swapper=None):
         if self.offloader is not None and isinstance(saved, (Saved, SavedCast)):
             return self.offloader.unpack(saved)
-        return self.activations.unpack(saved)
+        return (swapper or self.activations).unpack(saved)
+
+    @contextmanager
+    def saving(self, swapper):
+        """train_step's swapped block (blockmajor/swapped.py): what its forward saves for
+        backward, offloaded weights as markers and every activation swapped out by
+        ``swapper``; the modules a sub-block is used by add no hooks of their own inside."""
+        def pack(t: torch.Tensor):
+            marker = self.offloader.pack(t) if self.offloader is not None else t
+            return marker if marker is not t else swapper.pack(t, True)
+
+        ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: self._unpack(saved, swapper))
+        with ctx:
+            self._saved_ctx = ctx
+            try:
+                yield
+            finally:
+                self._saved_ctx = None
 
     def foreign(self, module) -> list[str]:
         """The hooks on ``module`` that are not attach's (the user's, a library's), counted

@@ -100,9 +100,15 @@ class AttachOptions:
       array), "recompute" (only block inputs kept, the block run again in backward), or a
       dict of those by group name; or "auto": the planner chooses per block after
       profiling the first iteration, fastest within ``device_budget``.
+      ``swap_blocks``: how many blocks ``train_step`` runs with a graph, swapping what
+      autograd saves to host memory (then the SSD array) instead of recomputing them in
+      backward (default 0: every block recomputed; blockmajor/swapped.py says which). It
+      saves a third of those blocks' FLOPs for 17 bytes per token, unit of width and
+      byte of the compute dtype down and up again; ``fuyouctl plan`` weighs the two.
       ``host_budget``: bytes of shared host memory for the arena that swapped activations
       and ``train_step``'s kept block inputs go to before the SSD array (default: 256 MiB,
-      less when the budget is tight).
+      less when the budget is tight); with ``swap_blocks``, train_step's kept inputs take
+      half of it and its swapped activations the other half.
       ``device_budget``: with ``activations="auto"``, the bytes of activations the planner
       may keep on the compute device (None: no limit).
       ``device_memory``: on a device with its own memory (a GPU), the bytes the device
@@ -154,6 +160,7 @@ class AttachOptions:
     prefetch: int | None = None
     keep: int = 0
     activations: str | dict[str, str] = "keep"
+    swap_blocks: int = 0
     host_budget: int | None = None
     device_budget: int | None = None
     device_memory: int | None = None
@@ -169,6 +176,7 @@ class AttachOptions:
         if self.prefetch is not None:
             _count("prefetch", self.prefetch, 0)
         _count("keep", self.keep, 0)
+        _count("swap_blocks", self.swap_blocks, 0)
         if self.host_budget is not None:
             _count("host_budget", self.host_budget, 1)
         if self.device_budget is not None:

@@ -456,6 +456,14 @@ class Offloader:
             g.in_backward = True
             self._on_backward(g)
 
+    def next_micro_batch(self, g: OffloadedGroup) -> None:
+        """A cut block's sub-blocks begin another micro-batch's backward with no forward
+        between (train_step's swapped blocks: blockmajor/swapped.py): each begins its
+        backward again, as a recomputed forward would have it (its gradient sum comes back)."""
+        for sub in self.groups:
+            if sub.unit == g.unit and sub is not g:
+                sub.in_backward = False
+
     def hold(self, g: OffloadedGroup) -> None:
         """The group's weights for its backward (or recomputed forward), held until
         ``backward_done``: the graph being built refers to them, so no eviction. (A block
