@@ -8,6 +8,7 @@
                              [--pinned-budget SIZE] [--buffer-budget SIZE] [--capacity SIZE]
                              [--device cpu|cuda|stand-in] [--dtype fp32|bf16] [--tied]
                              [--cap SIZE] [--granularity auto|block|module] [--check-uncapped]
+                             [--swap-blocks N]
 
 A GPT-2-style (Hugging Face ``GPT2LMHeadModel``) or Llama-style (``LlamaForCausalLM``) model,
 untied head, sized so that its fp32 weights, gradients and AdamW moments (16 bytes per
@@ -229,6 +230,8 @@ def parse(argv):
     p.add_argument("--tied", action="store_true", help="the head tied to the token embeddings (GPT-3's)")
     p.add_argument("--cap", help="the compute device's memory (the stand-in's capacity; CUDA: a per-process cap)")
     p.add_argument("--granularity", choices=["auto", "block", "module"], help="attach's (default: its own, auto)")
+    p.add_argument("--swap-blocks", type=int, default=0,
+                   help="attach(swap_blocks=...): blocks train_step swaps instead of recomputing (block-major)")
     p.add_argument("--check-uncapped", action="store_true",
                    help="then the same run without --cap in a fresh daemon: the losses must be bitwise the same")
     args = p.parse_args(argv)
@@ -273,7 +276,7 @@ def train(args, layers: int, work: Path, sampler: "RssSampler", schedule: str, t
                  "state_dtype": args.state_dtype, "schedule": schedule, "micro_batches": args.micro_batches,
                  "host_budget": parse_size(args.host_budget) if args.host_budget else None,
                  "socket": daemon.socket, "disk": disk_name(work), "device": args.device, "dtype": args.dtype,
-                 "tied": args.tied, "granularity": args.granularity,
+                 "tied": args.tied, "granularity": args.granularity, "swap_blocks": args.swap_blocks or None,
                  "cap": parse_size(args.cap) if args.cap and capped else None}
         proc = subprocess.Popen([sys.executable, str(WORKER), json.dumps(child)], stdout=subprocess.PIPE, text=True)
         sampler.pids["client"] = proc.pid
@@ -303,17 +306,21 @@ def train(args, layers: int, work: Path, sampler: "RssSampler", schedule: str, t
         daemon.stop()
 
 
-CAUSES = ("forward_weight_reads", "backward_weight_reads", "spilled_inputs_written", "spilled_inputs_read")
+CAUSES = ("forward_weight_reads", "backward_weight_reads", "spilled_inputs_written", "spilled_inputs_read",
+          "swapped_activations_written", "swapped_activations_read")
 
 
 def by_cause(step: dict, params: int) -> dict:
     """A step's SSD bytes per parameter by cause: what the client read itself (weights in
-    forward and backward, spilled inputs back), what it wrote (spilled inputs), and the
-    rest of the daemon's count: the optimizer's state reads and writes."""
-    client_read = step["forward_weight_reads"] + step["backward_weight_reads"] + step["spilled_inputs_read"]
+    forward and backward, spilled inputs and swapped activations back), what it wrote
+    (spilled inputs, swapped activations), and the rest of the daemon's count: the
+    optimizer's state reads and writes."""
+    client_read = step["forward_weight_reads"] + step["backward_weight_reads"] + step["spilled_inputs_read"] \
+        + step["swapped_activations_read"]
     out = {key: step[key] / params for key in CAUSES}
     out["optimizer_state_read"] = (step["read"] - client_read) / params
-    out["optimizer_state_written"] = (step["written"] - step["spilled_inputs_written"]) / params
+    out["optimizer_state_written"] = (step["written"] - step["spilled_inputs_written"]
+                                      - step["swapped_activations_written"]) / params
     out["masters_handed_to_steps"] = step["masters_handed"] / params
     out["backward_weights_served_from_state"] = step["backward_weights_served"] / params
     return out

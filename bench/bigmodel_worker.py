@@ -142,7 +142,7 @@ def main() -> None:
     model = build(args)
     params = sum(p.numel() for p in model.parameters())
     init_floor = draw_seconds(model)
-    options = {k: args[k] for k in ("prefetch", "host_budget", "granularity") if args.get(k) is not None}
+    options = {k: args[k] for k in ("prefetch", "host_budget", "granularity", "swap_blocks") if args.get(k) is not None}
     if args["layers"] == 1:  # (one block is no repeated list: name it, or it would be the rest's)
         options["blocks"] = list(model.model.layers if args["family"] == "llama" else model.transformer.h)
     k = args["micro_batches"]
@@ -209,7 +209,10 @@ def main() -> None:
         stats = engine.train_step_stats if args["schedule"] == "block-major" else None  # (this step's)
         event.update({"spilled_inputs_written": stats.spilled if stats is not None else 0,
                       "spilled_inputs_read": stats.read_back if stats is not None else 0,
-                      "spill_read_wait": stats.read_wait_s if stats is not None else 0.0})
+                      "spill_read_wait": stats.read_wait_s if stats is not None else 0.0,
+                      "swapped_activations_to_host": stats.activations_to_host if stats is not None else 0,
+                      "swapped_activations_written": stats.activations_to_ssd if stats is not None else 0,
+                      "swapped_activations_read": stats.activations_from_ssd if stats is not None else 0})
         print(json.dumps(event), flush=True)
     peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
     print(json.dumps({"event": "done", "vmhwm": peak, "device_peak_bytes": getattr(engine.device, "peak", None),

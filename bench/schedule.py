@@ -1,7 +1,7 @@
 """The ordinary loop against block-major order (``engine.train_step``), side by side on this machine.
 
     python bench/schedule.py [--json PATH] [--layers 8] [--width 512] [--seq 128] [--batch 2]
-                             [--accum 8] [--rounds 3] [--dir DIR]
+                             [--accum 8] [--rounds 3] [--swap-host-budget 1GiB] [--dir DIR]
 
 One Hugging Face ``GPT2LMHeadModel`` (random init, seed 0, dropout off, vocabulary 512) is copied
 into two engines on one private fuyoud, both ``offload=True`` (blocks' weights fetched from the SSD
@@ -9,7 +9,10 @@ array per use) with fp32 AdamW state on SSD:
 
 * loop:        ``attach(accumulation_steps=--accum)``; per iteration ``--accum`` micro-batches of
                ``--batch`` sequences, ``loss.backward()`` each, then ``engine.step()``;
-* block-major: ``attach()``; per iteration ``engine.train_step`` over the same micro-batches.
+* block-major: ``attach()``; per iteration ``engine.train_step`` over the same micro-batches;
+* block-major-swap: ``attach(swap_blocks=--layers, host_budget=--swap-host-budget)``: the same
+               ``train_step`` with every block's activations swapped to host memory instead of
+               the block being recomputed (blockmajor/swapped.py).
 
 Both train on the same batches and must agree bitwise (their losses are compared every
 iteration). Rounds run one iteration of each, interleaved (order rotated per round), after one
@@ -19,8 +22,9 @@ seconds per iteration, tokens/s, the ratio block-major / loop, and the SSD bytes
 per iteration (the daemon's reads + writes), and of it the weights read for the client (fetches
 the daemon did not serve from its read-ahead of a step's state; those are counted apart). On a CPU the compute is
 the same in both but for block-major's extra forward per block (it recomputes blocks from their
-checkpointed inputs; the loop keeps activations), and the loop fetches every block's weights
-twice per micro-batch where block-major fetches them twice per iteration.
+checkpointed inputs; the loop keeps activations; block-major-swap copies them to its arena and
+back instead), and the loop fetches every block's weights twice per micro-batch where
+block-major fetches them twice per iteration.
 """
 from __future__ import annotations
 
@@ -38,14 +42,15 @@ import torch
 
 import fuyou_client
 from common import host_info, quiet_counters
+from fuyou_proto.units import parse_size
 
 
 class Case:
-    def __init__(self, name: str, model, daemon, accum: int):
+    def __init__(self, name: str, model, daemon, accum: int, **options):
         self.name, self.model, self.accum = name, model, accum
-        block_major = name == "block-major"
+        block_major = name.startswith("block-major")
         self.engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=1e-4, weight_decay=0.1), socket=daemon.socket,
-                                          namespace=name, accumulation_steps=1 if block_major else accum)
+                                          namespace=name, accumulation_steps=1 if block_major else accum, **options)
         self.block_major = block_major
 
     def iteration(self, micro_batches) -> dict:
@@ -66,8 +71,11 @@ class Case:
             losses = torch.stack(out)
         seconds = time.perf_counter() - t0
         read, written = quiet_counters(session)  # (untimed: the daemon's trailing read-ahead and writes)
+        stats = self.engine.train_step_stats if self.block_major else None
         return {"seconds": seconds, "losses": losses.tolist(), "ssd_bytes": (read - read0) + (written - written0),
-                "weights_read": off.fetched_bytes - fetched0, "weights_served": off.served_bytes - served0}
+                "weights_read": off.fetched_bytes - fetched0, "weights_served": off.served_bytes - served0,
+                "activations_to_host": stats.activations_to_host if stats else 0,
+                "activations_to_ssd": stats.activations_to_ssd if stats else 0}
 
 
 def main(argv=None) -> int:
@@ -79,6 +87,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--accum", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--swap-host-budget", type=parse_size, default=1 << 30,
+                    help="block-major-swap's host_budget (half of it holds the swapped activations)")
     ap.add_argument("--dir", type=Path, help="parent of the daemon's state (default: a temporary directory)")
     args = ap.parse_args(argv)
     import transformers
@@ -93,15 +103,18 @@ def main(argv=None) -> int:
         "storage": {"capacity_per_device": max(1 << 30, params * 16 * 4) // 4096 * 4096}})
     try:
         cases = [Case("loop", copy.deepcopy(base), daemon, args.accum),
-                 Case("block-major", copy.deepcopy(base), daemon, args.accum)]
+                 Case("block-major", copy.deepcopy(base), daemon, args.accum),
+                 Case("block-major-swap", copy.deepcopy(base), daemon, args.accum, swap_blocks=args.layers,
+                      host_budget=args.swap_host_budget)]
+        names = [c.name for c in cases]
         gen = torch.Generator().manual_seed(1)
         rounds = []
         for r in range(args.rounds + 1):
             micro_batches = [torch.randint(0, 512, (args.batch, args.seq), generator=gen) for _ in range(args.accum)]
-            order = cases if r % 2 == 0 else cases[::-1]
+            order = cases[r % len(cases):] + cases[:r % len(cases)]  # (rotated: each case first in turn)
             got = {c.name: c.iteration(micro_batches) for c in order}
-            if got["loop"]["losses"] != got["block-major"]["losses"]:
-                raise SystemExit(f"round {r}: the two orders' losses differ: {got}")
+            if any(got[n]["losses"] != got["loop"]["losses"] for n in names):
+                raise SystemExit(f"round {r}: the orders' losses differ: {got}")
             print(f"round {r}{' (warm-up)' if r == 0 else ''}: "
                   + ", ".join(f"{n} {g['seconds']:.2f} s {g['ssd_bytes'] / params:.1f} B/param" for n, g in got.items()),
                   flush=True)
@@ -121,10 +134,16 @@ def main(argv=None) -> int:
             "cases": {name: {"seconds": median(name, "seconds"), "tokens_per_s": tokens / median(name, "seconds"),
                              "ssd_bytes_per_param_per_iter": median(name, "ssd_bytes") / params,
                              "weights_read_bytes_per_param_per_iter": median(name, "weights_read") / params,
-                             "weights_served_bytes_per_param_per_iter": median(name, "weights_served") / params}
-                      for name in ("loop", "block-major")},
+                             "weights_served_bytes_per_param_per_iter": median(name, "weights_served") / params,
+                             "activations_to_host_bytes_per_iter": median(name, "activations_to_host"),
+                             "activations_to_ssd_bytes_per_iter": median(name, "activations_to_ssd")}
+                      for name in names},
             "block_major_over_loop_seconds": statistics.median(
                 g["block-major"]["seconds"] / g["loop"]["seconds"] for g in rounds),
+            "swap_over_recompute_seconds": statistics.median(
+                g["block-major-swap"]["seconds"] / g["block-major"]["seconds"] for g in rounds),
+            "swap_over_loop_seconds": statistics.median(
+                g["block-major-swap"]["seconds"] / g["loop"]["seconds"] for g in rounds),
             "losses_bitwise_equal": True,
             "rounds": rounds,
         }
