@@ -17,7 +17,9 @@ around (layer-to-layer training's order; FlexGen's for inference):
   micro-batches 1..K in ascending order its forward is recomputed from the kept input and
   backward runs through it, so its gradient accumulates on the device in the order
   torch's loop would add it. After the K-th the group's gradient is final: it goes down
-  once and its step is submitted, overlapping the backward of the blocks before it;
+  once and its step is submitted, overlapping the backward of the blocks before it. A
+  *swapped* block (``swap_blocks``: swapped.py) is not recomputed: its forward ran with a
+  graph whose saved activations went to host memory, and backward runs through that graph;
 * **the rest** (embeddings, head, final norm): each micro-batch's ``loss_fn`` is replayed
   with the blocks answered from the kept inputs, and one backward per micro-batch takes
   the head's and the embeddings' gradients together (tied weights add up as in torch).
