@@ -95,7 +95,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_cases import PROFILED, REPO, VOCAB, GiB  # noqa: E402 (the workers' side: gpu_cases.py, gpu_zero.py)
+from gpu_cases import PROFILED, REPO, VOCAB, GiB  # noqa: E402 (the workers' side: gpu_worker.py and its cases)
 
 from fuyoud.units import parse_size  # noqa: E402
 
@@ -274,7 +274,7 @@ def parse(argv):
 def main(argv=None) -> int:
     args = parse(argv)
     if args.worker:
-        from gpu_cases import worker
+        from gpu_worker import worker
         worker(args.worker, json.loads(args.spec))
         return 0
     from common import BareLoop, host_info
