@@ -50,18 +50,18 @@ from typing import Iterator
 import torch
 
 from fuyoud import failpoints
+from fuyoud.concurrency.fairness import FairTurns
 from fuyoud.errors import DataLoss, FuyouError, InvalidArgument, NonFinite, NotFound
-from fuyoud.fairness import FairTurns
-from fuyoud.names import shown
 from fuyoud.optimizer import chunks
 from fuyoud.optimizer import held as held_weights
-from fuyoud.optimizer.buffers import StateBuffers
 from fuyoud.optimizer import lowp
+from fuyoud.optimizer.buffers import StateBuffers
 from fuyoud.optimizer.kernels import OptimizerSpec, all_finite, step as run_kernel
 from fuyoud.optimizer.layout import HEADER
+from fuyoud.sessions.names import shown
 from fuyou_proto.contract import STATE_PREFIX, group_of, state_object, step_buffer_bytes
+from fuyoud.concurrency.threads import Threads
 from fuyoud.storage.store import ReadItem, Store, WriteItem
-from fuyoud.threads import Threads
 
 log = logging.getLogger(__name__)
 CACHE_RESERVE = 3  # buffers the state cache leaves free: a step, a read-ahead and a FetchWeights in backward

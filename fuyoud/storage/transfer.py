@@ -27,8 +27,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
+from fuyoud.concurrency.fairness import FairTurns
 from fuyoud.errors import DataLoss, StorageFull
-from fuyoud.fairness import FairTurns
 from fuyoud.io.engine import IOEngine, IORequest, IOResult, Op
 from fuyoud.memory.staging import StagingPool
 from fuyoud.storage import checksums

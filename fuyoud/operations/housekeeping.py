@@ -10,8 +10,8 @@ import threading
 import time
 from typing import Callable
 
+from fuyoud.operations.watchdog import Watchdog
 from fuyoud.storage.store import Store
-from fuyoud.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 TICK = 1.0
