@@ -17,7 +17,8 @@ from fuyoud.api.checkpoints import CheckpointMethods
 from fuyoud.api.handler import handler as _handler
 from fuyoud.errors import InvalidArgument, PermissionDenied
 from fuyoud.memory.pool import BufferRef
-from fuyoud.optimizer.groups import HEADER, Group, itemsize, state_bytes
+from fuyoud.optimizer.group import Group, itemsize, state_bytes
+from fuyoud.optimizer.layout import HEADER
 from fuyoud.optimizer.kernels import OptimizerSpec
 from fuyoud.sessions.names import check_name as _check_name, shown
 from fuyoud.storage.index import ObjectMeta

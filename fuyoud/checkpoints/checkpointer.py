@@ -46,7 +46,8 @@ from fuyoud.checkpoints.files import (CLIENT_STATE, FORMAT, MANIFEST, MAX_CLIENT
                                      parse_manifest, refuse_existing, require_room, write_failure)
 from fuyoud.errors import DataLoss, FailedPrecondition, FuyouError, InvalidArgument, NotFound, PermissionDenied
 from fuyoud.memory.hugepages import huge_page_buffer
-from fuyoud.optimizer.groups import HEADER, Group
+from fuyoud.optimizer.group import Group
+from fuyoud.optimizer.layout import HEADER
 from fuyoud.optimizer.kernels import OptimizerSpec
 from fuyoud.sessions.names import shown
 from fuyoud.sessions.namespaces import delete_state
