@@ -81,6 +81,10 @@ run on the CPU, Fuyou through the tests' stand-in for a device with its own memo
 PCIe, no ZeRO-Infinity unless ``--cases`` names it (the test gives it a stand-in for DeepSpeed that
 checks the calls): a smoke test of the run itself (tests/test_gpu_bench.py), whose numbers mean
 nothing except the host add rate.
+
+(Past ~500 lines on purpose: this description is a sixth of it; the rest is the run alone,
+its options, the interleaved rounds and the report; the cases are in gpu_cases.py,
+gpu_inmem.py and gpu_zero.py, their worker in gpu_worker.py, the probes in gpu_probes.py.)
 """
 from __future__ import annotations
 
