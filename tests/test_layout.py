@@ -11,7 +11,9 @@
   so are the daemon's, in DAEMON_LAYERS; the daemon's package imports neither the
   client's nor fuyouctl's, and the client's imports neither the daemon's nor fuyouctl's;
 * no client module touches another's private names (``x._name``, ``from m import _name``);
-* no client function is longer than 80 lines without a comment saying why.
+* no client function is longer than 80 lines without a comment saying why;
+* no Python file in the tree is longer than ~500 lines without saying why at its top
+  ("Past ~500 lines on purpose: ..."), generated code aside.
 """
 from __future__ import annotations
 
@@ -46,6 +48,9 @@ FOREIGN_PRIVATE = {"_modules", "_parameters", "_buffers", "_non_persistent_buffe
                    "_init_weights", "_reset_parameters", "_get_default_group", "_get_backend", "_timeout",
                    "_save_checkpoint", "_save", "_move_model_to_device", "_C"}  # (torch._C: _cuda_clearCublasWorkspaces, devices.py)
 LONG_FUNCTION = 80
+LONG_FILE = 500
+# Long files another change is splitting (issue 41: the block-major schedule).
+SPLIT_ELSEWHERE = {"client/fuyou_client/blockmajor/schedule.py"}
 
 
 def module_name(root: Path, package: str, path: Path) -> str:
@@ -243,6 +248,20 @@ def _page_misses(section: str, root: Path, layers: list[str], prose: tuple[str, 
         missing += [f"{layer}/{f.name}" for f in sorted(path.glob("*.py"))
                     if f.name != "__init__.py" and f"`{f.name}`" not in row]
     return missing
+
+
+def test_no_long_file_without_a_reason():
+    """A file past LONG_FILE lines is split by what it does, or says why not in its first
+    lines (its docstring: "Past ~500 lines on purpose")."""
+    long = []
+    for path in sorted(_sources().values()):
+        rel = path.relative_to(REPO).as_posix()
+        lines = path.read_text().splitlines()
+        head = "\n".join(lines[:150])
+        if len(lines) > LONG_FILE and "DO NOT EDIT" not in lines[0] and rel not in SPLIT_ELSEWHERE and \
+                "Past ~500 lines on purpose" not in head:
+            long.append(f"{rel} ({len(lines)} lines)")
+    assert not long, "files too long, with no reason given:\n" + "\n".join(long)
 
 
 def test_the_architecture_page_names_every_client_part():
