@@ -304,8 +304,7 @@ def test_the_wheel_holds_every_package_and_deploy_file():
     found = set()
     for where in project["packages"]["find"]["where"]:
         found |= set(find_packages(where=str(REPO / where), include=project["packages"]["find"]["include"]))
-    for root, package in ((REPO / "fuyoud", "fuyoud"), (REPO / "client" / "fuyou_client", "fuyou_client"),
-                          (REPO / "proto" / "fuyou_proto", "fuyou_proto")):
+    for package, root in PACKAGES.items():
         for d in {p.parent for p in root.rglob("*.py") if "__pycache__" not in p.parts}:
             name = ".".join([package, *d.relative_to(root).parts])
             assert name in found, f"{name} is not in the wheel (no __init__.py?)"

@@ -100,7 +100,7 @@ class Optimizer:
         self._groups: dict[tuple[str, str], Group] = {}
         self._lock = threading.Lock()
         # One kernel at a time (it is memory-bound and uses every core), the sessions served in
-        # turn while several wait (fairness.py): a job with many groups in flight does not
+        # turn while several wait (concurrency/fairness.py): a job with many groups in flight does not
         # take the CPU from one with few.
         self._compute = FairTurns(1)
         self._scratch = lowp.Scratch()  # the reduced-precision kernels' temporaries (under _compute)
