@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import sys
 from pathlib import Path
@@ -57,6 +58,7 @@ def module_name(root: Path, package: str, path: Path) -> str:
     return ".".join([package, *path.relative_to(root).with_suffix("").parts]).removesuffix(".__init__")
 
 
+@functools.cache
 def _sources() -> dict[str, Path]:
     """Every Python module of the tree: the packages' by their dotted names, the scripts'
     as ``dir:stem`` (the name they are imported by is the stem)."""
@@ -76,6 +78,7 @@ def _deepest(name: str, known) -> str | None:
     return None
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
     """module -> the tree's modules it imports (any import anywhere in it). A script's
     top-level import is its own directory's module first, then a package's, then another
@@ -118,7 +121,7 @@ def _graph() -> dict[str, set[str]]:
 
 def imports(root: Path, package: str) -> dict[str, set[str]]:
     """module -> the package's modules it imports (any import anywhere in it)."""
-    return {m: {d for d in deps if d.split(".")[0] == package} for m, deps in _graph().items()
+    return {m: {d for d in deps if d.split(".")[0] == package} for m, deps in _graph().items()  # (copies)
             if m.split(".")[0] == package}
 
 
