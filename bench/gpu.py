@@ -81,6 +81,10 @@ run on the CPU, Fuyou through the tests' stand-in for a device with its own memo
 PCIe, no ZeRO-Infinity unless ``--cases`` names it (the test gives it a stand-in for DeepSpeed that
 checks the calls): a smoke test of the run itself (tests/test_gpu_bench.py), whose numbers mean
 nothing except the host add rate.
+
+(Past ~500 lines on purpose: this description is a sixth of it; the rest is the run alone,
+its options, the interleaved rounds and the report; the cases are in gpu_cases.py,
+gpu_inmem.py and gpu_zero.py, their worker in gpu_worker.py, the probes in gpu_probes.py.)
 """
 from __future__ import annotations
 
@@ -95,7 +99,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_cases import PROFILED, REPO, VOCAB, GiB  # noqa: E402 (the workers' side: gpu_cases.py, gpu_zero.py)
+from gpu_cases import PROFILED, REPO, VOCAB, GiB  # noqa: E402 (the workers' side: gpu_worker.py and its cases)
 
 from fuyoud.units import parse_size  # noqa: E402
 
@@ -274,7 +278,7 @@ def parse(argv):
 def main(argv=None) -> int:
     args = parse(argv)
     if args.worker:
-        from gpu_cases import worker
+        from gpu_worker import worker
         worker(args.worker, json.loads(args.spec))
         return 0
     from common import BareLoop, host_info

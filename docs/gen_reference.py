@@ -306,8 +306,8 @@ def zero(cls):
 def metrics_section() -> list[str]:
     from prometheus_client.metrics import MetricWrapperBase
 
-    from fuyoud import metrics as m
-    from fuyoud.snapshot import Snapshot
+    from fuyoud.operations import metrics as m
+    from fuyoud.operations.snapshot import Snapshot
     families = []
     for wrapper in vars(m.Metrics()).values():
         if isinstance(wrapper, MetricWrapperBase):

@@ -1,5 +1,5 @@
 """`fuyoud [--config FILE]`: run the daemon in the foreground (systemd runs it so too).
-`fuyoud install-service`: install the systemd unit and its companions (fuyoud/install.py)."""
+`fuyoud install-service`: install the systemd unit and its companions (fuyoud/operations/install.py)."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +8,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from fuyoud import __version__, logs
+from fuyoud import __version__
 from fuyoud.config import ConfigError, load
+from fuyoud.operations import logs
 
 
 def exit_with_parent() -> None:
@@ -44,7 +45,7 @@ def exit_with_parent() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["install-service"]:
-        from fuyoud.install import main as install_main
+        from fuyoud.operations.install import main as install_main
 
         return install_main(argv[1:])
     parser = argparse.ArgumentParser(prog="fuyoud", description="The Fuyou daemon: SSD-backed memory for fine-tuning.",

@@ -10,7 +10,7 @@ that point: crash tests). Unset, ``hit`` costs one dictionary lookup. Names in u
 ``rpc.<Method>`` (before a control request is served), ``session.hello`` (the session
 socket read a client's hello) and ``session.opened`` (its session is registered, the
 reply not sent yet), ``optimizer.prefetch`` (a read-ahead of a group's state starts),
-``checkpoint.*`` (checkpoint.py). Tests of an in-process daemon arm them with ``armed``.
+``checkpoint.*`` (checkpoints/checkpointer.py). Tests of an in-process daemon arm them with ``armed``.
 """
 from __future__ import annotations
 

@@ -35,33 +35,34 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fuyou_proto import rpc
-from fuyoud import __version__, failpoints, namespaces, peers
-from fuyoud.checkpoint import Checkpointer, recover
+from fuyoud import __version__, failpoints
+from fuyoud.api.admin import FuyouAdminServicer
+from fuyoud.api.handler import Admission, AdminAuth, Services
+from fuyoud.api.malformed import MalformedRequests
+from fuyoud.api.service import FuyouServicer
+from fuyoud.checkpoints.checkpointer import Checkpointer, recover
+from fuyoud.concurrency.threads import Threads
 from fuyoud.config import Config
 from fuyoud.errors import FailedPrecondition, InvalidArgument
-from fuyoud.handler import Admission, AdminAuth, Services
-from fuyoud.housekeeping import Housekeeping
 from fuyoud.io.engine import IOEngine
 from fuyoud.io.select import choose_engine
-from fuyoud.malformed import MalformedRequests
 from fuyoud.memory.hugepages import HugePagePolicy
 from fuyoud.memory.pool import Pool
 from fuyoud.memory.staging import StagingPool
-from fuyoud.metrics import Metrics
+from fuyoud.operations.housekeeping import Housekeeping
+from fuyoud.operations.metrics import Metrics
+from fuyoud.operations.sdnotify import notify
+from fuyoud.operations.snapshot import Snapshot
+from fuyoud.operations.watchdog import Watchdog, interval_from_env
 from fuyoud.optimizer.buffers import StateBuffers
 from fuyoud.optimizer.groups import Optimizer
-from fuyoud.sdnotify import notify
-from fuyoud.admin import FuyouAdminServicer
-from fuyoud.service import FuyouServicer
-from fuyoud.session_socket import SessionListener
-from fuyoud.sessions import REASONS, Session, SessionRegistry
-from fuyoud.snapshot import Snapshot
+from fuyoud.sessions import namespaces, peers
+from fuyoud.sessions.listener import SessionListener
+from fuyoud.sessions.registry import REASONS, Session, SessionRegistry
 from fuyoud.storage.device import Device
 from fuyoud.storage.index import IndexDB
 from fuyoud.storage.store import Store
-from fuyoud.threads import Threads
 from fuyoud.units import format_size
-from fuyoud.watchdog import Watchdog, interval_from_env
 
 log = logging.getLogger("fuyoud")
 SERVICE_NAME = "fuyou.v1.Fuyou"

@@ -2,7 +2,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fuyoud.allocator import ExtentAllocator, OutOfSpace
+from fuyoud.memory.allocator import ExtentAllocator, OutOfSpace
 
 PAGE = 4096
 

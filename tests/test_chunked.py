@@ -14,7 +14,8 @@ from fuyou_client import SGD, AdamW
 from fuyoud.errors import ResourceExhausted
 from fuyou_proto.contract import buffer_address
 from fuyoud.optimizer import chunks
-from fuyoud.optimizer.groups import HEADER, Group
+from fuyoud.optimizer.group import Group
+from fuyoud.optimizer.layout import HEADER
 from fuyou_proto.contract import slot_bytes as contract_slot_bytes
 from fuyoud.optimizer.kernels import OptimizerSpec
 from fuyoud.units import format_size

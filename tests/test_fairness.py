@@ -1,4 +1,4 @@
-"""Tenants served in turn (fuyoud/fairness.py): the SSD array's turns and the optimizer's
+"""Tenants served in turn (fuyoud/concurrency/fairness.py): the SSD array's turns and the optimizer's
 CPU go round the sessions that wait, so a tenant with many requests in flight does not
 take the share of one with few."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import mmap
 import threading
 
 from conftest import random_bytes, wait_until
-from fuyoud.fairness import FairTurns
+from fuyoud.concurrency.fairness import FairTurns
 from fuyoud.io.threadpool import ThreadPoolEngine
 from fuyoud.memory.staging import StagingPool
 from fuyoud.storage import transfer

@@ -2,7 +2,7 @@
 ``-m slow``: every RPC, fields drawn from their protobuf types with extremes, garbage,
 wrong tokens; raw truncated bytes) and garbage session-socket handshakes. The daemon
 answers each with an error (never an internal one, never a hang; bytes that are no
-message at all: INVALID_ARGUMENT naming the message expected, fuyoud/malformed.py),
+message at all: INVALID_ARGUMENT naming the message expected, fuyoud/api/malformed.py),
 stays up, and its memory and objects return to baseline."""
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import fuyou_client
 from conftest import SMALL, merge, private_daemon
 from fuyou_client import SGD, AdamW
 from fuyou_proto.contract import HEADER, ITEMSIZE, STATE_SLOTS, slot_bytes
-from fuyoud.optimizer.groups import Group
+from fuyoud.optimizer.group import Group
 from fuyoud.optimizer.kernels import OptimizerSpec
 
 MiB = 1 << 20

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from fuyoud import config as config_mod
-from fuyoud import ctl
+from fuyouctl import cli as ctl
 
 REPO = Path(__file__).resolve().parent.parent
 OPS = REPO / "docs" / "operations.md"

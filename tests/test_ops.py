@@ -24,7 +24,7 @@ MiB = 1 << 20
 
 
 def fuyouctl(daemon, *args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "fuyoud.ctl", "--socket", daemon.socket, *args],
+    proc = subprocess.run([sys.executable, "-m", "fuyouctl", "--socket", daemon.socket, *args],
                           capture_output=True, text=True, timeout=120)
     if check:
         assert proc.returncode == 0, proc.stderr
@@ -363,7 +363,7 @@ def test_journald_format_under_systemd(short_tmp):
         cfg = short_tmp / "c.toml"
         cfg.write_text('[daemon]\nlog_level = "debug"\n')
         code = subprocess.run(
-            [sys.executable, "-c", "import logging, sys; from fuyoud import logs; logs.setup('info'); "
+            [sys.executable, "-c", "import logging, sys; from fuyoud.operations import logs; logs.setup('info'); "
              "logging.getLogger('fuyoud').warning('disk %s is slow', 'ssd0'); "
              "logging.getLogger('fuyoud').info('multi\\nline')"],
             stderr=f, env=dict(os.environ, JOURNAL_STREAM=f"{st.st_dev}:{st.st_ino}"), timeout=60).returncode

@@ -74,7 +74,7 @@ def test_a_client_killed_at_any_point_of_the_handshake_leaves_no_session_and_no_
 
 
 def test_a_silent_connection_is_dropped_after_the_handshake_timeout(daemon, monkeypatch):
-    from fuyoud import session_socket
+    from fuyoud.sessions import listener as session_socket
 
     monkeypatch.setattr(session_socket, "HANDSHAKE_TIMEOUT", 0.3)
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:

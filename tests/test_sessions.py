@@ -3,7 +3,7 @@ import pytest
 
 from fuyoud.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated,
                            Unavailable)
-from fuyoud.sessions import SessionRegistry
+from fuyoud.sessions.registry import SessionRegistry
 
 
 @pytest.fixture

@@ -217,14 +217,14 @@ def test_a_small_run_here_moves_the_bytes_the_planner_says(short_tmp):
 
 def _ctl(*args, timeout=120):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "client"), str(ROOT / "proto")]))
-    return subprocess.run([sys.executable, "-m", "fuyoud.ctl", "plan", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fuyouctl", "plan", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
 def _ctl_here(capsys, *args):
-    """``fuyouctl plan`` as _ctl runs it, through fuyoud.ctl.main in this process (a Python
+    """``fuyouctl plan`` as _ctl runs it, through fuyouctl.cli.main in this process (a Python
     start with torch costs seconds per call): its exit status, stdout and stderr."""
-    from fuyoud import ctl
+    from fuyouctl import cli as ctl
 
     capsys.readouterr()
     try:
@@ -239,7 +239,7 @@ def test_fuyouctl_plan_answers_for_a_described_host(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(LLAMA2_7B))
     host = ["--gpu", "rtx4090", "--ram", "128GiB", "--ssd", "2x7GB/s", "--cores", "16", "--seq", "4096"]
-    run = _ctl_here(capsys, str(cfg), *host)  # (python -m fuyoud.ctl plan: test_fuyouctl_plan_refuses_clearly)
+    run = _ctl_here(capsys, str(cfg), *host)  # (python -m fuyouctl plan: test_fuyouctl_plan_refuses_clearly)
     assert run.returncode == 0, run.stderr
     out = run.stdout
     for head in ("model", "host", "plan", "memory", "SSD", "time", "binds", "helps", "assumed"):
@@ -266,7 +266,7 @@ def test_fuyouctl_plan_answers_for_a_described_host(tmp_path, capsys):
 
 
 def test_fuyouctl_plan_refuses_clearly(tmp_path, capsys):
-    """The first refusal through ``python -m fuyoud.ctl``, the others through its main() in
+    """The first refusal through ``python -m fuyouctl``, the others through its main() in
     this process (the same exit statuses and messages, without a Python start each)."""
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(LLAMA2_7B))

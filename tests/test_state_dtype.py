@@ -14,7 +14,7 @@ from conftest import SMALL, merge, private_daemon
 from fuyou_client import AdamW
 from fuyou_client.connection.session import _call
 from fuyou_proto import pb
-from fuyoud.optimizer.groups import Group
+from fuyoud.optimizer.group import Group
 from fuyoud.optimizer.kernels import OptimizerSpec
 from fuyoud.optimizer.layout import HEADER
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from fuyou_proto.contract import PAGE, segment_bytes
-from fuyoud.allocator import ExtentAllocator, OutOfSpace
 from fuyoud.errors import InvalidArgument, OutOfMemoryBudget, Unauthenticated
+from fuyoud.memory.allocator import ExtentAllocator, OutOfSpace
 from fuyoud.memory.segment import Segment
 from fuyoud.units import align_up, format_size
 

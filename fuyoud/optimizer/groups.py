@@ -36,6 +36,11 @@ step then uses (held.py). Its new weights reach ``out`` chunk by chunk
 while the step runs, before the commit: a step that fails after that (a later chunk not
 finite, an I/O error) first puts the committed weights back into ``out``, so that there
 too weights and state never disagree once the step has returned or raised.
+
+(Past ~500 lines on purpose: ``Optimizer`` is one class because its steps, FetchWeights,
+the read-ahead and the state cache share one lock, one order of groups and one set of
+buffers. What stands apart is elsewhere: a group's record in group.py, chunked steps in
+chunks.py and chunk_io.py, the weights kept for them in held.py.)
 """
 from __future__ import annotations
 
@@ -44,84 +49,26 @@ import math
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
 from fuyoud import failpoints
+from fuyoud.concurrency.fairness import FairTurns
 from fuyoud.errors import DataLoss, FuyouError, InvalidArgument, NonFinite, NotFound
-from fuyoud.fairness import FairTurns
-from fuyoud.names import shown
 from fuyoud.optimizer import chunks
 from fuyoud.optimizer import held as held_weights
-from fuyoud.optimizer.buffers import StateBuffers
 from fuyoud.optimizer import lowp
+from fuyoud.optimizer.buffers import StateBuffers
+from fuyoud.optimizer.group import DTYPES, Group, StepResult, state_bytes, state_name
 from fuyoud.optimizer.kernels import OptimizerSpec, all_finite, step as run_kernel
 from fuyoud.optimizer.layout import HEADER
-from fuyou_proto.contract import STATE_PREFIX, group_of, state_object, step_buffer_bytes
+from fuyou_proto.contract import STATE_PREFIX, group_of
+from fuyoud.concurrency.threads import Threads
 from fuyoud.storage.store import ReadItem, Store, WriteItem
-from fuyoud.threads import Threads
 
 log = logging.getLogger(__name__)
 CACHE_RESERVE = 3  # buffers the state cache leaves free: a step, a read-ahead and a FetchWeights in backward
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def itemsize(dtype: str) -> int:
-    """Bytes per element of a dtype named in a request; InvalidArgument for others."""
-    if dtype not in DTYPES:
-        raise InvalidArgument(f"dtype {shown(dtype)} is not one of {sorted(DTYPES)}")
-    return DTYPES[dtype].itemsize
-
-
-def state_name(group: str) -> str:
-    return state_object(group)
-
-
-def state_bytes(spec: OptimizerSpec, numel: int) -> int:
-    return spec.layout(numel).size
-
-
-@dataclass
-class Group:
-    namespace: str
-    name: str
-    spec: OptimizerSpec
-    numel: int
-    step: int
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    prefetched: memoryview | None = None  # the state, read ahead of its step or kept from the last (cached)
-    cached: bool = False  # prefetched is the state cache's: kept from the group's last step
-    dead: bool = False  # forgotten (session ended, state deleted): nothing may be read ahead for it
-    held: "held_weights.HeldWeights | None" = None  # a chunked group's weights, read for backward, kept for its step
-
-    @property
-    def nbytes(self) -> int:
-        return state_bytes(self.spec, self.numel)
-
-    @property
-    def buffer_bytes(self) -> int:
-        """A step's buffer: the state, then room for the new weights in any dtype."""
-        return step_buffer_bytes(self.nbytes, self.numel)
-
-    def chunk_plan(self, per_buffer: int, buffers: int = 1) -> chunks.ChunkPlan:
-        """How a step of this group is cut into chunks within ``buffers`` buffers of
-        ``per_buffer`` bytes (ResourceExhausted if they are too small even for that)."""
-        return chunks.ChunkPlan.make(self.spec.layout(self.numel), per_buffer, f"group {self.name!r}", buffers)
-
-
-@dataclass
-class StepResult:
-    step: int
-    read_s: float
-    compute_s: float
-    write_s: float
-    prefetched: bool
-    cached_bytes: int = 0  # state bytes not read from the SSD: the state cache had them
-    masters_bytes: int = 0  # master weights taken from the client's buffer (not read from the SSD)
-
-
 @contextmanager
 def _stepping_with(group: Group, hyper: OptimizerSpec | None) -> Iterator[None]:
     """(group.lock held) The step runs with ``hyper`` as the group's spec (its header
@@ -153,7 +100,7 @@ class Optimizer:
         self._groups: dict[tuple[str, str], Group] = {}
         self._lock = threading.Lock()
         # One kernel at a time (it is memory-bound and uses every core), the sessions served in
-        # turn while several wait (fairness.py): a job with many groups in flight does not
+        # turn while several wait (concurrency/fairness.py): a job with many groups in flight does not
         # take the CPU from one with few.
         self._compute = FairTurns(1)
         self._scratch = lowp.Scratch()  # the reduced-precision kernels' temporaries (under _compute)

@@ -20,9 +20,9 @@ import torch
 from torch.optim.adamw import adamw as _adamw
 
 from fuyoud.errors import InvalidArgument
-from fuyoud.names import shown
 from fuyoud.optimizer import lowp
 from fuyoud.optimizer.layout import Layout, Slot, slots_for
+from fuyoud.sessions.names import shown
 from fuyou_proto.contract import STATE_DTYPES
 
 

@@ -19,7 +19,7 @@ import logging
 import os
 from pathlib import Path
 
-from fuyoud.allocator import ExtentAllocator
+from fuyoud.memory.allocator import ExtentAllocator
 from fuyoud.units import format_size
 from fuyou_proto.contract import PAGE as BLOCK
 

@@ -115,7 +115,7 @@ class IndexDB:
 
     def claim_namespace(self, namespace: str, uid: int, unnamed: bool = False) -> None:
         """Record ``uid`` as the namespace's owner; ``unnamed``: the daemon named it (for a
-        session that named none), so nobody can come back to it (fuyoud/unnamed.py)."""
+        session that named none), so nobody can come back to it (fuyoud/sessions/unnamed.py)."""
         with self._lock, self._db:
             self._db.execute("INSERT OR IGNORE INTO namespaces VALUES (?, ?)", (namespace, uid))
             if unnamed:

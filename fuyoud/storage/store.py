@@ -16,9 +16,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Iterable, NamedTuple, Sequence
 
-from fuyoud.allocator import OutOfSpace
 from fuyoud.errors import InvalidArgument, NotFound, QuotaExceeded, StorageFull
 from fuyoud.io.engine import IOEngine, Op
+from fuyoud.memory.allocator import OutOfSpace
 from fuyoud.memory.staging import StagingPool
 from fuyoud.storage import checksums
 from fuyoud.storage.device import Device

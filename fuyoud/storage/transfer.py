@@ -11,7 +11,7 @@ it for whole objects, pending writes (pending.py) and the chunked optimizer step
 
 The array is shared fairly between tenants: an engine batch goes to the engine in
 windows of at most WINDOW_BYTES, each taking one of IO_SLOTS turns on the array
-(fairness.py) on behalf of the batch's namespace. A tenant alone keeps up to IO_SLOTS
+(concurrency/fairness.py) on behalf of the batch's namespace. A tenant alone keeps up to IO_SLOTS
 windows in flight (each with the engine's queue depth: as many requests as before);
 tenants that all want more get the turns in a round, so each has an equal share of the
 array in flight however many transfers it runs at once (a checkpoint copy, an export
@@ -27,8 +27,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
+from fuyoud.concurrency.fairness import FairTurns
 from fuyoud.errors import DataLoss, StorageFull
-from fuyoud.fairness import FairTurns
 from fuyoud.io.engine import IOEngine, IORequest, IOResult, Op
 from fuyoud.memory.staging import StagingPool
 from fuyoud.storage import checksums

@@ -3,7 +3,7 @@
 (Checkpoints: the daemon's optimizer state with state.py's part.)
 
 * ``save_checkpoint``: the daemon checkpoints the session's optimizer state (master
-  weights, moments, step counts) between two steps (see fuyoud/checkpoint.py); the
+  weights, moments, step counts) between two steps (see fuyoud/checkpoints/checkpointer.py); the
   client's own state (learning rate, the caller's ``extra``: scheduler state, data
   position) travels with it as ``client_state``.
 * resume: ``attach(model, resume=dir)`` restores the objects into the new session's

@@ -60,7 +60,7 @@ def restore_groups(param_groups: list[dict], saved: list[dict]) -> None:
         group.update({k: (tuple(v) if k == "betas" else v) for k, v in values.items()})
 
 
-MAX_CLIENT_STATE = 16 << 20  # the daemon keeps at most this much (fuyoud/checkpoint_files.py)
+MAX_CLIENT_STATE = 16 << 20  # the daemon keeps at most this much (fuyoud/checkpoints/files.py)
 
 
 def load_client_state(data: bytes) -> dict:

@@ -17,7 +17,7 @@ from fuyou_client.groups.layer_group import LayerGroup, flat_copy
 from fuyou_client.groups.masters import read_masters
 from fuyou_client.groups.placement import frozen_object, weights_in_state, weights_object, weights_rewritten
 from fuyou_client.model.blocks import GroupSpec, flat_parts
-from fuyou_client.offload.offloader import OffloadedGroup, Source
+from fuyou_client.offload.group import OffloadedGroup, Source
 
 
 class Scratch:

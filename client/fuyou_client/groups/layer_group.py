@@ -30,7 +30,7 @@ from fuyou_proto.contract import state_object
 from fuyou_client.device import DONE, Device
 from fuyou_client.gradients.strategy import GradientStrategy
 from fuyou_client.model.blocks import GroupSpec, flat_parts, set_grad
-from fuyou_client.offload.offloader import OffloadedGroup
+from fuyou_client.offload.group import OffloadedGroup
 
 
 @dataclass(eq=False)

@@ -56,6 +56,12 @@ init's distribution, not a CPU build's values). Parameters and floating buffers 
 NaN: one an init leaves (partly) unwritten is refused, named, and so is an init that
 writes a group after its upload (an ancestor's ``_init_weights`` reaching into a block;
 attach such a model with ``offload=False``).
+
+(Past ~500 lines on purpose: ``Materializer`` is one object because the three sources of
+values share one walk of the groups, one set of stand-ins and one record of what is
+final; a third of the file is this description. What stands apart is elsewhere:
+recording a Hugging Face model's construction in init_record.py, reading safetensors
+shards in weights_file.py.)
 """
 from __future__ import annotations
 

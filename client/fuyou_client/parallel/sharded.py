@@ -44,7 +44,7 @@ from fuyou_client.errors import NonFinite
 from fuyou_client.gradients.strategy import GradientStrategy, Start
 from fuyou_client.optim import StepInfo
 from fuyou_client.connection.session import flatten
-from fuyou_client.offload.offloader import read_declined
+from fuyou_client.offload.group import read_declined
 
 REDUCE_MODES = ("step", "backward")
 

@@ -15,7 +15,7 @@ the caller is a tenant (a hard link would name a file the tenant cannot read), o
 whom the caller says, and no larger than the caller's limit. Nothing here trusts a
 manifest: ``parse_manifest`` checks every field's type and range and returns a
 ``Manifest``; which namespace and owner a checkpoint has is decided by the caller from
-the daemon's index (fuyoud/checkpoint.py).
+the daemon's index (fuyoud/checkpoints/checkpointer.py).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from fuyoud.errors import (DataLoss, FailedPrecondition, FuyouError, InvalidArgument, NotFound, PermissionDenied,
                            ResourceExhausted)
-from fuyoud.names import shown, valid_namespace
+from fuyoud.sessions.names import shown, valid_namespace
 from fuyoud.units import align_up, format_size
 
 FORMAT = "fuyou-checkpoint/1"
@@ -354,7 +354,7 @@ def _str(value, what: str) -> str:
 
 
 def _object_name(value, what: str) -> str:
-    from fuyoud.names import check_name  # (the rule object names follow everywhere)
+    from fuyoud.sessions.names import check_name  # (the rule object names follow everywhere)
 
     try:
         return check_name(_str(value, what))

@@ -15,7 +15,7 @@ import re
 import secrets
 
 from fuyoud.errors import InvalidArgument
-from fuyoud.names import shown
+from fuyoud.sessions.names import shown
 
 UNNAMED_RE = re.compile(r"^session-[0-9]+-[0-9a-f]{8}$")
 

@@ -10,7 +10,7 @@ mode: the locks go at once and the copy runs while the client trains on). A name
 whose groups stay mid-iteration past the timeout gets FAILED_PRECONDITION, and nothing
 is written.
 
-On disk (fuyoud/checkpoint_files.py: the layout, the manifest's schema, and access
+On disk (fuyoud/checkpoints/files.py: the layout, the manifest's schema, and access
 confined to the directory), written as ``DIR.partial-<pid>`` (each file fsynced, 0600 in
 0700 directories) and renamed to ``DIR``, so ``DIR`` is complete or absent. A copy is
 refused (ResourceExhausted, nothing created) when the sizes of its objects and manifest
@@ -41,22 +41,23 @@ from typing import TYPE_CHECKING
 
 from fuyou_proto.contract import SNAPSHOT_PREFIX, group_of
 from fuyoud import __version__, failpoints
-from fuyoud.checkpoint_files import (CLIENT_STATE, FORMAT, MANIFEST, MAX_CLIENT_STATE, MAX_MANIFEST,
+from fuyoud.checkpoints.files import (CLIENT_STATE, FORMAT, MANIFEST, MAX_CLIENT_STATE, MAX_MANIFEST,
                                      CheckpointDir, Location, Manifest, NewCheckpoint, object_file,
                                      parse_manifest, refuse_existing, require_room, write_failure)
 from fuyoud.errors import DataLoss, FailedPrecondition, FuyouError, InvalidArgument, NotFound, PermissionDenied
 from fuyoud.memory.hugepages import huge_page_buffer
-from fuyoud.optimizer.groups import HEADER, Group
+from fuyoud.optimizer.group import Group
+from fuyoud.optimizer.layout import HEADER
 from fuyoud.optimizer.kernels import OptimizerSpec
-from fuyoud.names import shown
-from fuyoud.namespaces import delete_state
+from fuyoud.sessions.names import shown
+from fuyoud.sessions.namespaces import delete_state
 from fuyoud.storage.index import CheckpointRecord
 from fuyoud.storage.pending import PendingWrite, commit_all
 from fuyoud.units import format_size
 
 if TYPE_CHECKING:
     from fuyoud.optimizer.groups import Optimizer
-    from fuyoud.sessions import Session, SessionRegistry
+    from fuyoud.sessions.registry import Session, SessionRegistry
     from fuyoud.storage.store import Store
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ UNIT_MOUNTS = "RequiresMountsFor=/var/lib/fuyoud"
 def deploy_dir() -> Path:
     """deploy/ of a source checkout (editable installs), else the copy a wheel installs
     under <prefix>/share/fuyou/deploy."""
-    candidates = [Path(__file__).resolve().parent.parent / "deploy",
+    candidates = [Path(__file__).resolve().parents[2] / "deploy",
                   Path(sysconfig.get_path("data")) / "share" / "fuyou" / "deploy"]
     for c in candidates:
         if (c / "fuyoud.service").is_file():

@@ -1,9 +1,9 @@
 """The gRPC servicer: proto/fuyou.proto's `Fuyou` service over the daemon's parts.
 
 The data-plane methods are here, the operator ones (Status, ListSessions, Drain,
-Checkpoint, Report) in fuyoud/admin.py. Every method here authenticates its session
+Checkpoint, Report) in fuyoud/api/admin.py. Every method here authenticates its session
 from the `x-fuyou-session` metadata and checks that the objects it names are in the
-session's namespace; fuyoud/handler.py maps FuyouError subclasses to their gRPC status
+session's namespace; fuyoud/api/handler.py maps FuyouError subclasses to their gRPC status
 codes. Handlers are thin: the work is in the pool, the store and the session registry.
 """
 from __future__ import annotations
@@ -13,13 +13,14 @@ import logging
 from fuyou_proto import pb, rpc
 from fuyou_proto import dtype_name, state_dtype_name, state_dtype_value
 from fuyou_proto.contract import SNAPSHOT_PREFIX, STATE_PREFIX, group_of
-from fuyoud.checkpoint_service import CheckpointMethods
+from fuyoud.api.checkpoints import CheckpointMethods
+from fuyoud.api.handler import handler as _handler
 from fuyoud.errors import InvalidArgument, PermissionDenied
-from fuyoud.handler import handler as _handler
 from fuyoud.memory.pool import BufferRef
-from fuyoud.names import check_name as _check_name, shown
-from fuyoud.optimizer.groups import HEADER, Group, itemsize, state_bytes
+from fuyoud.optimizer.group import Group, itemsize, state_bytes
+from fuyoud.optimizer.layout import HEADER
 from fuyoud.optimizer.kernels import OptimizerSpec
+from fuyoud.sessions.names import check_name as _check_name, shown
 from fuyoud.storage.index import ObjectMeta
 from fuyoud.storage.store import ReadItem, WriteItem
 

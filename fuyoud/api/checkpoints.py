@@ -5,8 +5,8 @@ checkpoint) and deletes any checkpoint."""
 from __future__ import annotations
 
 from fuyou_proto import pb
+from fuyoud.api.handler import ServicerBase, handler
 from fuyoud.errors import InvalidArgument, PermissionDenied
-from fuyoud.handler import ServicerBase, handler
 
 DEFAULT_CHECKPOINT_TIMEOUT = 60.0
 MAX_CHECKPOINT_TIMEOUT = 7 * 86400.0

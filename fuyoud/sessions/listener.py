@@ -36,10 +36,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from fuyoud import __version__, failpoints, peers
+from fuyoud import __version__, failpoints
+from fuyoud.concurrency.threads import Threads
 from fuyoud.errors import FuyouError
-from fuyoud.sessions import KILLED, Session, SessionRegistry
-from fuyoud.threads import Threads
+from fuyoud.sessions import peers
+from fuyoud.sessions.registry import KILLED, Session, SessionRegistry
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE = 64 * 1024

@@ -23,14 +23,14 @@ import grpc
 from fuyoud import failpoints
 from fuyou_proto import ADMIN_METADATA_KEY, SESSION_METADATA_KEY
 from fuyoud.errors import FuyouError, PermissionDenied, Unavailable
-from fuyoud.sessions import Session, SessionRegistry
+from fuyoud.sessions.registry import Session, SessionRegistry
 
 if TYPE_CHECKING:
-    from fuyoud.checkpoint import Checkpointer
+    from fuyoud.checkpoints.checkpointer import Checkpointer
     from fuyoud.memory.pool import Pool
-    from fuyoud.metrics import Metrics
+    from fuyoud.operations.metrics import Metrics
     from fuyoud.optimizer.groups import Optimizer
-    from fuyoud.snapshot import Snapshot
+    from fuyoud.operations.snapshot import Snapshot
     from fuyoud.storage.store import Store
 
 log = logging.getLogger("fuyoud.service")

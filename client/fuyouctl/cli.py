@@ -30,8 +30,9 @@ from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fuyou_proto import ADMIN_METADATA_KEY, pb, rpc
+from fuyouctl.plan import add_arguments as add_plan_arguments, run as run_plan
 from fuyoud.config import ConfigError, load
-from fuyoud.names import job_rank
+from fuyoud.sessions.names import job_rank
 from fuyoud.units import format_size
 
 
@@ -239,17 +240,6 @@ def cmd_health(args, channel) -> int:
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-def cmd_plan(args) -> int:
-    """The planner, for this host as fuyoud is configured here (its data directories,
-    measured; its pinned and buffer budgets) unless the host is described."""
-    from fuyou_client.sizing import cli
-
-    describes = args.ram is not None or args.ssd is not None
-    cfg = load(args.config)
-    defaults = {} if describes else {"pinned_budget": cfg.session_budget, "buffer_budget": cfg.optimizer.buffer_budget}
-    return cli.run(args, data_dirs=cfg.data_dirs, defaults=defaults)
-
-
 def parser(plan: bool = True) -> argparse.ArgumentParser:
     """``plan``: with the plan command's arguments (they import fuyou_client, and torch:
     seconds that the other commands need not wait)."""
@@ -293,9 +283,8 @@ def parser(plan: bool = True) -> argparse.ArgumentParser:
     sub.add_parser("health", help="the grpc.health.v1 status").set_defaults(func=cmd_health)
     s = sub.add_parser("plan", help="will a model fit this host, with which settings, how fast (no daemon needed)")
     if plan:
-        from fuyou_client.sizing.cli import add_arguments
-        add_arguments(s)
-    s.set_defaults(func=cmd_plan)
+        add_plan_arguments(s)
+    s.set_defaults(func=run_plan)
     return p
 
 

@@ -1,6 +1,6 @@
 """The daemon's once-a-second chores, on one thread: sample SSD throughput (for
 `fuyouctl status`), run the systemd watchdog, reap sessions whose process is gone
-(every REAP_EVERY seconds: sessions.py ``reap``) and persist the lifetime byte counters
+(every REAP_EVERY seconds: sessions/registry.py ``reap``) and persist the lifetime byte counters
 every minute."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import threading
 import time
 from typing import Callable
 
+from fuyoud.operations.watchdog import Watchdog
 from fuyoud.storage.store import Store
-from fuyoud.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 TICK = 1.0

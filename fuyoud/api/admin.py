@@ -17,9 +17,9 @@ import time
 import grpc
 
 from fuyou_proto import SESSION_METADATA_KEY, pb, rpc
-from fuyoud import namespaces
-from fuyoud.handler import ServicerBase, handler
-from fuyoud.sessions import Session
+from fuyoud.api.handler import ServicerBase, handler
+from fuyoud.sessions import namespaces
+from fuyoud.sessions.registry import Session
 
 
 class FuyouAdminServicer(ServicerBase, rpc.FuyouAdminServicer):

@@ -6,7 +6,7 @@ belongs to the uid that first used it. Closing a session (CloseSession, EOF on t
 session socket when the process dies, the reaper when its process is gone though the
 socket stays open, the daemon stopping) releases everything it held, and where the daemon
 named its namespace (the client named none) that namespace's persistent objects too:
-nobody could come back to them (fuyoud/unnamed.py). Its snapshot checkpoints' objects
+nobody could come back to them (fuyoud/sessions/unnamed.py). Its snapshot checkpoints' objects
 stay until the checkpoint is deleted.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Callable
 
 from fuyoud.errors import (AlreadyExists, FailedPrecondition, NotFound, PermissionDenied, Unauthenticated,
                            Unavailable)
-from fuyoud.names import check_namespace, shown
-from fuyoud.unnamed import refuse_unnamed, unnamed_namespace
+from fuyoud.sessions.names import check_namespace, shown
+from fuyoud.sessions.unnamed import refuse_unnamed, unnamed_namespace
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from fuyou_proto.contract import SNAPSHOT_PREFIX
 from fuyoud.errors import InvalidArgument, NotFound
-from fuyoud.names import shown, valid_namespace
+from fuyoud.sessions.names import shown, valid_namespace
 from fuyoud.units import format_size
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fuyoud.sdnotify import notify
+from fuyoud.operations.sdnotify import notify
 
 log = logging.getLogger(__name__)
 

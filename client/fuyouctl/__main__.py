@@ -1,0 +1,5 @@
+import sys
+
+from fuyouctl.cli import main
+
+sys.exit(main())
