@@ -11,12 +11,34 @@ def _where(offload) -> str:
     return {True: "the SSD array", "host": "pinned host memory", False: "the GPU"}[offload]
 
 
+def _swapped(e) -> str:
+    a = e.activations
+    if e.settings.schedule != "block-major":
+        return ""
+    if not a["swapped_blocks"]:
+        return "; every block recomputed in backward"
+    return f"; {a['swapped_blocks']} of {a['of_blocks']} blocks' activations swapped, not recomputed"
+
+
 def settings_line(plan) -> str:
     s = plan.best.settings
     how = "engine.train_step (block-major)" if s.schedule == "block-major" else "the ordinary loop"
     return (f"{how}: {s.micro_batch} x {s.seq} tokens per micro-batch, {s.micro_batches} micro-batch{'es' if s.micro_batches > 1 else ''} = "
             f"{s.tokens:,} tokens per step; {s.state_dtype} optimizer state; blocks' weights on {_where(s.offload)}; "
-            f"host arena {format_size(plan.best.plan.host_budget)}; the model in {s.model_dtype(plan.host)}")
+            f"host arena {format_size(plan.best.plan.host_budget)}{_swapped(plan.best)}; "
+            f"the model in {s.model_dtype(plan.host)}")
+
+
+def swap_line(e) -> str | None:
+    """The swapped activations' bytes per step, where blocks swap."""
+    a = e.activations
+    if not a["swapped_blocks"]:
+        return None
+    arena = e.plan.host_budget - e.plan.host_budget // 2
+    return (f"swap    activations of {a['swapped_blocks']} of {a['of_blocks']} blocks, not recomputed: "
+            f"{format_size(a['pcie_bytes'] / 2)} down and the same up over PCIe per step; "
+            f"{format_size(a['ssd_bytes'] / 2)} of it beyond their host arena ({format_size(arena)}, half of "
+            f"host_budget) written to the SSD array and read back")
 
 
 def call_line(plan) -> str:
@@ -51,6 +73,8 @@ def text(plan) -> str:
     lines.append(f"SSD     {e.ssd_bytes_per_param:.2f} B/param per step = {format_size(e.ssd_bytes)} (read {format_size(read)}, "
                  f"written {format_size(written)}); wear {1000 * written / host.disks.count / 1e12:.1f} TB written per "
                  f"device per 1,000 steps")
+    if swap_line(e):
+        lines.append(swap_line(e))
     if e.time is not None:
         use = ", ".join(f"{k} {v:.2f}" for k, v in sorted(e.utilisation.items(), key=lambda x: -x[1]))
         lines += [f"time    {e.seconds:.1f} s per step, {e.tokens_per_second:,.0f} tokens/s, "
