@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from fuyou_client.device import cuda_reserve
 from fuyou_client.memory import DevicePlan, Work, plan_device
 from fuyou_client.memory import budget as memory_plan
+from fuyou_client.memory.device_plan import ACTIVATION_BYTES
 from fuyou_client.model.cuts import large_atoms, rest_sub_blocks
 from fuyou_client.sizing.hardware import COMPUTE, GB, TORCH_DTYPE, GiB, Host
 from fuyou_client.sizing.iteration import Rates, Schedule, simulate, state_bytes
@@ -411,7 +412,11 @@ def _assumptions(host: Host, compute: str = "bf16") -> list[str]:
                 "kept for CUDA (512 MiB + 5%, assumed); activations 34 bytes per token and unit of width of a "
                 "block at 16 bits (Korthikanti et al., Reducing Activation Recomputation in Large Transformer "
                 "Models, 2022), the tail's logits 10 bytes per token and vocabulary entry",
-                f"host memory of a CUDA process: {CUDA_CONTEXT / GiB:.0f} GiB assumed"]
+                f"host memory of a CUDA process: {CUDA_CONTEXT / GiB:.0f} GiB assumed",
+                f"swapped activations: {ACTIVATION_BYTES} bytes per token, unit of width and byte of the compute "
+                "dtype, down as autograd saves them and up while the backward before frees its own, within one "
+                "block's activations on the GPU (assumed: streamed, a micro-batch the longer of its compute and its "
+                "transfer); beyond half of host_budget to the SSD array"]
     d = host.disks
     out += [f"SSD {d.read.value:.3g} GB/s read each: {d.read.source}", f"SSD {d.write.value:.3g} GB/s write each: "
             f"{d.write.source}", f"AdamW {host.adam_rate:.3g} params/s: {host.adam.source}",
