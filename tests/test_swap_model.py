@@ -129,5 +129,6 @@ def test_no_swapping_where_it_does_not_pay_or_there_is_no_gpu():
     cpu = sizing.Host(None, 16 << 30, sizing.Disks(1, 10**12, sizing.Rate(2, "g"), sizing.Rate(2, "g")), 2)
     small = {"model_type": "gpt2", "n_embd": 64, "n_layer": 4, "n_head": 4, "vocab_size": 256, "n_positions": 64}
     assert sizing.plan(small, on=cpu, seq=32, tokens_per_step=256).best.settings.swap_blocks == 0
-    assert estimate(S.from_config(small), Settings(seq=32, swap_blocks=2, schedule="loop"), cpu).activations[
-        "swapped_blocks"] == 0
+    assert estimate(S.from_config(small), Settings(seq=32, swap_blocks=2), cpu).activations["swapped_blocks"] == 2
+    with pytest.raises(ValueError, match="swap_blocks is engine.train_step's"):
+        Settings(seq=32, swap_blocks=2, schedule="loop")

@@ -72,6 +72,9 @@ class Settings:
                              f"not {self.compute!r}")
         if isinstance(self.swap_blocks, bool) or not isinstance(self.swap_blocks, int) or self.swap_blocks < 0:
             raise ValueError(f"swap_blocks must be an integer of at least 0, not {self.swap_blocks!r}")
+        if self.swap_blocks and self.schedule != "block-major":
+            raise ValueError("swap_blocks is engine.train_step's (block-major): the ordinary loop's activations are "
+                             "its activations= treatments")
 
     @property
     def tokens(self) -> int:
