@@ -364,7 +364,7 @@ def test_attach_plans_for_itself(small_daemon, caplog):
         engine.close()
 
 
-@pytest.mark.slow  # (plans every model on every host of the page: about 18 s)
+@pytest.mark.slow  # (plans every model on every host of the page, weighing swapped blocks: about a minute)
 def test_the_sizing_page_holds_what_the_planner_prints():
     sys.path.insert(0, str(ROOT / "bench"))
     import sizing as examples  # bench/sizing.py

@@ -388,8 +388,12 @@ def _time(est: Estimate, host: Host) -> None:
            "CPU optimizer": t["busy"].get("adam", 0),
            "host memory bandwidth": t["host_memory_traffic_bytes"] / seconds / GB / host.host_add.value}
     # the tokens per step at which the GPU's compute lasts as long as the SSD array's part
-    # of a step (below it the SSD binds whatever the GPU)
-    t["balance_tokens"] = ssd_seconds * est.settings.tokens / t["seconds"]["gpu compute"]
+    # of a step (below it the SSD binds whatever the GPU); the inputs and activations spilled
+    # beyond their arenas grow with the tokens, as the compute does (none: never)
+    spilled = sum(v for k, v in est.ssd.items() if k.startswith("spilled") and "read" in k) / r.ssd_read / GB + \
+        sum(v for k, v in est.ssd.items() if k.startswith("spilled") and "written" in k) / r.ssd_write / GB
+    room = t["seconds"]["gpu compute"] - spilled
+    t["balance_tokens"] = (ssd_seconds - spilled) * est.settings.tokens / room if room > 0 else None
     est.time, est.utilisation = t, use
     est.binds = max(use, key=use.get)
 

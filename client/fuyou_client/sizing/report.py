@@ -77,13 +77,19 @@ def text(plan) -> str:
         lines.append(swap_line(e))
     if e.time is not None:
         use = ", ".join(f"{k} {v:.2f}" for k, v in sorted(e.utilisation.items(), key=lambda x: -x[1]))
+        balance = e.time["balance_tokens"]
+        spilled = sum(v for k, v in e.ssd.items() if k.startswith("spilled"))
         lines += [f"time    {e.seconds:.1f} s per step, {e.tokens_per_second:,.0f} tokens/s, "
                   f"{e.time['model_tflops']:.1f} model TFLOPS (6 x parameters x tokens / s), "
                   f"{e.time['hardware_tflops']:.1f} hardware TFLOPS (what the GPU executes, recomputation included), "
                   f"GPU busy {e.time['gpu_busy']:.2f}",
-                  f"binds   {e.binds} (share of the step each resource is busy: {use}); the GPU's compute "
-                  f"outlasts the SSD array's {format_size(e.ssd_bytes)} from about {e.time['balance_tokens']:,.0f} "
-                  f"tokens per step"]
+                  f"binds   {e.binds} (share of the step each resource is busy: {use}); "
+                  + (f"the GPU's compute outlasts the SSD array's {format_size(e.ssd_bytes)} from about "
+                     f"{balance:,.0f} tokens per step" if balance is not None else
+                     f"the SSD array's {format_size(spilled)} spilled alone outlast the GPU's compute at any tokens "
+                     "per step")
+                  + (f" (its {format_size(spilled)} spilled growing with them)" if spilled and balance is not None
+                     else "")]
     else:
         lines.append("time    not modelled: no GPU (the CPU computes); the SSD bytes above are per step")
     if plan.advice:
