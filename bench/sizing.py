@@ -61,7 +61,8 @@ def row(model_name: str, host_name: str, plan) -> str:
     s, m = e.settings, e.memory
     wear = 1000 * e.written_per_step / host.disks.count / 1e12
     return (f"| {model_name} ({e.shape.params / 1e9:.1f}B) | {host_name} | {s.micro_batch} x {s.micro_batches}, "
-            f"{s.state_dtype}, weights: {_where(s.offload)}{', by module' if s.granularity == 'module' else ''} | "
+            f"{s.state_dtype}, weights: {_where(s.offload)}{', by module' if s.granularity == 'module' else ''}"
+            f"{f', {s.swap_blocks} swapped' if s.swap_blocks else ''} | "
             f"{format_size(m['gpu'])} | {format_size(m['pinned_plan'])} / {format_size(m['host_total'])} | "
             f"{format_size(m['ssd_capacity'])} | {wear:,.0f} TB | {e.tokens_per_second:,.0f} | "
             f"{e.time['model_tflops']:.0f} / {e.time['hardware_tflops']:.0f} | "
@@ -108,7 +109,8 @@ def render() -> str:
     table, full = rows()
     return "\n".join([
         BEGIN,
-        "| model | host | micro-batch x micro-batches, state, blocks' weights | GPU | pinned / host memory | "
+        "| model | host | micro-batch x micro-batches, state, blocks' weights, blocks swapped | GPU | "
+        "pinned / host memory | "
         "SSD capacity | written per device per 1,000 steps | tokens/s | model / hardware TFLOPS | binds (busy share) |",
         "|---|---|---|---|---|---|---|---|---|---|",
         *table, "",
@@ -119,7 +121,8 @@ def render() -> str:
         f"cores; `fuyouctl plan ... --gpu rtx4090 --ram 768GiB --ssd 12x6.5/3.4GB/s --ssd-size 3.84TB --cores 32 "
         f"--seq {PAPER_SEQ} --tokens-per-step {PAPER_TOKENS}`), the paper's 175B run and Llama-3.1-405B, which no "
         "published system fine-tunes on one 24 GB GPU:", "",
-        "| model | host | micro-batch x micro-batches, state, blocks' weights | GPU | pinned / host memory | "
+        "| model | host | micro-batch x micro-batches, state, blocks' weights, blocks swapped | GPU | "
+        "pinned / host memory | "
         "SSD capacity | written per device per 1,000 steps | tokens/s | model / hardware TFLOPS | binds (busy share) |",
         "|---|---|---|---|---|---|---|---|---|---|",
         *paper_rows(), "",

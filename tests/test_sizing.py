@@ -258,7 +258,11 @@ def test_fuyouctl_plan_answers_for_a_described_host(tmp_path, capsys):
     assert p["memory_bytes"]["gpu"] <= 0.9 * 24 * 2**30
     assert {a["change"] for a in plan["advice"]} >= {"another SSD", "twice the host memory"}
     assert p["model_dtype"] == "torch.bfloat16" and p["settings"]["compute"] == "bf16"
-    assert p["hardware_tflops"] > 4 / 3 * p["model_tflops"]  # (recomputation; and attention, not in 6 N tokens)
+    swap = p["swapped_activations_per_step"]  # (blocks whose activations are swapped: not recomputed)
+    assert swap["of_blocks"] == 32 and p["attach_options"].get("swap_blocks", 0) == swap["swapped_blocks"]
+    assert (swap["pcie_bytes"] > 0) == (swap["swapped_blocks"] > 0) == ("swap    activations of" in out)
+    recomputed = (32 - swap["swapped_blocks"]) / 32
+    assert p["hardware_tflops"] > (1 + recomputed / 3) * p["model_tflops"]  # (and attention, not in 6 N tokens)
     fp16 = _ctl_here(capsys, str(cfg), *host, "--compute", "fp16")  # the model's dtype, its GEMMs' rate
     assert fp16.returncode == 0, fp16.stderr
     assert "model in torch.float16" in fp16.stdout and "GPU 165.2 dense fp16 TFLOPS" in fp16.stdout
@@ -360,7 +364,7 @@ def test_attach_plans_for_itself(small_daemon, caplog):
         engine.close()
 
 
-@pytest.mark.slow  # (plans every model on every host of the page: about 18 s)
+@pytest.mark.slow  # (plans every model on every host of the page, weighing swapped blocks: about a minute)
 def test_the_sizing_page_holds_what_the_planner_prints():
     sys.path.insert(0, str(ROOT / "bench"))
     import sizing as examples  # bench/sizing.py

@@ -9,8 +9,12 @@ and traffic, and (with a GPU) the step's time and what binds it.
 * **SSD traffic per iteration**, by cause, as the daemon counts it: the blocks' weights
   read in forward (and backward, where the master handoff keeps the step's read short
   and backward reads the weights itself), the optimizer state read and written, the
-  weights the steps write for blocks kept in a 16-bit dtype, and block-major's inputs
-  spilled beyond the host arena.
+  weights the steps write for blocks kept in a 16-bit dtype, and block-major's inputs and
+  swapped activations spilled beyond their host arenas.
+* **Swapped activations** (``swap_blocks``: blocks whose saved activations train_step
+  swaps instead of recomputing them): the host arena ``host_budget`` is split as
+  train_step splits it, half for the kept inputs, the rest for the swapped activations
+  (``arenas``); a swapped block's input leaves the arena after its forward.
 * **Time**: the discrete-event model (iteration.py) with the GPU's and host's rates, the
   GPU's in the model's compute dtype (``Settings.compute``: bf16 or fp16; its bytes are 2
   per element either way). Two rates of FLOPs: model TFLOPS (6 x parameters x tokens per
@@ -25,11 +29,13 @@ from dataclasses import dataclass, field
 from fuyou_client.device import cuda_reserve
 from fuyou_client.memory import DevicePlan, Work, plan_device
 from fuyou_client.memory import budget as memory_plan
+from fuyou_client.memory.device_plan import ACTIVATION_BYTES
 from fuyou_client.model.cuts import large_atoms, rest_sub_blocks
 from fuyou_client.sizing.hardware import COMPUTE, GB, TORCH_DTYPE, GiB, Host
 from fuyou_client.sizing.iteration import Rates, Schedule, simulate, state_bytes
 from fuyou_client.sizing.kernels import GEMM_EDGE, HBM_EFFICIENCY
 from fuyou_client.sizing.shape import ModelShape
+from fuyou_client.sizing.swap_model import activation_bytes
 from fuyou_proto.contract import stepped_in_chunks
 
 # Each process's own memory beside the shared buffers, at the peak of a step, measured on
@@ -58,11 +64,17 @@ class Settings:
     activations: str = "recompute"
     granularity: str = "block"  # what comes to the GPU at a time: "block", or "module" (model/cuts.py)
     compute: str = "bf16"  # the model's dtype on a GPU (attach computes in it): "bf16" or "fp16"
+    swap_blocks: int = 0  # block-major: blocks whose activations are swapped instead of recomputed
 
     def __post_init__(self):
         if self.compute not in COMPUTE:
             raise ValueError(f"compute dtype must be one of {', '.join(COMPUTE)} (the model's dtype on the GPU), "
                              f"not {self.compute!r}")
+        if isinstance(self.swap_blocks, bool) or not isinstance(self.swap_blocks, int) or self.swap_blocks < 0:
+            raise ValueError(f"swap_blocks must be an integer of at least 0, not {self.swap_blocks!r}")
+        if self.swap_blocks and self.schedule != "block-major":
+            raise ValueError("swap_blocks is engine.train_step's (block-major): the ordinary loop's activations are "
+                             "its activations= treatments")
 
     @property
     def tokens(self) -> int:
@@ -85,6 +97,8 @@ class Settings:
             out["accumulation_steps"] = self.micro_batches
         if self.granularity != "block":
             out["granularity"] = self.granularity
+        if self.swap_blocks:
+            out["swap_blocks"] = self.swap_blocks
         return out
 
 
@@ -129,6 +143,15 @@ class Estimate:
         return self.settings.tokens / self.seconds if self.time else None
 
     @property
+    def activations(self) -> dict:
+        """The swapped activations of one step: how many blocks swap, the bytes over PCIe
+        (down and up) and to and from the SSD array (what spills beyond their arena)."""
+        c = _compute_bytes(self.host)
+        return {"swapped_blocks": swapped(self.shape, self.settings), "of_blocks": self.shape.layers,
+                "pcie_bytes": 2 * swapped_activations(self.shape, self.settings, c),
+                "ssd_bytes": self.ssd["spilled activations written"] + self.ssd["spilled activations read"]}
+
+    @property
     def written_per_step(self) -> float:
         return sum(v for k, v in self.ssd.items() if "written" in k)
 
@@ -146,6 +169,7 @@ class Estimate:
                 "gpu_busy": self.time["gpu_busy"] if self.time else None,
                 "balance_tokens_per_step": self.time["balance_tokens"] if self.time else None,
                 "binds": self.binds, "utilisation": self.utilisation,
+                "swapped_activations_per_step": self.activations,
                 "seconds_by_cause": self.time["seconds"] if self.time else None,
                 "memory_plan": str(self.plan) if self.plan else None, "assumptions": self.assumptions}
 
@@ -193,12 +217,29 @@ def groups(shape: ModelShape, s: Settings, host: Host) -> list[memory_plan.Group
     return out + [g for g in rest if g.numel]
 
 
+def swapped(shape: ModelShape, s: Settings) -> int:
+    """How many blocks swap their activations (block-major only)."""
+    return min(s.swap_blocks, shape.layers) if s.schedule == "block-major" else 0
+
+
 def kept_inputs(shape: ModelShape, s: Settings, c: int) -> int:
     """Block-major's kept entries for one step, as block_store.Plan counts them: each
-    block's input, the last block's output and the tail's input gradient, per micro-batch."""
+    block's input, the last block's output and the tail's input gradient, per micro-batch;
+    a swapped block's input leaves after its forward (not counted)."""
     if s.schedule != "block-major":
         return 0
-    return (shape.layers + 2) * s.micro_batches * s.micro_batch * s.seq * shape.width * c
+    return (shape.layers - swapped(shape, s) + 2) * s.micro_batches * s.micro_batch * s.seq * shape.width * c
+
+
+def swapped_activations(shape: ModelShape, s: Settings, c: int) -> int:
+    """The swapped blocks' activations of one step (each goes down once and up once)."""
+    return swapped(shape, s) * s.micro_batches * activation_bytes(shape.width, s.micro_batch * s.seq, c)
+
+
+def arenas(s: Settings, host_budget: int) -> tuple[int, int]:
+    """The host arena's bytes for (kept inputs, swapped activations), as train_step splits
+    ``host_budget``: all of it for the inputs without swapped blocks, else half each."""
+    return (host_budget // 2, host_budget - host_budget // 2) if s.swap_blocks else (host_budget, 0)
 
 
 def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena: int, slots: int = 2) -> dict:
@@ -212,7 +253,9 @@ def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena
     hands = on_ssd and handoff and c == 4 and in_chunks  # (memory_plan's handoff: chunked fp32 blocks)
     k = s.micro_batches if s.schedule == "loop" else 1
     block_state, rest_state = state_bytes(s.state_dtype, n), state_bytes(s.state_dtype, shape.rest_params)
-    spill = max(0, kept_inputs(shape, s, c) - arena)
+    inputs_arena, acts_arena = arenas(s, arena)
+    spill = max(0, kept_inputs(shape, s, c) - inputs_arena)
+    acts_spill = max(0, swapped_activations(shape, s, c) - acts_arena)
     rest_read = 0
     if s.granularity == "module" and on_ssd:
         # a block's large modules one by one; where the slots do not hold a whole block's, train_step
@@ -240,7 +283,8 @@ def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena
             "optimizer state read": L * (block_state - 4 * n * hands) + rest_state,
             "optimizer state written": L * block_state + rest_state,
             "weights written by the steps": L * n * c if on_ssd and c != 4 else 0,
-            "spilled inputs written": spill, "spilled inputs read": spill}
+            "spilled inputs written": spill, "spilled inputs read": spill,
+            "spilled activations written": acts_spill, "spilled activations read": acts_spill}
 
 
 def rates(host: Host, compute: str = "bf16") -> Rates:
@@ -264,7 +308,8 @@ def estimate(shape: ModelShape, s: Settings, host: Host, simulate_time: bool = T
     except memory_plan.DoesNotFit as exc:
         plan = exc.smallest
     device = device_plan(shape, s, host, shapes, plan)
-    arena_used = min(plan.host_budget, kept_inputs(shape, s, c))
+    inputs_arena, acts_arena = arenas(s, plan.host_budget)
+    arena_used = min(inputs_arena, kept_inputs(shape, s, c)) + min(acts_arena, swapped_activations(shape, s, c))
     pinned = plan.training - (plan.host_budget - arena_used)  # (an arena's untouched pages are not resident)
     daemon = DAEMON_BASE + host.buffer_budget
     client = CLIENT_BASE + 4 * shape.vocab * shape.width + (CUDA_CONTEXT if host.gpu else 0)
@@ -273,7 +318,7 @@ def estimate(shape: ModelShape, s: Settings, host: Host, simulate_time: bool = T
     stored = shape.layers * state_bytes(s.state_dtype, shape.block_params) + \
         state_bytes(s.state_dtype, shape.rest_params) + ssd["weights written by the steps"]
     capacity = {"state and weights": stored, "new versions in flight": VERSIONS_IN_FLIGHT * block_state,
-                "spilled inputs": ssd["spilled inputs written"]}
+                "spilled inputs": ssd["spilled inputs written"], "spilled activations": ssd["spilled activations written"]}
     memory = {"gpu": device.total(s.micro_batch * s.seq) if host.gpu else 0,
               "gpu_plan": str(device) if device else None,
               "pinned": pinned, "pinned_plan": plan.total, "daemon_own": daemon, "client_own": client,
@@ -316,10 +361,12 @@ def _schedule(shape: ModelShape, s: Settings, host: Host, plan=None) -> Schedule
         if s.granularity == "module" and s.offload and shape.block_atoms else 0
     largest = max((n for n, _ in shape.block_atoms), default=shape.block_params) if parts else shape.block_params
     extra = {} if plan is None else {"slots": plan.weight_slots, "grad_buffers": max(1, plan.device_grad_buffers)}
+    if plan is not None:
+        extra["swap_arena"] = arenas(s, plan.host_budget)[1]
     return Schedule(schedule=s.schedule, seq=s.seq, micro=s.micro_batch, accum=s.micro_batches, weights=weights,
                     state_dtype=s.state_dtype, compute_bytes=c, grad_bytes=c, parts=parts,
                     prefetch=s.prefetch if s.prefetch is not None else 2, served=not chunked(largest, s, host),
-                    **extra)
+                    swapped=swapped(shape, s), **extra)
 
 
 def _time(est: Estimate, host: Host) -> None:
@@ -341,8 +388,12 @@ def _time(est: Estimate, host: Host) -> None:
            "CPU optimizer": t["busy"].get("adam", 0),
            "host memory bandwidth": t["host_memory_traffic_bytes"] / seconds / GB / host.host_add.value}
     # the tokens per step at which the GPU's compute lasts as long as the SSD array's part
-    # of a step (below it the SSD binds whatever the GPU)
-    t["balance_tokens"] = ssd_seconds * est.settings.tokens / t["seconds"]["gpu compute"]
+    # of a step (below it the SSD binds whatever the GPU); the inputs and activations spilled
+    # beyond their arenas grow with the tokens, as the compute does (none: never)
+    spilled = sum(v for k, v in est.ssd.items() if k.startswith("spilled") and "read" in k) / r.ssd_read / GB + \
+        sum(v for k, v in est.ssd.items() if k.startswith("spilled") and "written" in k) / r.ssd_write / GB
+    room = t["seconds"]["gpu compute"] - spilled
+    t["balance_tokens"] = (ssd_seconds - spilled) * est.settings.tokens / room if room > 0 else None
     est.time, est.utilisation = t, use
     est.binds = max(use, key=use.get)
 
@@ -368,7 +419,11 @@ def _assumptions(host: Host, compute: str = "bf16") -> list[str]:
                 "kept for CUDA (512 MiB + 5%, assumed); activations 34 bytes per token and unit of width of a "
                 "block at 16 bits (Korthikanti et al., Reducing Activation Recomputation in Large Transformer "
                 "Models, 2022), the tail's logits 10 bytes per token and vocabulary entry",
-                f"host memory of a CUDA process: {CUDA_CONTEXT / GiB:.0f} GiB assumed"]
+                f"host memory of a CUDA process: {CUDA_CONTEXT / GiB:.0f} GiB assumed",
+                f"swapped activations: {ACTIVATION_BYTES} bytes per token, unit of width and byte of the compute "
+                "dtype, down as autograd saves them and up while the backward before frees its own, within one "
+                "block's activations on the GPU (assumed: streamed, a micro-batch the longer of its compute and its "
+                "transfer); beyond half of host_budget to the SSD array"]
     d = host.disks
     out += [f"SSD {d.read.value:.3g} GB/s read each: {d.read.source}", f"SSD {d.write.value:.3g} GB/s write each: "
             f"{d.write.source}", f"AdamW {host.adam_rate:.3g} params/s: {host.adam.source}",

@@ -11,7 +11,8 @@ exposed step. Two schedules (docs/design/iteration-model.md):
 
 * ``"block-major"``: ``engine.train_step``: forward block by block over all K
   micro-batches, each block's input kept in the host arena; backward block by block in
-  reverse, each block recomputed per micro-batch, its gradient summed on the GPU and sent
+  reverse, each block recomputed per micro-batch (or, for the ``swapped`` blocks, its
+  saved activations brought back: swap_model.py), its gradient summed on the GPU and sent
   once, its step submitted at once (the daemon has read its state ahead);
 * ``"loop"``: the ordinary loop, per micro-batch a forward and a backward group by group,
   each group's gradients downloaded and added on the host, every step after the last.
@@ -38,6 +39,7 @@ from fuyou_client.sizing.gpu_runs import gpt2_family, measured_gpu
 from fuyou_client.sizing.hardware import GpuProfile, HostError
 from fuyou_client.sizing.kernels import GpuKernels
 from fuyou_client.sizing.shape import ModelShape
+from fuyou_client.sizing.swap_model import SwappedActivations, activation_bytes
 from fuyou_proto.contract import state_object_bytes
 
 GB, GiB = 1e9, 1 << 30
@@ -65,6 +67,8 @@ class Schedule:
     #                           read-ahead of the state (blocks that fit an optimizer buffer), else a read of their own
     parts: int = 0            # block-major, granularity="module": a block's sub-blocks (0: whole blocks)
     slots: int = 2            # weight slots (with parts: for sub-blocks; fewer than parts: they come again)
+    swapped: int = 0          # block-major: blocks whose activations are swapped, not recomputed (swap_blocks)
+    swap_arena: float = float("inf")  # block-major: host bytes for the swapped activations (beyond: the SSD array)
 
     @property
     def tokens(self) -> int:
@@ -95,11 +99,14 @@ class Rates:
         return flops / (self.kernel_tflops * 1e12) + passes * self.pass_gap_s
 
     def block_s(self, shape: ModelShape, s: "Schedule", which: str) -> float:
-        """A block's ``"forward"`` or recomputed ``"backward"`` (forward again, then the
-        gradients) for one micro-batch."""
+        """A block's ``"forward"``, recomputed ``"backward"`` (forward again, then the
+        gradients) or ``"backward only"`` (a swapped block's: the gradients alone) for one
+        micro-batch."""
         if self.gpu is not None:
             return self.gpu.block_seconds(shape, s.micro, s.seq, which, self.precision)
         f = shape.flops(s.seq, s.micro)
+        if which == "backward only":
+            return self.gpu_s(f["block_bwd"], 2)
         return self.gpu_s(f["block_fwd"], 1) if which == "forward" else self.gpu_s(f["block_fwd"] + f["block_bwd"], 3)
 
     def tail_s(self, shape: ModelShape, s: "Schedule", parts: tuple) -> float:
@@ -321,6 +328,11 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
     Then each micro-batch's tail is replayed for the head's and embeddings' gradients, and the
     iteration ends when every step has committed.
 
+    The ``swapped`` blocks (blockmajor/swapped.py) run forward once, their activations going
+    down as they are made (beyond ``swap_arena``, on to the SSD array), and in backward
+    come back up (read back from the SSD array first where they spilled) for a backward
+    without recomputation and without their kept input (swap_model.py).
+
     Blocks cut into ``parts`` sub-blocks (model/cuts.py) whose slots cannot hold them all
     come up again for every micro-batch of their forward and of their recomputation (read
     again from the SSD array in forward; served from the step's read-ahead in backward), and
@@ -334,6 +346,9 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
     L, m = shape.layers, max(1, -(-s.accum // MERGE))
     K = -(-s.accum // m)
     fwd, bwd = m * r.block_s(shape, s, "forward"), m * r.block_s(shape, s, "backward")
+    bwd_only = m * r.block_s(shape, s, "backward only")
+    acts = SwappedActivations(t, r, L, s.swapped, K, activation_bytes(shape.width, m * s.micro * s.seq, c),
+                              s.swap_arena)
     tail = m * r.tail_s(shape, s, ("forward", "input_grad"))  # forward + one of the head's two gradient matmuls
     ckpt = m * s.micro * s.seq * shape.width * c
     sizes = {l: block for l in range(L)} | {"rest": rest}
@@ -363,14 +378,19 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
             source = t.op("ssd", c * block / r.ssd_read / GB, (0.0, ""))
         weights(source, 1.0, what)
 
-    def compute(seconds: float, inputs: list, outputs: list) -> None:
-        ready = []
+    last = [0.0, 0.0]  # the last pass's (start, end) on the GPU
+
+    def compute(seconds: float, inputs: list, outputs: list, extra: tuple = (), swapped=None) -> None:
+        ready = list(extra)
         for key in inputs:
             t.move("h2d", "checkpoints", ckpt)
             ready.append((t.op("h2d", ckpt / r.pcie_h2d / GB, (arena[key], "checkpoint download"),
                                (ups.popleft(), "checkpoint buffers")), "checkpoint upload"))
         ready += [(downs.popleft(), "checkpoint download backlog") for _ in outputs]
         end = t.op("gpu", seconds, *ready)
+        last[:] = [end - seconds, end]
+        if swapped:  # (its activations start down with the compute, before its outputs)
+            acts.forward(swapped, *last)
         ups.extend([end] * len(inputs))
         for key in outputs:
             t.move("d2h", "checkpoints", ckpt)
@@ -388,7 +408,8 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
         for k in range(K):  # block 0's input is the embeddings' output, made here
             if again and k:
                 again_up("weights, sub-blocks again", read=True)
-            compute(fwd, [("x", l, k)] if l else [], [("x", l, k)] * (l == 0) + [("x", l + 1, k)])
+            compute(fwd, [("x", l, k)] if l else [], [("x", l, k)] * (l == 0) + [("x", l + 1, k)],
+                    ((acts.free, "activation downloads"),) if l in acts else (), ("a", l, k) if l in acts else None)
             if again and k:
                 slots.append(t.free["gpu"])
             if l == L - 1:  # the tail: forward and the gradient of its input
@@ -403,16 +424,22 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
             source = t.op("ssd", c * block / r.ssd_read / GB, (0.0, ""))
         weights(source)
         t.op("gpu", 0.0, (grad_bufs.popleft(), "gradient download"))
+        for j in (l, l - 1):  # spilled activations back one block ahead (this one's, if not yet)
+            acts.read_ahead(j, last[0])
         for k in range(K):
             if again and k:
                 again_up("weights, sub-blocks again", read=False)  # (the recomputation's: served)
-            if evicted:
+            if evicted and l not in acts:
                 weights(0.0, evicted, "weights, sub-blocks again")  # (backward's, after the recomputation)
             if cut and k:  # (each sub-block's sum so far, parked on the host, up again; down after)
                 t.move("h2d", "gradient sums", s.grad_bytes * block)
                 t.op("gpu", 0.0, (t.op("h2d", s.grad_bytes * block / r.pcie_h2d / GB, (0.0, "")), "gradient sums"))
-            compute(bwd, [("x", l, k), ("g", l, k)], [("g", l - 1, k)])
-            slots.extend([t.free["gpu"]] * ((again and k > 0) + (evicted > 0)))
+            if l in acts:  # its activations up ahead, then backward alone (no kept input, no recomputation)
+                up = acts.upload(("a", l, k), tuple(last))
+                compute(bwd_only, [("g", l, k)], [("g", l - 1, k)], ((up, "activations upload"),))
+            else:
+                compute(bwd, [("x", l, k), ("g", l, k)], [("g", l - 1, k)])
+            slots.extend([t.free["gpu"]] * ((again and k > 0) + (evicted > 0 and l not in acts)))
             if cut and k < K - 1:
                 t.move("d2h", "gradient sums", s.grad_bytes * block)
                 t.op("d2h", s.grad_bytes * block / r.pcie_d2h / GB, (t.free["gpu"], "compute"))
@@ -429,18 +456,22 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
     end = t.op("h2d", c * rest / r.pcie_h2d / GB, (end, ""))
     io = state_io(shape, s)[0]
     step_s = io[0] / r.ssd_read / GB + io[1] / r.ssd_write / GB
+    n = len(acts.blocks)
+    backward = K * ((L - n) * bwd + n * bwd_only) / L  # (a block's, over the micro-batches: their mean)
     return {"micro_end": None, "end": max([end, t.free["gpu"], *daemon.ends]), "additions": 0,
-            "block_step_over_backward": step_s / (K * bwd)}
+            "block_step_over_backward": step_s / backward, "swapped_blocks": n}
 
 
 def executed_flops(shape: ModelShape, s: Schedule) -> float:
     """Hardware FLOPs of one iteration: what the GPU executes (ModelShape.flops's count of
     each pass), recomputation included. Both schedules run each block's forward, again
-    before its backward, and its backward; the tail's forward and backward, block-major's
-    tail forward once more (its replay for the head's and embeddings' gradients)."""
+    before its backward, and its backward (block-major's swapped blocks: not again); the
+    tail's forward and backward, block-major's tail forward once more (its replay for the
+    head's and embeddings' gradients)."""
     f = shape.flops(s.seq, s.micro)
     tail = f["tail_fwd"] * (2 if s.schedule == "block-major" else 1) + f["tail_bwd"]
-    return s.accum * (shape.layers * (2 * f["block_fwd"] + f["block_bwd"]) + tail)
+    swapped = min(s.swapped, shape.layers) if s.schedule == "block-major" else 0
+    return s.accum * (shape.layers * (2 * f["block_fwd"] + f["block_bwd"]) - swapped * f["block_fwd"] + tail)
 
 
 def simulate(shape: ModelShape, s: Schedule, r: Rates) -> dict:
@@ -460,7 +491,11 @@ def simulate(shape: ModelShape, s: Schedule, r: Rates) -> dict:
            "busy": {k: v / seconds for k, v in t.busy.items()},
            "bytes": dict(sorted(t.bytes.items())),
            "pcie_bytes": sum(pcie.values()),
-           "pcie_weights_and_gradients_bytes": sum(v for k, v in pcie.items() if not k.endswith("checkpoints")),
+           "pcie_weights_and_gradients_bytes": sum(v for k, v in pcie.items()
+                                                   if not k.endswith(("checkpoints", "activations"))),
+           "activation_bytes": {"pcie": sum(v for k, v in pcie.items() if k.endswith("activations")),
+                                "ssd": sum(v for k, v in t.bytes.items() if k.endswith(" activations")
+                                           and k.startswith("ssd"))},
            "ssd_bytes": ssd, "ssd_bytes_per_param": ssd / n,
            # every byte over PCIe or to the SSD crosses host memory once; an addition 3 times; AdamW reads
            # gradient and state (16 B/param) and writes state and 16-bit weights (14)
@@ -471,4 +506,5 @@ def simulate(shape: ModelShape, s: Schedule, r: Rates) -> dict:
         out["step_seconds"] = seconds - res["micro_end"]
     else:
         out["block_step_over_backward"] = res["block_step_over_backward"]  # > 1: the steps fall behind
+        out["swapped_blocks"] = res["swapped_blocks"]
     return out

@@ -26,8 +26,10 @@
   fitted on the same runs): a pass of short kernels is bound by the CPU issuing them.
 
 ``GpuKernels.of(profile)`` prices it all for one GPU; ``block_seconds`` and ``tail_seconds``
-are what the iteration model calls. Each pass's time is ``busy`` (kernels running, what
-NVML's utilisation reads) plus ``idle`` (waiting for launches).
+are what the iteration model calls (a block's forward, its recomputed backward, or its
+backward alone where its activations were swapped instead of recomputed). Each pass's time
+is ``busy`` (kernels running, what NVML's utilisation reads) plus ``idle`` (waiting for
+launches).
 
 Precisions: ``"bf16"`` and ``"fp16"`` (parameters and activations in that dtype: Fuyou's
 clients compute in the model's own dtype) and ``"autocast"`` (fp32 parameters under
@@ -262,7 +264,11 @@ class GpuKernels:
 
     # -- what the iteration model asks
     def block_seconds(self, shape, micro: int, seq: int, which: str, precision: str = "bf16") -> float:
-        """``"forward"``, or ``"backward"`` recomputed: forward again, then the gradients."""
+        """``"forward"``; ``"backward"`` recomputed: forward again, then the gradients; or
+        ``"backward only"``: the gradients alone, from activations kept (a swapped block's:
+        blockmajor/swapped.py), the same kernels as the recomputed backward's second part."""
+        if which == "backward only":
+            return self.block_pass(shape, micro, seq, "backward", precision).seconds
         t = self.block_pass(shape, micro, seq, "forward", precision)
         if which == "backward":
             t += self.block_pass(shape, micro, seq, "backward", precision)

@@ -5,8 +5,12 @@ The state dtype is chosen by exactness before speed: the most exact one (fp32, t
 bf16, then int8) for which some settings fit, unless one is asked for; a less exact one
 is offered as advice with its speed-up, never taken silently. Then, for that dtype: where
 the blocks' weights live (the SSD array, or pinned host memory where it holds them),
-sequences per micro-batch (what the GPU's memory allows), and the host arena
+sequences per micro-batch (what the GPU's memory allows), the host arena
 (``host_budget``: the memory plan's default, or enough to keep every kept input off the
+SSD array) and, for block-major on a GPU by whole blocks, how many blocks swap their
+activations instead of recomputing them (``swap_blocks``: none, and quarters of the blocks
+up to all, each with an arena that holds all the inputs and activations in host memory,
+or as much of them as host memory and the pinned budget hold, the rest spilled to the
 SSD array). Micro-batches per step follow from the tokens per step asked for.
 """
 from __future__ import annotations
@@ -16,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 
 from fuyou_client.memory.budget import ARENA_DEFAULT
-from fuyou_client.sizing.estimate import Estimate, Settings, estimate, kept_inputs
+from fuyou_client.sizing.estimate import Estimate, Settings, estimate, kept_inputs, swapped_activations
 from fuyou_client.sizing.hardware import Host
 from fuyou_client.sizing.shape import ModelShape
 
@@ -93,14 +97,29 @@ def _candidates(shape: ModelShape, host: Host, seq: int, tokens: int, dtype: str
                             compute=compute)
             e = estimate(shape, base, host, simulate_time=False)
             yield e
-            kept = kept_inputs(shape, base, 2 if host.gpu else 4)
+            c = 2 if host.gpu else 4
+            arena = e.plan.host_budget
+            room = min(host.pinned - (e.needs["pinned budget"] - arena),
+                       e.has["host memory"] - (e.needs["host memory"] - arena))
+            kept = kept_inputs(shape, base, c)
             if kept > ARENA_DEFAULT:  # more arena, less spilled: all of them, or as many as memory holds
-                arena = e.plan.host_budget
-                room = min(host.pinned - (e.needs["pinned budget"] - arena),
-                           e.has["host memory"] - (e.needs["host memory"] - arena))
                 for hb in sorted({kept, min(kept, int(0.95 * room)) >> 20 << 20}):
                     if hb > ARENA_DEFAULT:
                         yield estimate(shape, dataclasses.replace(base, host_budget=hb), host, simulate_time=False)
+            for n in swap_counts(shape.layers) if host.gpu and schedule == "block-major" and granularity == "block" \
+                    else ():
+                swapping = dataclasses.replace(base, swap_blocks=n)
+                # train_step gives half the arena to the kept inputs, half to the activations
+                want = 2 * max(kept_inputs(shape, swapping, c), swapped_activations(shape, swapping, c))
+                for hb in sorted({want, min(want, int(0.95 * room)) >> 20 << 20}):
+                    if hb >= 2 * ARENA_DEFAULT:
+                        yield estimate(shape, dataclasses.replace(swapping, host_budget=hb), host, simulate_time=False)
+
+
+def swap_counts(layers: int) -> list[int]:
+    """How many blocks swapping their activations the search weighs (besides none): a
+    quarter of the blocks, a half, three quarters, all of them."""
+    return sorted({max(1, round(layers * j / 4)) for j in range(1, 5)})
 
 
 def search(shape: ModelShape, host: Host, seq: int, tokens_per_step: int = TOKENS_PER_STEP,

@@ -11,12 +11,34 @@ def _where(offload) -> str:
     return {True: "the SSD array", "host": "pinned host memory", False: "the GPU"}[offload]
 
 
+def _swapped(e) -> str:
+    a = e.activations
+    if e.settings.schedule != "block-major":
+        return ""
+    if not a["swapped_blocks"]:
+        return "; every block recomputed in backward"
+    return f"; {a['swapped_blocks']} of {a['of_blocks']} blocks' activations swapped, not recomputed"
+
+
 def settings_line(plan) -> str:
     s = plan.best.settings
     how = "engine.train_step (block-major)" if s.schedule == "block-major" else "the ordinary loop"
     return (f"{how}: {s.micro_batch} x {s.seq} tokens per micro-batch, {s.micro_batches} micro-batch{'es' if s.micro_batches > 1 else ''} = "
             f"{s.tokens:,} tokens per step; {s.state_dtype} optimizer state; blocks' weights on {_where(s.offload)}; "
-            f"host arena {format_size(plan.best.plan.host_budget)}; the model in {s.model_dtype(plan.host)}")
+            f"host arena {format_size(plan.best.plan.host_budget)}{_swapped(plan.best)}; "
+            f"the model in {s.model_dtype(plan.host)}")
+
+
+def swap_line(e) -> str | None:
+    """The swapped activations' bytes per step, where blocks swap."""
+    a = e.activations
+    if not a["swapped_blocks"]:
+        return None
+    arena = e.plan.host_budget - e.plan.host_budget // 2
+    return (f"swap    activations of {a['swapped_blocks']} of {a['of_blocks']} blocks, not recomputed: "
+            f"{format_size(a['pcie_bytes'] / 2)} down and the same up over PCIe per step; "
+            f"{format_size(a['ssd_bytes'] / 2)} of it beyond their host arena ({format_size(arena)}, half of "
+            f"host_budget) written to the SSD array and read back")
 
 
 def call_line(plan) -> str:
@@ -51,15 +73,23 @@ def text(plan) -> str:
     lines.append(f"SSD     {e.ssd_bytes_per_param:.2f} B/param per step = {format_size(e.ssd_bytes)} (read {format_size(read)}, "
                  f"written {format_size(written)}); wear {1000 * written / host.disks.count / 1e12:.1f} TB written per "
                  f"device per 1,000 steps")
+    if swap_line(e):
+        lines.append(swap_line(e))
     if e.time is not None:
         use = ", ".join(f"{k} {v:.2f}" for k, v in sorted(e.utilisation.items(), key=lambda x: -x[1]))
+        balance = e.time["balance_tokens"]
+        spilled = sum(v for k, v in e.ssd.items() if k.startswith("spilled"))
         lines += [f"time    {e.seconds:.1f} s per step, {e.tokens_per_second:,.0f} tokens/s, "
                   f"{e.time['model_tflops']:.1f} model TFLOPS (6 x parameters x tokens / s), "
                   f"{e.time['hardware_tflops']:.1f} hardware TFLOPS (what the GPU executes, recomputation included), "
                   f"GPU busy {e.time['gpu_busy']:.2f}",
-                  f"binds   {e.binds} (share of the step each resource is busy: {use}); the GPU's compute "
-                  f"outlasts the SSD array's {format_size(e.ssd_bytes)} from about {e.time['balance_tokens']:,.0f} "
-                  f"tokens per step"]
+                  f"binds   {e.binds} (share of the step each resource is busy: {use}); "
+                  + (f"the GPU's compute outlasts the SSD array's {format_size(e.ssd_bytes)} from about "
+                     f"{balance:,.0f} tokens per step" if balance is not None else
+                     f"the SSD array's {format_size(spilled)} spilled alone outlast the GPU's compute at any tokens "
+                     "per step")
+                  + (f" (its {format_size(spilled)} spilled growing with them)" if spilled and balance is not None
+                     else "")]
     else:
         lines.append("time    not modelled: no GPU (the CPU computes); the SSD bytes above are per step")
     if plan.advice:
