@@ -62,7 +62,8 @@ EOF
 cuda_tests() {  # $1: the -k filter, $2: the log's name
     log "CUDA tests (-k '$1')"
     timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -rA -p no:cacheprovider --timeout 100 -k "$1" \
-        tests/test_device.py tests/test_blockmajor.py tests/test_meta.py tests/test_distributed.py >"$OUT/$2" 2>&1
+        tests/test_device.py tests/test_blockmajor.py tests/test_blockmajor_swap.py tests/test_meta.py \
+        tests/test_distributed.py >"$OUT/$2" 2>&1
     local rc=$?
     grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^E  |passed|failed" "$OUT/$2" | tail -60
     SUMMARY+=("$2: $(grep -E '[0-9]+ (passed|failed)' "$OUT/$2" | tail -1) (rc $rc)")
