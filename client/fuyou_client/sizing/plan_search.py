@@ -8,10 +8,11 @@ the blocks' weights live (the SSD array, or pinned host memory where it holds th
 sequences per micro-batch (what the GPU's memory allows), the host arena
 (``host_budget``: the memory plan's default, or enough to keep every kept input off the
 SSD array) and, for block-major on a GPU by whole blocks, how many blocks swap their
-activations instead of recomputing them (``swap_blocks``: none, and quarters of the blocks
-up to all, each with an arena that holds all the inputs and activations in host memory,
-or as much of them as host memory and the pinned budget hold, the rest spilled to the
-SSD array). Micro-batches per step follow from the tokens per step asked for.
+activations instead of recomputing them (``swap_blocks``: none, quarters of the blocks and
+as many as host memory holds the activations of, each with an arena that holds them and
+the kept inputs; never more: activations through the SSD array would multiply its writes,
+its wear, for a few tenths more speed). Micro-batches per step follow from the tokens per
+step asked for.
 """
 from __future__ import annotations
 
@@ -106,14 +107,19 @@ def _candidates(shape: ModelShape, host: Host, seq: int, tokens: int, dtype: str
                 for hb in sorted({kept, min(kept, int(0.95 * room)) >> 20 << 20}):
                     if hb > ARENA_DEFAULT:
                         yield estimate(shape, dataclasses.replace(base, host_budget=hb), host, simulate_time=False)
-            for n in swap_counts(shape.layers) if host.gpu and schedule == "block-major" and granularity == "block" \
-                    else ():
+            if not (host.gpu and schedule == "block-major" and granularity == "block"):
+                continue
+            # Swapped blocks whose activations host memory holds: train_step gives half the arena to
+            # the kept inputs, half to the activations. Not those that would go through the SSD array:
+            # a step's activations written and read back multiply the SSD's writes (its wear) several
+            # times for a few tenths more speed; swap_blocks given to attach takes that trade knowingly.
+            one = swapped_activations(shape, dataclasses.replace(base, swap_blocks=1), c)
+            fit = max(0, min(shape.layers, int(0.95 * room) // 2 // one)) if one else 0
+            for n in sorted({n for n in swap_counts(shape.layers) if n <= fit} | ({fit} if fit else set())):
                 swapping = dataclasses.replace(base, swap_blocks=n)
-                # train_step gives half the arena to the kept inputs, half to the activations
                 want = 2 * max(kept_inputs(shape, swapping, c), swapped_activations(shape, swapping, c))
-                for hb in sorted({want, min(want, int(0.95 * room)) >> 20 << 20}):
-                    if hb >= 2 * ARENA_DEFAULT:
-                        yield estimate(shape, dataclasses.replace(swapping, host_budget=hb), host, simulate_time=False)
+                if 2 * ARENA_DEFAULT <= want <= 0.95 * room:
+                    yield estimate(shape, dataclasses.replace(swapping, host_budget=want), host, simulate_time=False)
 
 
 def swap_counts(layers: int) -> list[int]:
