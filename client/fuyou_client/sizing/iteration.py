@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fuyou_client.sizing.gpu_runs import gpt2_family, measured_gpu
 from fuyou_client.sizing.hardware import GpuProfile, HostError
 from fuyou_client.sizing.kernels import GpuKernels
+from fuyou_client.sizing.timeline import Daemon, Timeline
 from fuyou_client.sizing.shape import ModelShape
 from fuyou_client.sizing.swap_model import SwappedActivations, activation_bytes
 from fuyou_proto.contract import state_object_bytes
@@ -177,64 +178,6 @@ def calibrate_gpu(run: dict, source: str) -> GpuProfile:
 def at_ceiling_rate(rates: Rates) -> Rates:
     """Every pass at the ceiling's average FLOP rate, whatever its size (the flat model)."""
     return replace(rates, gpu=None, kernel_tflops=rates.ceiling_hw_tflops, pass_gap_s=0.0)
-
-
-class Timeline:
-    """In-order resources: an operation starts when its resource has finished the one before and
-    its inputs are ready ((time, cause) pairs). A gap of the GPU is charged to its inputs in the
-    order they arrive, each for the time from the one before it to its own arrival."""
-
-    def __init__(self):
-        self.free: dict[str, float] = {}
-        self.busy, self.stalls, self.bytes = Counter(), Counter(), Counter()
-
-    def op(self, resource: str, seconds: float, *ready: tuple[float, str]) -> float:
-        start = self.free.get(resource, 0.0)
-        for when, cause in sorted(ready, key=lambda r: r[0]):
-            if when > start:
-                self.stalls[cause] += (when - start) * (resource == "gpu")
-                start = when
-        self.free[resource] = start + seconds
-        self.busy[resource] += seconds
-        return self.free[resource]
-
-    def move(self, link: str, what: str, nbytes: float) -> None:
-        self.bytes[f"{link}: {what}"] += nbytes
-
-
-class Daemon:
-    """fuyoud's steps: a group's state (``io[g]``: bytes read, written) is read into one of
-    ``buffers`` optimizer buffers once asked for and a buffer is free (reads in step order),
-    stepped once its gradients are there, and written back. Groups in ``in_memory`` keep
-    their state in host memory: AdamW only."""
-
-    def __init__(self, t: Timeline, r: Rates, order: list, sizes: dict, io: dict, in_memory=()):
-        self.t, self.r, self.sizes, self.io, self.buffers = t, r, sizes, io, r.optimizer_buffers
-        self.queue, self.in_memory = [g for g in order if g not in in_memory], set(in_memory)
-        self.asked, self.read, self.written, self.ends = {}, {}, [], []
-
-    def ask(self, group, when: float) -> None:
-        self.asked.setdefault(group, when)
-        while len(self.read) < min(len(self.queue), len(self.written) + self.buffers) \
-                and self.queue[len(self.read)] in self.asked:
-            i, g = len(self.read), self.queue[len(self.read)]
-            free = self.written[i - self.buffers] if i >= self.buffers else 0.0
-            self.t.move("ssd", "read state", self.io[g][0])
-            self.read[g] = self.t.op("ssd", self.io[g][0] / self.r.ssd_read / GB, (self.asked[g], ""), (free, ""))
-
-    def step(self, group, grads: float) -> float:
-        n = self.sizes[group]
-        if group in self.in_memory:
-            self.ends.append(self.t.op("adam", n / self.r.adam, (grads, "")))
-            return self.ends[-1]
-        self.ask(group, grads)
-        adam = self.t.op("adam", n / self.r.adam, (grads, ""), (self.read[group], ""))
-        nbytes, state = self.io[group][1], self.io[group][0]
-        self.t.move("ssd", "write state" + " and weights" * (nbytes > state), nbytes)
-        self.written.append(self.t.op("ssd", nbytes / self.r.ssd_write / GB, (adam, "")))
-        self.ends.append(self.written[-1])
-        self.ask(group, grads)  # (its buffer is free: the next read may go)
-        return self.ends[-1]
 
 
 def state_io(shape: ModelShape, s: Schedule) -> dict:
