@@ -121,6 +121,17 @@ class ActivationSwapper:
         plan counts one block's activations at a time, so none may stay there for the step)."""
         return ActivationSwapper(self.session, host_budget, self._protected, self.device, min_bytes=0)
 
+    def resize(self, host_budget: int) -> None:
+        """The arena's size from now on (train_step's: what its kept inputs leave of
+        ``host_budget``); one already allocated at another size is given back first. Only
+        between steps: nothing may be parked."""
+        if host_budget < ALIGN:
+            raise ValueError(f"an activation arena of {host_budget} bytes: at least {ALIGN} are needed; raise "
+                             "host_budget")
+        if self._arena is not None and self._arena.size != host_budget:
+            self.close()
+        self.host_budget = host_budget
+
     def close(self) -> None:
         """Everything parked dropped and the arena given back (the engine's close)."""
         if self._arena is not None:

@@ -146,6 +146,8 @@ class Plan:
                     lo = mid + 1
             self.to_ssd = frozenset(order[:lo])
         self.reads = [key for key in need_order(n, k, last, swapped) if key in self.to_ssd]
+        peak = forward_peak(n, k, self.to_ssd, last, prologue_first, swapped) + (STAGING if self.to_ssd else 0)
+        self.held = min(peak, self.capacity) * self.slot  # (the most host memory the step's entries take)
 
     def same(self, nbytes: int, blocks: int, micro_batches: int, last: bool, swapped=frozenset()) -> bool:
         return (aligned(max(nbytes, 1)), blocks, micro_batches, last, frozenset(swapped)) == \

@@ -5,7 +5,8 @@ A recomputed block (the default) keeps only its input between forward and backwa
 runs its forward again before its backward: a third more of the block's FLOPs. A swapped
 block runs its forward once, with a graph, and what autograd saves for backward leaves the
 compute device as it is made (activations/swapper.py: a host arena, beyond it the SSD
-array), coming back ahead of the block's backward. It trades the recomputation for PCIe
+array), coming back ahead of the block's backward. Of ``host_budget``, the kept inputs take
+what their plan holds, at most half (store.py), and the activations' arena the rest. It trades the recomputation for PCIe
 and host (or SSD) traffic: 17 bytes per token, unit of width and byte of the compute dtype
 each way (memory/device_plan.py ``ACTIVATION_BYTES``). The planner (sizing/iteration.py)
 weighs the two and picks how many blocks swap.
@@ -58,8 +59,10 @@ class Swapped:
     markers, activations to ``swapper``, an activations/swapper.ActivationSwapper of
     train_step's own)."""
 
-    def __init__(self, blocks: frozenset[int], swapper, saving):
-        self.blocks, self.swapper, self.saving = blocks, swapper, saving
+    def __init__(self, blocks: frozenset[int], swapper, saving, arena=None):
+        """``arena()``: the activations' arena bytes, asked once the step's kept inputs are
+        planned (before the first swapped block runs)."""
+        self.blocks, self.swapper, self.saving, self._arena = blocks, swapper, saving, arena
         self._graphs: dict[tuple[int, int], tuple[list, list]] = {}
         self._anchor = torch.zeros((), requires_grad=True)
         st = swapper.stats
@@ -81,6 +84,9 @@ class Swapped:
         its arguments from its inputs (``stored``: the previous block's outputs; ``used``:
         the positions the call takes) entered through ``Entry``. Returns its output, whose
         tensors the caller detaches."""
+        if self._arena is not None:  # (the first swapped block of the step)
+            self.swapper.resize(self._arena())
+            self._arena = None
         boxes = [[] for _ in stored]
         entered = [Entry.apply(self._anchor, t.detach(), box) if t is not None and j in used else None
                    for j, (t, box) in enumerate(zip(stored, boxes))]

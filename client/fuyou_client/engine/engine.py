@@ -111,7 +111,7 @@ class Engine:
         self._owns_session = owns_session
         self._block_modules = block_modules  # every block, in forward order (frozen ones too)
         self._train_step_store: Store | None = None
-        self._train_step_swapper = None  # (swap_blocks: train_step's activation swapper, its arena half of host_budget)
+        self._train_step_swapper = None  # (swap_blocks: train_step's activation swapper, its arena what the kept inputs leave)
         self.train_step_times: StepTimes | None = None  # the last train_step's: forward, backward, step seconds
         self.peers: list | None = None  # data parallelism: each rank's (host, daemon)
         self.checkpoint_extra = None  # what save_checkpoint(extra=...) kept, after a resume
@@ -241,14 +241,16 @@ class Engine:
 
     def _swapped(self) -> Swapped | None:
         """train_step's swapped blocks (``swap_blocks``), with the activation swapper they
-        park in: its arena the half of ``host_budget`` the kept inputs leave."""
+        park in: its arena what the kept inputs leave of ``host_budget`` (they plan within
+        half of it)."""
         which = swapped_blocks(len(self._block_modules), self.options.swap_blocks)
         if not which:
             return None
+        budget = self.options.host_budget
         if self._train_step_swapper is None:
-            budget = self.options.host_budget
             self._train_step_swapper = self.activations.sibling(budget - budget // 2)
-        return Swapped(which, self._train_step_swapper, self.hooks.saving)
+        return Swapped(which, self._train_step_swapper, self.hooks.saving,
+                       arena=lambda: budget - self._train_step_store.plan.held)
 
     def _check_device_room(self, micro_batches) -> None:
         """train_step's micro-batches against the device plan, before any work: its tokens'

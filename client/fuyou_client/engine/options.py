@@ -108,7 +108,7 @@ class AttachOptions:
       ``host_budget``: bytes of shared host memory for the arena that swapped activations
       and ``train_step``'s kept block inputs go to before the SSD array (default: 256 MiB,
       less when the budget is tight); with ``swap_blocks``, train_step's kept inputs take
-      half of it and its swapped activations the other half.
+      what they need of it, at most half, and its swapped activations the rest.
       ``device_budget``: with ``activations="auto"``, the bytes of activations the planner
       may keep on the compute device (None: no limit).
       ``device_memory``: on a device with its own memory (a GPU), the bytes the device

@@ -236,10 +236,14 @@ def swapped_activations(shape: ModelShape, s: Settings, c: int) -> int:
     return swapped(shape, s) * s.micro_batches * activation_bytes(shape.width, s.micro_batch * s.seq, c)
 
 
-def arenas(s: Settings, host_budget: int) -> tuple[int, int]:
+def arenas(s: Settings, host_budget: int, kept: int) -> tuple[int, int]:
     """The host arena's bytes for (kept inputs, swapped activations), as train_step splits
-    ``host_budget``: all of it for the inputs without swapped blocks, else half each."""
-    return (host_budget // 2, host_budget - host_budget // 2) if s.swap_blocks else (host_budget, 0)
+    ``host_budget``: all of it for the inputs without swapped blocks; else what the step's
+    ``kept`` inputs take, at most half, and the rest for the activations."""
+    if not s.swap_blocks:
+        return host_budget, 0
+    inputs = min(kept, host_budget // 2)
+    return inputs, host_budget - inputs
 
 
 def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena: int, slots: int = 2) -> dict:
@@ -253,7 +257,7 @@ def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena
     hands = on_ssd and handoff and c == 4 and in_chunks  # (memory_plan's handoff: chunked fp32 blocks)
     k = s.micro_batches if s.schedule == "loop" else 1
     block_state, rest_state = state_bytes(s.state_dtype, n), state_bytes(s.state_dtype, shape.rest_params)
-    inputs_arena, acts_arena = arenas(s, arena)
+    inputs_arena, acts_arena = arenas(s, arena, kept_inputs(shape, s, c))
     spill = max(0, kept_inputs(shape, s, c) - inputs_arena)
     acts_spill = max(0, swapped_activations(shape, s, c) - acts_arena)
     rest_read = 0
@@ -308,7 +312,7 @@ def estimate(shape: ModelShape, s: Settings, host: Host, simulate_time: bool = T
     except memory_plan.DoesNotFit as exc:
         plan = exc.smallest
     device = device_plan(shape, s, host, shapes, plan)
-    inputs_arena, acts_arena = arenas(s, plan.host_budget)
+    inputs_arena, acts_arena = arenas(s, plan.host_budget, kept_inputs(shape, s, c))
     arena_used = min(inputs_arena, kept_inputs(shape, s, c)) + min(acts_arena, swapped_activations(shape, s, c))
     pinned = plan.training - (plan.host_budget - arena_used)  # (an arena's untouched pages are not resident)
     daemon = DAEMON_BASE + host.buffer_budget
@@ -362,7 +366,7 @@ def _schedule(shape: ModelShape, s: Settings, host: Host, plan=None) -> Schedule
     largest = max((n for n, _ in shape.block_atoms), default=shape.block_params) if parts else shape.block_params
     extra = {} if plan is None else {"slots": plan.weight_slots, "grad_buffers": max(1, plan.device_grad_buffers)}
     if plan is not None:
-        extra["swap_arena"] = arenas(s, plan.host_budget)[1]
+        extra["swap_arena"] = arenas(s, plan.host_budget, kept_inputs(shape, s, c))[1]
     return Schedule(schedule=s.schedule, seq=s.seq, micro=s.micro_batch, accum=s.micro_batches, weights=weights,
                     state_dtype=s.state_dtype, compute_bytes=c, grad_bytes=c, parts=parts,
                     prefetch=s.prefetch if s.prefetch is not None else 2, served=not chunked(largest, s, host),
@@ -423,7 +427,7 @@ def _assumptions(host: Host, compute: str = "bf16") -> list[str]:
                 f"swapped activations: {ACTIVATION_BYTES} bytes per token, unit of width and byte of the compute "
                 "dtype, down as autograd saves them and up while the backward before frees its own, within one "
                 "block's activations on the GPU (assumed: streamed, a micro-batch the longer of its compute and its "
-                "transfer); beyond half of host_budget to the SSD array"]
+                "transfer); beyond what the kept inputs leave of host_budget to the SSD array"]
     d = host.disks
     out += [f"SSD {d.read.value:.3g} GB/s read each: {d.read.source}", f"SSD {d.write.value:.3g} GB/s write each: "
             f"{d.write.source}", f"AdamW {host.adam_rate:.3g} params/s: {host.adam.source}",

@@ -114,10 +114,12 @@ def _candidates(shape: ModelShape, host: Host, seq: int, tokens: int, dtype: str
             # a step's activations written and read back multiply the SSD's writes (its wear) several
             # times for a few tenths more speed; swap_blocks given to attach takes that trade knowingly.
             one = swapped_activations(shape, dataclasses.replace(base, swap_blocks=1), c)
-            fit = max(0, min(shape.layers, int(0.95 * room) // 2 // one)) if one else 0
+            fit = max(0, min(shape.layers, (int(0.95 * room) - kept) // one)) if one else 0
             for n in sorted({n for n in swap_counts(shape.layers) if n <= fit} | ({fit} if fit else set())):
                 swapping = dataclasses.replace(base, swap_blocks=n)
-                want = 2 * max(kept_inputs(shape, swapping, c), swapped_activations(shape, swapping, c))
+                # train_step's arena: the kept inputs' (at most half of it), the rest the activations'
+                inputs, acts = kept_inputs(shape, swapping, c), swapped_activations(shape, swapping, c)
+                want = max(inputs + acts, 2 * inputs)
                 if 2 * ARENA_DEFAULT <= want <= 0.95 * room:
                     yield estimate(shape, dataclasses.replace(swapping, host_budget=want), host, simulate_time=False)
 

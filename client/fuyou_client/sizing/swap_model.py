@@ -16,7 +16,7 @@ What it assumes (docs/design/iteration-model.md):
   (from that backward's start; done no earlier than its end), and a backward starts once
   its own are up. So a swapped block's micro-batch takes the longer of its compute and its
   transfer, each way.
-* **Host arena**: ``arena`` bytes (``host_budget - host_budget // 2`` in train_step); what
+* **Host arena**: ``arena`` bytes (what the kept inputs leave of ``host_budget`` in train_step: they take what they need, at most half); what
   exceeds it goes to the SSD array, the earliest blocks' first (backward needs them last),
   written after its download and read back one block ahead of its backward (issued as the
   backward of the block after it starts).
