@@ -82,8 +82,9 @@ def test_swapped_sub_blocks_train_bitwise_as_whole_blocks(daemon, make, dtype, w
 
 
 def test_activations_beyond_their_arena_go_through_the_ssd_array(daemon):
-    """host_budget's half for swapped activations holds less than a step's: the oldest go to
-    the SSD array as they are made and come back, checked, for backward."""
+    """What the kept inputs leave of host_budget for swapped activations holds less than a
+    step's: the oldest go to the SSD array as they are made and come back, checked, for
+    backward."""
     kwargs = dict(CASES["gpt2"])
     devices = (LateCopyDevice(seed=5), LateCopyDevice(seed=6))
     a, ours, b, loop = pair(daemon=daemon, device_pair=devices, swap_blocks=4, host_budget=96 << 10, **kwargs)
@@ -92,6 +93,9 @@ def test_activations_beyond_their_arena_go_through_the_ssd_array(daemon):
         assert_equal(got, loop_step(b, loop, micro_batches), "losses", exact=True)
     stats = ours.train_step_stats
     assert stats.activations_to_ssd > 0 and stats.activations_from_ssd == stats.activations_to_ssd
+    # the kept inputs' plan holds at most half of host_budget; the activations' arena is the rest
+    held = ours._train_step_store.plan.held
+    assert 0 < held <= (96 << 10) // 2 and ours._train_step_swapper.arena.size == (96 << 10) - held
     ours.close()
     loop.close()
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
