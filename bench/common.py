@@ -1,6 +1,7 @@
 """Helpers the benchmarks share: units, files, summaries and what host they ran on."""
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -9,6 +10,18 @@ import time
 from pathlib import Path
 
 import torch
+
+
+STATE_DTYPES = ("fp32", "bf16", "int8")
+
+
+def parse_state_dtypes(text: str) -> list[str]:
+    """``--state-dtypes``: a comma-separated subset of STATE_DTYPES, in that order."""
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in out if t not in STATE_DTYPES]
+    if not out or bad or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"want a comma-separated subset of {','.join(STATE_DTYPES)}, got {text!r}")
+    return sorted(out, key=STATE_DTYPES.index)
 
 
 def gbps(nbytes: int, seconds: float) -> float:

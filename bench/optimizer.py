@@ -85,10 +85,10 @@ import torch
 import fuyou_client
 from fuyoud.units import parse_size
 
-from common import gbps, host_info, summarize
+from common import gbps, host_info, parse_state_dtypes, summarize
 from optimizer_cases import (BETAS, EPS, LR, REPO, TARGET, WD, DeepSpeedCPUAdam, Fuyou, GiB_MIN, Kernel, KiB,
                              MemoryWatch, OUT_DTYPES, Skip, SsdBound, TorchInMem, align_up, case_name,
-                             parse_count, parse_state_dtypes, state_bytes_of)
+                             parse_count, state_bytes_of)
 
 
 def verify(daemon_socket: str, steps: int = 5) -> dict:

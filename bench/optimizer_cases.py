@@ -35,15 +35,6 @@ HEADER = 4096  # the daemon's per-group state header (fuyoud/optimizer/groups.py
 TARGET = 1.15
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.01
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "none": None}
-STATE_DTYPES = ("fp32", "bf16", "int8")
-
-
-def parse_state_dtypes(text: str) -> list[str]:
-    out = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [t for t in out if t not in STATE_DTYPES]
-    if not out or bad or len(set(out)) != len(out):
-        raise argparse.ArgumentTypeError(f"want a comma-separated subset of {','.join(STATE_DTYPES)}, got {text!r}")
-    return sorted(out, key=STATE_DTYPES.index)
 
 
 def spec_of(state_dtype: str) -> kernels.OptimizerSpec:

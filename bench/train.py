@@ -72,21 +72,12 @@ import transformers
 
 import fuyou_client
 from fuyoud.optimizer import kernels
-from common import host_info, quiet_counters, summarize
+from common import host_info, parse_state_dtypes, quiet_counters, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 LR, WD = 1e-4, 0.01
 TARGET_EXPOSED, TARGET_BYTES = 0.10, 28.0
-STATE_DTYPES = ("fp32", "bf16", "int8")
 TARGET_BYTES_BY_DTYPE = {"fp32": 28.0, "bf16": 20.0, "int8": 16.1}  # state read + written, + 4 B of fetches
-
-
-def parse_state_dtypes(text: str) -> list[str]:
-    out = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [t for t in out if t not in STATE_DTYPES]
-    if not out or bad or len(set(out)) != len(out):
-        raise argparse.ArgumentTypeError(f"want a comma-separated subset of {','.join(STATE_DTYPES)}, got {text!r}")
-    return sorted(out, key=STATE_DTYPES.index)
 
 
 def case_name(state_dtype: str) -> str:
