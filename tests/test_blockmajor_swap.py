@@ -61,11 +61,15 @@ def test_swapped_blocks_train_bitwise_as_the_ordinary_loop(daemon, case, where, 
     pytest.param("gpt2", torch.float32, "stand-in", id="gpt2-capped-stand-in"),
     pytest.param("llama", torch.float32, "stand-in-modules", id="llama-modules-stand-in", marks=pytest.mark.slow),
     pytest.param("llama", torch.bfloat16, "cpu", id="llama-bf16-cpu", marks=pytest.mark.slow)])
-def test_swapped_sub_blocks_train_bitwise_as_whole_blocks(daemon, make, dtype, where):
+def test_swapped_sub_blocks_train_bitwise_as_whole_blocks(daemon, make, dtype, where, monkeypatch):
     """A cut block's sub-blocks come back for each micro-batch's backward through the saved
     weights' markers (no recomputed forward fetches them), and each one's gradient sum comes
     back from the host before its next micro-batch's gradient."""
-    from test_subblocks import block_bytes, gpt2, llama, train
+    from fuyou_client.blockmajor.swapped import Swapped
+    from test_subblocks import K as MICRO_BATCHES, STEPS, block_bytes, gpt2, llama, train
+    swapped_backwards = []
+    backward = Swapped.backward
+    monkeypatch.setattr(Swapped, "backward", lambda self, *a: swapped_backwards.append(a[0]) or backward(self, *a))
     make_model = {"gpt2": gpt2, "llama": llama}[make]
     if where == "stand-in":
         cap = block_bytes(make_model().to(dtype)) - 1  # below one block's weights: auto cuts it
@@ -76,6 +80,7 @@ def test_swapped_sub_blocks_train_bitwise_as_whole_blocks(daemon, make, dtype, w
         device = (lambda seed: LateCopyDevice(seed=seed)) if where == "stand-in-modules" else (lambda seed: None)
         a = train(make_model, daemon, dtype, "step", device(3), granularity="module", swap_blocks=1)
         b = train(make_model, daemon, dtype, "step", device(4), granularity="block")
+    assert len(swapped_backwards) == STEPS * MICRO_BATCHES  # (one block swapped: its graph, each micro-batch)
     assert torch.equal(a[1], b[1]), "losses"
     for (name, x), y in zip(a[0].state_dict().items(), b[0].state_dict().values()):
         assert torch.equal(x, y), f"{name}: max diff {(x.float() - y.float()).abs().max().item()}"

@@ -247,8 +247,8 @@ class Engine:
         if not which:
             return None
         budget = self.options.host_budget
-        if self._train_step_swapper is None:
-            self._train_step_swapper = self.activations.sibling(budget - budget // 2)
+        if self._train_step_swapper is None:  # (its arena's size is set at the step's first swapped block)
+            self._train_step_swapper = self.activations.sibling(budget)
         return Swapped(which, self._train_step_swapper, self.hooks.saving,
                        arena=lambda: budget - self._train_step_store.plan.held)
 

@@ -139,13 +139,16 @@ class ModelHooks:
     def _pack(self, t: torch.Tensor):
         """A block's saved tensor: offloaded weights become markers (offload/), the rest
         are activations, kept or swapped out (activations/)."""
+        return self._pack_into(t, self.activations, self._swap_now, profile=self.auto is not None)
+
+    def _pack_into(self, t: torch.Tensor, swapper, swap: bool, profile: bool = False):
         if self.offloader is not None:
             marker = self.offloader.pack(t)
             if marker is not t:
                 return marker
-        if self.auto is not None and self._current is not None and self.activations.is_activation(t):
+        if profile and self._current is not None and swapper.is_activation(t):
             self.auto.saved(self._current, t.numel() * t.element_size())
-        return self.activations.pack(t, self._swap_now)
+        return swapper.pack(t, swap)
 
     def _unpack(self, saved, swapper=None):
         if self.offloader is not None and isinstance(saved, (Saved, SavedCast)):
@@ -157,11 +160,8 @@ class ModelHooks:
         """train_step's swapped block (blockmajor/swapped.py): what its forward saves for
         backward, offloaded weights as markers and every activation swapped out by
         ``swapper``; the modules a sub-block is used by add no hooks of their own inside."""
-        def pack(t: torch.Tensor):
-            marker = self.offloader.pack(t) if self.offloader is not None else t
-            return marker if marker is not t else swapper.pack(t, True)
-
-        ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: self._unpack(saved, swapper))
+        ctx = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack_into(t, swapper, True),
+                                                       lambda saved: self._unpack(saved, swapper))
         with ctx:
             self._saved_ctx = ctx
             try:
