@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from fuyou_client import sizing
+from fuyou_proto.units import format_size
 from fuyou_client.blockmajor.swapped import swapped_blocks
 from fuyou_client.memory.device_plan import ACTIVATION_BYTES
 from fuyou_client.sizing import hardware, iteration
@@ -117,6 +118,10 @@ def test_the_plan_holds_what_it_assumed_and_reports_it():
     text = str(plan)
     assert f"swap_blocks={n}" in text and f"{n} of 40 blocks' activations swapped, not recomputed" in text
     assert f"swap    activations of {n} of 40 blocks, not recomputed" in text
+    # the arena it names is the activations' part of host_budget as train_step splits it (it
+    # said half of host_budget, whatever the kept inputs took)
+    assert e.activations["arena"] == hb - inputs
+    assert f"beyond their host arena ({format_size(hb - inputs)}: what the kept inputs leave of host_budget)" in text
     js = plan.to_dict()["plan"]
     assert js["swapped_activations_per_step"] == e.activations and js["settings"]["swap_blocks"] == n
     assert js["attach_options"]["swap_blocks"] == n

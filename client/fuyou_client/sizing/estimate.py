@@ -149,6 +149,8 @@ class Estimate:
         c = _compute_bytes(self.host)
         return {"swapped_blocks": swapped(self.shape, self.settings), "of_blocks": self.shape.layers,
                 "pcie_bytes": 2 * swapped_activations(self.shape, self.settings, c),
+                "arena": arenas(self.settings, self.plan.host_budget, kept_inputs(self.shape, self.settings, c))[1]
+                if self.plan else 0,
                 "ssd_bytes": self.ssd["spilled activations written"] + self.ssd["spilled activations read"]}
 
     @property

@@ -34,11 +34,10 @@ def swap_line(e) -> str | None:
     a = e.activations
     if not a["swapped_blocks"]:
         return None
-    arena = e.plan.host_budget - e.plan.host_budget // 2
     return (f"swap    activations of {a['swapped_blocks']} of {a['of_blocks']} blocks, not recomputed: "
             f"{format_size(a['pcie_bytes'] / 2)} down and the same up over PCIe per step; "
-            f"{format_size(a['ssd_bytes'] / 2)} of it beyond their host arena ({format_size(arena)}, half of "
-            f"host_budget) written to the SSD array and read back")
+            f"{format_size(a['ssd_bytes'] / 2)} of it beyond their host arena ({format_size(a['arena'])}: what the "
+            f"kept inputs leave of host_budget) written to the SSD array and read back")
 
 
 def call_line(plan) -> str:
