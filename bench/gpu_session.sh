@@ -7,8 +7,11 @@
 #
 # STAGE: tests (every test that skips without CUDA), bench (bench/gpu.py, block-major, the
 # recorded configuration), big (the largest Llama-2-7B-shaped model the disk holds, trained
-# with block-major and its blocks' weights streamed from SSD), retest FILTER (pytest -k FILTER
-# on the CUDA tests). Logs and JSON results go to OUT.
+# with block-major and its blocks' weights streamed from SSD), wide (bench/gpu.py's capped
+# in-GPU ceiling alone at the widths WIDE_WIDTHS, default "4096 5120": the kernel model's GEMM
+# curve is fitted on 2048-wide runs only, and what it prices wider blocks at decides the
+# paper's-box predictions, docs/design/iteration-model.md), retest FILTER (pytest -k FILTER on
+# the CUDA tests). Logs and JSON results go to OUT.
 #
 # Set-up, all from the working tree: wheels in .whl/ (grpcio, grpcio-health-checking,
 # protobuf, crc32c, cffi, pycparser for the host's Python) are installed into /tmp/site;
@@ -16,8 +19,8 @@
 # extensions are built in place (without a compiler or Python's headers fuyoud falls back to
 # its thread-pool I/O engine and torch's codec); the packages are put on PYTHONPATH from the
 # checkout (no install). Each stage has its own time limit; the session prints a summary last.
-# TESTS_TIMEOUT, BENCH_TIMEOUT and BIG_TIMEOUT limit the stages (BIG_TIMEOUT's default: what is
-# left of SESSION_LIMIT seconds, 900 unless set). BENCH_ARGS and BIG_ARGS add to (and override)
+# TESTS_TIMEOUT, BENCH_TIMEOUT, WIDE_TIMEOUT (each width) and BIG_TIMEOUT limit the stages (BIG_TIMEOUT's default: what is
+# left of SESSION_LIMIT seconds, 900 unless set). BENCH_ARGS, WIDE_ARGS and BIG_ARGS add to (and override)
 # the stages' arguments: with --cpu, --device stand-in and small sizes the whole session runs on
 # a CPU host first.
 set -u
@@ -93,6 +96,20 @@ bench() {
     SUMMARY+=("bench: $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r.get(k) for k in ('fuyou_tflops','inmem_ceiling_tflops','inmem_same_model_tflops','fuyou_over_ceiling','fuyou_over_inmem_same_model','gpu_busy_fraction','errors')})" "$OUT/gpu-$GPU.json" 2>&1 | tail -3)")
 }
 
+wide() {  # the capped ceiling alone at wider blocks: its NVML busy time per micro-batch is what
+    # bench/kernel_fit.py fits the GEMM curve on (copy the JSONs to bench/results/gpu-<gpu>/)
+    local w
+    for w in ${WIDE_WIDTHS:-4096 5120}; do
+        log "bench/gpu.py, the capped in-GPU ceiling alone, width $w"
+        rm -rf /tmp/wide
+        timeout "${WIDE_TIMEOUT:-150}" python3 bench/gpu.py --json "$OUT/gpu-wide-$w-$GPU.json" --width "$w" --cap 24GiB \
+            --micro 8 --accum 8 --cases ceiling --no-zero --iters 1 --ceiling-micro-max 8 --ssd-probe 256MiB --probe-bytes 256MiB \
+            --dir /tmp/wide ${WIDE_ARGS:-} 2>&1 | tee "$OUT/gpu-wide-$w.log" | grep -E "ceiling|error|Error" | tail -8
+        SUMMARY+=("wide $w: $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); i=r.get('ceiling_info') or {}; c=r['results'].get('ceiling') or {}; print({'layers': i.get('layers'), 'micro': i.get('micro'), 'checkpointing': i.get('checkpointing'), 'tflops': c.get('tflops'), 'busy': c.get('busy'), 'micro_batch_seconds': c.get('micro_batch_seconds')})" "$OUT/gpu-wide-$w-$GPU.json" 2>&1 | tail -1)")
+    done
+    rm -rf /tmp/wide
+}
+
 big() {
     log "a Llama-2-7B-shaped model on the GPU, block-major, weights from SSD"
     rm -rf /tmp/big; mkdir -p /tmp/big
@@ -119,6 +136,7 @@ while [ $# -gt 0 ]; do
         retest) shift; cuda_tests "$1" cuda-retest.log ;;
         bench) bench ;;
         big) big ;;
+        wide) wide ;;
         *) log "unknown stage $1" ;;
     esac
     shift

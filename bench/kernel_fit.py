@@ -7,7 +7,9 @@ in-GPU run recorded, and show how each run is reproduced.
 The runs: bench/results/gpu-h100.json and bench/results/gpu-h200/gpu-bench-*.json, each
 with its in-GPU cases (iteration.in_gpu_runs: the capped ceiling, 3 blocks of width 2048
 at 2 x 1024 tokens, and in the newer runs Fuyou's 21-block model in GPU memory at 4, 8 or 16
-sequences a micro-batch), fp32 parameters under bf16 autocast, recomputed. Each GPU at its
+sequences a micro-batch), fp32 parameters under bf16 autocast, recomputed; and, once a GPU
+session has run gpu_session.sh's wide stage, bench/results/gpu-*/gpu-wide-*.json: the capped
+ceiling alone at widths 4096 and 5120 (none recorded yet). Each GPU at its
 shipped profile (datasheet peak and memory bandwidth, published GEMM and attention
 efficiencies). Two observables a case: the time a kernel ran per micro-batch (NVML's
 utilisation times the micro-batch's time: ``busy``) and the micro-batch's time.
@@ -32,7 +34,9 @@ from fuyou_client.sizing.gpu_runs import in_gpu_runs, in_gpu_time, known_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = [ROOT / "bench" / "results" / "gpu-h100.json",
-        *sorted((ROOT / "bench" / "results" / "gpu-h200").glob("gpu-bench-*.json"))]
+        *sorted((ROOT / "bench" / "results" / "gpu-h200").glob("gpu-bench-*.json")),
+        # the capped ceiling alone at wider blocks (gpu_session.sh's wide stage), where recorded
+        *sorted((ROOT / "bench" / "results").glob("gpu-*/gpu-wide-*.json"))]
 
 
 def cases() -> list[dict]:
