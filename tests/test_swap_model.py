@@ -138,3 +138,24 @@ def test_no_swapping_where_it_does_not_pay_or_there_is_no_gpu():
     assert estimate(S.from_config(small), Settings(seq=32, swap_blocks=2), cpu).activations["swapped_blocks"] == 2
     with pytest.raises(ValueError, match="swap_blocks is engine.train_step's"):
         Settings(seq=32, swap_blocks=2, schedule="loop")
+
+
+def test_the_planner_names_the_pinned_budget_that_would_swap_every_block():
+    """On the paper's box the daemon's default pinned budget (half of 768 GiB) holds 29
+    blocks' activations; the advice names the budget that lets a plan swap all 40 (an
+    operator's change: [memory] pinned_budget), what that plan pins and its speed-up, which
+    is the plan the planner makes when given that budget. Where the budget does not bind
+    (the SSD array does, and nothing swaps), no such advice."""
+    plan = sizing.plan(GPT3_13B, on=papers_host(), seq=1024, tokens_per_step=64 * 1024, compute="fp16")
+    [(what, ratio)] = [(w, r) for w, r in plan.advice if w.startswith("a pinned budget of")]
+    most = plan.best.has["host memory"]
+    assert what.startswith(f"a pinned budget of {format_size(most)} ([memory] pinned_budget; the plan pins ")
+    assert ratio > 1.05
+    wider = sizing.plan(GPT3_13B, on=papers_host(pinned_budget=most), seq=1024, tokens_per_step=64 * 1024,
+                        compute="fp16")
+    assert plan.best.settings.swap_blocks < wider.best.settings.swap_blocks == 40
+    assert wider.best.tokens_per_second / plan.best.tokens_per_second == pytest.approx(ratio)
+    assert f"the plan pins {format_size(wider.best.needs['pinned budget'])} of it)" in what
+    assert plan.host.pinned < wider.best.needs["pinned budget"] <= most
+    ssd_bound = sizing.plan(GPT3_13B, on=papers_host(1), seq=1024, tokens_per_step=32 * 1024, compute="fp16")
+    assert not [w for w, _ in ssd_bound.advice if w.startswith("a pinned budget")]

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from fuyou_client.memory.budget import ARENA_DEFAULT
+from fuyou_proto.units import format_size
 from fuyou_client.sizing.estimate import Estimate, Settings, estimate, kept_inputs, swapped_activations
 from fuyou_client.sizing.hardware import Host
 from fuyou_client.sizing.shape import ModelShape
@@ -190,5 +191,24 @@ def _advice(plan: Plan, seq, tokens, state_dtype, micro, offload, schedule, comp
                   s, micro_batches=2 * s.micro_batches), host))]
     if s.state_dtype != "int8":
         trials.append(("int8 optimizer state", estimate(plan.shape, dataclasses.replace(s, state_dtype="int8"), host)))
+    trials.append(_more_pinned(plan, seq, tokens, micro, offload, schedule, compute))
     out = [(what, e.tokens_per_second / best.tokens_per_second) for what, e in trials if e is not None and e.fits]
     return sorted(out, key=lambda x: -x[1])
+
+
+def _more_pinned(plan: Plan, seq, tokens, micro, offload, schedule, compute) -> tuple[str, Estimate | None]:
+    """The daemon's pinned budget (``[memory] pinned_budget``, by default half of the host's
+    memory) raised to all the host memory a plan may use: where the best plan then pins more
+    than the budget now allows (a larger host arena: more blocks' activations swapped, fewer
+    kept inputs on the SSD array), that budget, what the plan pins of it and its speed-up;
+    else nothing (the budget does not bind). An operator's change, not a purchase."""
+    host, s = plan.host, plan.best.settings
+    most = plan.best.has["host memory"]  # (what the plan lets a process use of the host's memory)
+    if host.pinned >= most:
+        return "", None
+    wider = search(plan.shape, host.replace(pinned_budget=most), seq, tokens, s.state_dtype, micro, offload,
+                   schedule, advise=False, compute=compute).best
+    if wider is None or wider.needs["pinned budget"] <= host.pinned:
+        return "", None
+    return (f"a pinned budget of {format_size(most)} ([memory] pinned_budget; the plan pins "
+            f"{format_size(wider.needs['pinned budget'])} of it)", wider)
