@@ -1,7 +1,8 @@
 """The memory-bound traffic and the kernel launches of a block and of the tail, counted on
 the operators torch dispatches: the numbers sizing/kernels.py's time model is built from.
 
-    python bench/kernel_counts.py          # the table kernels.TRAFFIC holds, as Python
+    python bench/kernel_counts.py          # the table kernels.TRAFFIC holds, as Python; and the
+                                           # saved activations memory/device_plan.py holds
 
 Each family's block (GPT-2: LayerNorm, fused QKV, GELU-tanh written out as HF's gelu_new;
 Llama: RMSNorm, rotary, SiLU-gated MLP) and its tail (final norm, head, loss as
@@ -18,6 +19,11 @@ memory-bound bytes are split into a part per token (solved for as ``a * width + 
 per parameter (autocast's weight casts, the gradients' casts). The CPU's operators are
 the CUDA ones at this level (the same aten calls; only SDPA's kernel differs, counted
 as attention either way). tests/test_kernel_model.py counts again and checks the table.
+
+A block's saved activations (``saved``, ``activation_coefficients``): the bytes autograd
+packs for its backward (saved_tensors_hooks, each storage once, the block's weights not),
+per token as ``a * width + b * mlp``: what a block computing with a graph holds on the
+device and what a swapped block sends to the host (memory/device_plan.py).
 """
 from __future__ import annotations
 
@@ -142,6 +148,52 @@ def coefficients(family: str, precision: str, part: str) -> dict:
     return {"per_token": per_token, "per_param": per_param, "launches": launches}
 
 
+def saved(family: str, precision: str, width: int, mlp: int, micro: int, seq: int) -> int:
+    """The bytes autograd saves for one block's backward (what a swapped block sends to the
+    host, what a block computing with a graph holds): every tensor packed by
+    saved_tensors_hooks in its forward, each storage once, the parameters' (and views of
+    them) not, the block's input (a non-leaf in a model) counted."""
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family, width, mlp, 256, seq))
+    model = model.to({"autocast": torch.float32, "fp32": torch.float32, "fp16": torch.float16}.get(
+        precision, torch.bfloat16)).train()
+    inner = model.transformer if family == "gpt2" else model.model
+    module = inner.h[0] if family == "gpt2" else inner.layers[0]
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    x = torch.randn(micro, seq, width, dtype=next(model.parameters()).dtype, requires_grad=True) * 1
+    kwargs = {} if family == "gpt2" else {"position_embeddings": inner.rotary_emb(x, torch.arange(seq)[None])}
+    storages = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in weights:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "autocast" else nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        module(x, **kwargs)
+    return sum(storages.values())
+
+
+def activation_coefficients(family: str, precision: str) -> tuple[float, float]:
+    """A block's saved activations per token as ``a * width + b * mlp`` bytes, solved from
+    two shapes (per token: the difference of one and two sequences a micro-batch, so that
+    what does not grow with the tokens, autocast's weight copies, drops out)."""
+    seq, rows = 64, []
+    for width, mlp in ((128, 512), (192, 576)):
+        per_token = (saved(family, precision, width, mlp, 2, seq) - saved(family, precision, width, mlp, 1, seq)) / seq
+        rows.append((width, mlp, per_token))
+    (wa, ma, ta), (wb, mb, tb) = rows
+    det = wa * mb - wb * ma
+    return round((ta * mb - tb * ma) / det, 2), round((wa * tb - wb * ta) / det, 2)
+
+
+def activations_table() -> dict:
+    return {(family, precision): activation_coefficients(family, precision)
+            for family in ("gpt2", "llama") for precision in ("bf16", "autocast")}
+
+
 def table() -> dict:
     return {(family, precision, part): coefficients(family, precision, part)
             for family in ("gpt2", "llama") for precision in ("bf16", "autocast") for part in ("block", "tail")}
@@ -165,6 +217,9 @@ def main() -> int:
     import transformers
     print(f"# counted by bench/kernel_counts.py (torch {torch.__version__}, transformers {transformers.__version__})")
     print(literal(table()))
+    print("# a block's saved activations per token, a * width + b * mlp bytes at 16 bits "
+          "(memory/device_plan.py's SAVED_ACTIVATIONS; autocast's for bench/gpu.py's in-GPU runs)")
+    print(f"SAVED_ACTIVATIONS = {activations_table()}")
     return 0
 
 

@@ -251,14 +251,17 @@ def test_memory_plan_shows_the_device_beside_the_pinned_side(daemon):
     engine.close()
 
 
-def test_the_planners_gpu_memory_is_the_device_plan(daemon):
+@pytest.mark.parametrize("make", [tiny_gpt2, tiny_llama])
+def test_the_planners_gpu_memory_is_the_device_plan(daemon, make):
     """The planner (sizing/) and attach make one device plan: for a model and a device the
     planner only describes, its fixed bytes are those attach holds (the same groups, cut
-    by the same rule, with the memory plan's counts)."""
+    by the same rule, with the memory plan's counts), and its bytes per token too (a block's
+    saved activations by its layout, GPT-2's or Llama's, and its MLP's width: read from the
+    config by the planner, from the block's matrices by attach)."""
     from fuyou_client.sizing import estimate as E, hardware, shape as S
 
     torch.manual_seed(0)
-    model = tiny_gpt2(layers=4, width=128, vocab=512).to(torch.bfloat16)  # (the planner plans bf16 on a GPU)
+    model = make(layers=4, width=128, vocab=512).to(torch.bfloat16)  # (the planner plans bf16 on a GPU)
     shape = S.from_model(model)
     st_budget = None
     for granularity in ("block", "module"):
@@ -277,6 +280,7 @@ def test_the_planners_gpu_memory_is_the_device_plan(daemon):
         theirs = E.device_plan(shape, est.settings, host, E.groups(shape, est.settings, host), est.plan)
         engine.close()
         assert (theirs.fixed_bytes, theirs.granularity) == (ours.fixed_bytes, ours.granularity), f"{theirs}\n{ours}"
+        assert theirs.per_token == ours.per_token, f"{theirs}\n{ours}"
 
 
 def test_each_byte_on_each_link_has_its_cause(daemon):

@@ -30,7 +30,7 @@ from fuyou_client.engine.trained_values import TrainedValues
 from fuyou_client.gradients import HostAccumulated, Pooled, Resident
 from fuyou_client.groups import LayerGroup, Scratch, create
 from fuyou_client.groups.placement import hands_over, placement, weights_rewritten
-from fuyou_client.model import GroupSpec, TorchGroups, cut
+from fuyou_client.model import GroupSpec, TorchGroups, cut, mlp_layout
 from fuyou_client.offload import Offloader
 from fuyou_client.steps import StepCoordinator
 
@@ -279,8 +279,10 @@ def model_work(model: nn.Module, specs: list[GroupSpec], options: AttachOptions)
     layers = len({id(spec.block) for spec in specs if spec.block is not None})
     dtype = next((p.dtype for spec in specs for _, p in spec.params), torch.float32)
     acts = options.activations
+    block = next((spec.block for spec in specs if spec.block is not None), None)
+    layout, mlp = mlp_layout(block, emb.embedding_dim) if block is not None else ("gpt2", None)
     return memory.Work(emb.embedding_dim, emb.num_embeddings, layers, dtype.itemsize, schedule="block-major",
-                       recompute=acts == "recompute")
+                       recompute=acts == "recompute", layout=layout, mlp=mlp)
 
 
 def group_shapes(layout, torch_groups: TorchGroups, limits, parallel, cut: bool = False) -> list[memory.GroupShape]:

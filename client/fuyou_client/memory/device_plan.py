@@ -10,10 +10,11 @@ holds of a training process, against a budget.
   keeps them on the device (gradients/strategy.py), its gradients, in the compute dtype
   (the dtype torch gives a parameter's ``.grad``).
 * **Per token of a micro-batch** (``Work``, where the model's width is known): the
-  activations of one block computing with a graph (``ACTIVATION_BYTES`` times the
-  compute dtype's bytes per unit of width: Korthikanti et al., *Reducing Activation
-  Recomputation in Large Transformer Models*, 2022, 34 bytes per token and unit of width
-  at 16 bits, attention's S x S products left to a fused kernel) or the tail's logits
+  activations of one block computing with a graph (what autograd saves for its backward,
+  ``SAVED_ACTIVATIONS``: ``a * width + b * mlp`` bytes per token at 16 bits, counted by
+  bench/kernel_counts.py on Hugging Face's GPT-2 and Llama blocks with SDPA attention, whose
+  S x S products stay in the fused kernel; other families as the nearer layout, fp32
+  models twice the 16-bit bytes) or the tail's logits
   (10 bytes per vocabulary entry: 16-bit logits, their fp32 copy for the loss and its
   gradient), whichever is larger; block-major's kept-input buffers in flight
   (``CHECKPOINT_BUFFERS`` of a block's input, blockmajor/store.py); the ordinary loop's
@@ -36,8 +37,24 @@ from fuyou_proto.units import format_size
 
 DEVICE_GRAD_BUFFERS = MemoryPlan.DEVICE_GRAD_BUFFERS  # gradients/pool.py: the group in backward, the one downloading
 CHECKPOINT_BUFFERS = 8  # block-major's kept inputs on the device at once: uploads and downloads in flight
-ACTIVATION_BYTES = 17  # per token, unit of width and byte of the compute dtype: a block's activations with a graph
+# What autograd saves for one block's backward, per token: a * width + b * mlp bytes with
+# 16-bit parameters (the block's input included, its weights not), by block layout ("gpt2":
+# LayerNorm, fused QKV, GELU-tanh written out as HF's gelu_new; "llama": RMSNorm computed in
+# fp32, rotary, SiLU-gated MLP), dropout off. Counted by ``python bench/kernel_counts.py``
+# (activations_table; torch 2.13.0, transformers 5.24.0; tests/test_kernel_model.py counts
+# again). A GPT-2 block of MLP 4 x width saves 28 bytes per token and unit of width per byte
+# of the compute dtype, a Llama block of MLP 2.75 x width 23: Korthikanti et al.'s 17
+# (Reducing Activation Recomputation in Large Transformer Models, 2022) is Megatron's fused
+# kernels', not these blocks'.
+SAVED_ACTIVATIONS = {"gpt2": (16.04, 10.02), "llama": (24.04, 8.02)}
 LOGIT_BYTES = 10  # per token and vocabulary entry: 16-bit logits, an fp32 copy, its gradient
+
+
+def activation_bytes(layout: str, width: int, mlp: int, compute_bytes: int) -> int:
+    """A block's saved activations per token (``layout``: "gpt2" or "llama", the families'
+    blocks as counted; ``mlp``: its MLP's width), for parameters of ``compute_bytes``."""
+    a, b = SAVED_ACTIVATIONS[layout]
+    return -(-int((a * width + b * mlp) * compute_bytes * 50) // 100)  # (x compute_bytes / 2, rounded up)
 
 
 @dataclass(frozen=True)
@@ -52,6 +69,13 @@ class Work:
     compute_bytes: int
     schedule: str = "block-major"
     recompute: bool = True
+    layout: str = "gpt2"  # the block's, as SAVED_ACTIVATIONS counts it
+    mlp: int | None = None  # the MLP's width (None: 4 x width)
+
+    @property
+    def activations(self) -> int:
+        """One block's saved activations per token."""
+        return activation_bytes(self.layout, self.width, self.mlp or 4 * self.width, self.compute_bytes)
 
 
 @dataclass(frozen=True)
@@ -159,14 +183,14 @@ def plan_device(groups: list[GroupShape], pinned: MemoryPlan, work: Work | None,
     per_token = []
     if work is not None:
         c, w = work.compute_bytes, work.width
-        per_token.append(DeviceItem("working set", 1, max(ACTIVATION_BYTES * c * w, LOGIT_BYTES * work.vocab),
+        per_token.append(DeviceItem("working set", 1, max(work.activations, LOGIT_BYTES * work.vocab),
                                     "a block's activations with a graph, or the tail's logits", activation=True))
         if work.schedule == "block-major":
             per_token.append(DeviceItem("kept inputs in flight", CHECKPOINT_BUFFERS, c * w,
                                         "block-major: block inputs and their gradients up and down"))
         else:
             per_token.append(DeviceItem("saved activations", work.layers,
-                                        c * w if work.recompute else ACTIVATION_BYTES * c * w,
+                                        c * w if work.recompute else work.activations,
                                         "every block's input (recomputed)" if work.recompute else
                                         "every block's activations (kept)", activation=True))
     return DevicePlan(budget, reserve, tuple(i for i in fixed if i.count and i.each), tuple(per_token), granularity)

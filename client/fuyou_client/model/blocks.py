@@ -15,6 +15,7 @@ the daemon each, with that torch group's hyperparameters. A group within one tor
 """
 from __future__ import annotations
 
+import collections
 import itertools
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -86,6 +87,21 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
             if best is None or size > best[2]:
                 best = (name, module, size)
     return (best[0], best[1]) if best else None
+
+
+def mlp_layout(block: nn.Module, width: int) -> tuple[str, int]:
+    """A block's MLP as the device plan counts its activations (memory.SAVED_ACTIVATIONS):
+    ("llama", its width) where three matrices share a width other than the model's (gate,
+    up and down: SiLU-gated), else ("gpt2", the width two matrices share: up and down),
+    read from the block's 2-D parameters (Linear and GPT-2's Conv1D alike; GQA's narrow key
+    and value projections are two, the MLP's three or two of a width at least theirs)."""
+    dims = collections.Counter(d for p in block.parameters() if p.dim() == 2 and width in p.shape
+                               for d in p.shape if d != width)
+    shared = [d for d, n in dims.items() if n >= 2]
+    if not shared:
+        return "gpt2", 4 * width
+    mlp = max(shared, key=lambda d: (dims[d], d))
+    return ("llama" if dims[mlp] >= 3 else "gpt2"), mlp
 
 
 def block_list(model: nn.Module, blocks: list[nn.Module] | None = None) -> list[nn.Module]:

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from fuyou_client.device import cuda_reserve
 from fuyou_client.memory import DevicePlan, Work, plan_device
 from fuyou_client.memory import budget as memory_plan
-from fuyou_client.memory.device_plan import ACTIVATION_BYTES
+from fuyou_client.memory.device_plan import SAVED_ACTIVATIONS
 from fuyou_client.model.cuts import large_atoms, rest_sub_blocks
 from fuyou_client.sizing.hardware import COMPUTE, GB, TORCH_DTYPE, GiB, Host
 from fuyou_client.sizing.iteration import Rates, Schedule, simulate, state_bytes
-from fuyou_client.sizing.kernels import GEMM_EDGE, HBM_EFFICIENCY
+from fuyou_client.sizing.kernels import GEMM_EDGE, HBM_EFFICIENCY, layout, widths
 from fuyou_client.sizing.shape import ModelShape
 from fuyou_client.sizing.swap_model import activation_bytes
 from fuyou_proto.contract import stepped_in_chunks
@@ -235,7 +235,7 @@ def kept_inputs(shape: ModelShape, s: Settings, c: int) -> int:
 
 def swapped_activations(shape: ModelShape, s: Settings, c: int) -> int:
     """The swapped blocks' activations of one step (each goes down once and up once)."""
-    return swapped(shape, s) * s.micro_batches * activation_bytes(shape.width, s.micro_batch * s.seq, c)
+    return swapped(shape, s) * s.micro_batches * activation_bytes(shape, s.micro_batch * s.seq, c)
 
 
 def arenas(s: Settings, host_budget: int, kept: int) -> tuple[int, int]:
@@ -342,7 +342,7 @@ def estimate(shape: ModelShape, s: Settings, host: Host, simulate_time: bool = T
         needs["GPU memory"] = memory["gpu"]
         has["GPU memory"] = int(host.gpu.memory - cuda_reserve(host.gpu.memory))
     est = Estimate(shape, s, host, memory, needs, has, ssd, plan)
-    est.assumptions = _assumptions(host, s.compute)
+    est.assumptions = _assumptions(host, s.compute, shape)
     if host.gpu is not None and simulate_time:
         _time(est, host)
     return est
@@ -354,7 +354,7 @@ def device_plan(shape: ModelShape, s: Settings, host: Host, shapes: list, plan) 
     if host.gpu is None:
         return None
     work = Work(shape.width, shape.vocab, shape.layers, _compute_bytes(host), schedule=s.schedule,
-                recompute=s.activations == "recompute")
+                recompute=s.activations == "recompute", layout=layout(shape), mlp=widths(shape)[2])
     return plan_device(shapes, plan, work, None, granularity=s.granularity)
 
 
@@ -404,10 +404,12 @@ def _time(est: Estimate, host: Host) -> None:
     est.binds = max(use, key=use.get)
 
 
-def _assumptions(host: Host, compute: str = "bf16") -> list[str]:
+def _assumptions(host: Host, compute: str = "bf16", shape: ModelShape | None = None) -> list[str]:
     out = []
     if host.gpu is not None:
         g = host.gpu
+        fam = layout(shape) if shape is not None else "gpt2"
+        a, b = SAVED_ACTIVATIONS[fam]
         gemms = g.gemms(compute)
         out += [f"GPU {gemms.peak_tflops:g} dense {compute} TFLOPS, {g.hbm:,.0f} GB/s memory: {gemms.source}"
                 + ("" if compute == "bf16" else f"; memory: {g.source}"),
@@ -422,12 +424,11 @@ def _assumptions(host: Host, compute: str = "bf16") -> list[str]:
                 f"GPU launch at least {g.launch_s.value * 1e6:.0f} us a kernel: {g.launch_s.source}",
                 f"PCIe {g.pcie_h2d.value:g} GB/s: {g.pcie_h2d.source}",
                 f"GPU memory: attach's device plan (memory/device_plan.py), {cuda_reserve(g.memory) / GiB:.1f} GiB "
-                "kept for CUDA (512 MiB + 5%, assumed); activations 34 bytes per token and unit of width of a "
-                "block at 16 bits (Korthikanti et al., Reducing Activation Recomputation in Large Transformer "
-                "Models, 2022), the tail's logits 10 bytes per token and vocabulary entry",
+                "kept for CUDA (512 MiB + 5%, assumed); a block's activations what autograd saves for its backward, "
+                f"{a:g} x width + {b:g} x MLP bytes per token at 16 bits ({fam}-style block, counted by "
+                "bench/kernel_counts.py), the tail's logits 10 bytes per token and vocabulary entry",
                 f"host memory of a CUDA process: {CUDA_CONTEXT / GiB:.0f} GiB assumed",
-                f"swapped activations: {ACTIVATION_BYTES} bytes per token, unit of width and byte of the compute "
-                "dtype, down as autograd saves them and up while the backward before frees its own, within one "
+                "swapped activations: those bytes, down as autograd saves them and up while the backward before frees its own, within one "
                 "block's activations on the GPU (assumed: streamed, a micro-batch the longer of its compute and its "
                 "transfer); beyond what the kept inputs leave of host_budget to the SSD array"]
     d = host.disks

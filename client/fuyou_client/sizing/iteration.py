@@ -290,7 +290,7 @@ def _block_major(shape: ModelShape, s: Schedule, r: Rates, t: Timeline) -> dict:
     K = -(-s.accum // m)
     fwd, bwd = m * r.block_s(shape, s, "forward"), m * r.block_s(shape, s, "backward")
     bwd_only = m * r.block_s(shape, s, "backward only")
-    acts = SwappedActivations(t, r, L, s.swapped, K, activation_bytes(shape.width, m * s.micro * s.seq, c),
+    acts = SwappedActivations(t, r, L, s.swapped, K, activation_bytes(shape, m * s.micro * s.seq, c),
                               s.swap_arena)
     tail = m * r.tail_s(shape, s, ("forward", "input_grad"))  # forward + one of the head's two gradient matmuls
     ckpt = m * s.micro * s.seq * shape.width * c

@@ -80,6 +80,8 @@ class ModelShape:
     # what granularity="module" cuts), each (count, holds an embedding); () where unknown.
     block_atoms: tuple = ()
     rest_atoms: tuple = ()
+    kv_width: int | None = None  # key-value heads x head_dim (GQA's narrower); None: unknown
+    mlp_width: int | None = None  # the MLP's hidden width; None: unknown (kernels.widths solves it)
 
     @property
     def params(self) -> int:
@@ -150,7 +152,7 @@ def from_config(cfg: dict, source: str = "config") -> ModelShape:
     block_atoms, rest_atoms = _atoms(family, fam, w, q, kvw, mlp, vocab, tied, positions, extra)
     assert sum(n for n, _ in block_atoms) == attn + ffn + bias + norms and sum(n for n, _ in rest_atoms) == rest
     return ModelShape(family, layers, w, attn + ffn + bias + norms, rest, vocab, q, attn + ffn, positions, source,
-                      tuple(block_atoms), tuple(rest_atoms))
+                      tuple(block_atoms), tuple(rest_atoms), kvw, mlp)
 
 
 FUSED_QKV = ("gpt2", "gpt_neox", "bloom", "phi3")  # one projection for queries, keys and values
@@ -201,7 +203,7 @@ def from_model(model) -> ModelShape:
     has one, else from the blocks' largest linear layers."""
     from torch import nn
 
-    from fuyou_client.model.blocks import find_blocks
+    from fuyou_client.model.blocks import find_blocks, mlp_layout
 
     found = find_blocks(model)
     if found is None:
@@ -217,6 +219,7 @@ def from_model(model) -> ModelShape:
     try:
         dims = from_config(cfg, type(model).__name__)
         width, vocab, attn, max_seq = dims.width, dims.vocab, dims.attn_width, dims.max_seq
+        kv, mlp = dims.kv_width, dims.mlp_width
     except ShapeError:
         linears = [m for b in blocks[:1] for m in b.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
         width = min((min(m.weight.shape) for m in linears), default=0)
@@ -226,10 +229,11 @@ def from_model(model) -> ModelShape:
         if not width or not vocab:
             raise ShapeError(f"{type(model).__name__}: its width and vocabulary cannot be read (no Hugging Face config, "
                              "no linear layers or embedding)") from None
+        kv, mlp = None, mlp_layout(blocks[0], width)[1]
     from fuyou_client.model.cuts import atom_sizes
     return ModelShape(cfg.get("model_type") or type(model).__name__, len(blocks), width, block, total - in_blocks,
                       vocab, attn, matrices, max_seq, type(model).__name__,
-                      tuple(atom_sizes(model, blocks[0], blocks)), tuple(atom_sizes(model, None, blocks)))
+                      tuple(atom_sizes(model, blocks[0], blocks)), tuple(atom_sizes(model, None, blocks)), kv, mlp)
 
 
 def of(model_or_path) -> ModelShape:

@@ -5,9 +5,9 @@ and, beyond it, on the SSD array.
 
 What it assumes (docs/design/iteration-model.md):
 
-* **Bytes**: what autograd saves for a block's backward, ``ACTIVATION_BYTES`` (17) per
-  token, unit of width and byte of the compute dtype (memory/device_plan.py), down once in
-  forward and up once before backward.
+* **Bytes**: what autograd saves for a block's backward, per token ``a * width + b * mlp``
+  at 16 bits by the block's layout (memory/device_plan.py's ``SAVED_ACTIVATIONS``, counted on
+  the families' blocks), down once in forward and up once before backward.
 * **Device memory**: the device plan's one block's activations with a graph at a time. The
   activations leave as autograd saves them (streaming over the block's forward): their
   download starts with the compute and ends no earlier than it; the next forward with a
@@ -24,14 +24,16 @@ What it assumes (docs/design/iteration-model.md):
 from __future__ import annotations
 
 from fuyou_client.blockmajor.swapped import swapped_blocks
-from fuyou_client.memory.device_plan import ACTIVATION_BYTES
+from fuyou_client.memory.device_plan import activation_bytes as per_token
+from fuyou_client.sizing.kernels import layout, widths
 
 GB = 1e9
 
 
-def activation_bytes(width: int, tokens: int, compute_bytes: int) -> int:
-    """What a block's backward needs kept from its forward, for ``tokens`` tokens."""
-    return ACTIVATION_BYTES * width * tokens * compute_bytes
+def activation_bytes(shape, tokens: int, compute_bytes: int) -> int:
+    """What a block of ``shape`` (sizing.shape.ModelShape) saves for its backward, for
+    ``tokens`` tokens."""
+    return tokens * per_token(layout(shape), shape.width, widths(shape)[2], compute_bytes)
 
 
 def spilled(blocks: frozenset, runs: int, each: float, arena: float) -> dict:
