@@ -4,7 +4,7 @@
                         [--micro N] [--accum N] [--weights resident|host|ssd] [--grads host|device]
                         [--cases ceiling,inmem,fuyou,zero] [--iters 2] [--zero-params cpu|nvme] [--zero-accum 4]
                         [--zero-micro N] [--host-budget 9GiB] [--dir DIR] [--no-zero] [--deadline S]
-                        [--profile DIR] [--ssd-probe 4GiB] [--probe-bytes 1GiB] [--cpu]
+                        [--profile DIR] [--ssd-probe 4GiB] [--probe-bytes 1GiB] [--cpu] [--swap-blocks N]
 
 One model family: Hugging Face ``GPT2LMHeadModel`` (width ``--width``, 128-wide heads, vocabulary
 8192, untied head, sequence ``--seq``, dropout off, random tokens), bf16 compute, fp32 AdamW state.
@@ -124,18 +124,27 @@ def fuyou_depth(width: int, seq: int, cap: int) -> int:
     return layers
 
 
-def arena_bytes(layers: int, micro: int, accum: int, seq: int, width: int) -> int:
+def arena_bytes(layers: int, micro: int, accum: int, seq: int, width: int, swap: int = 0) -> int:
     """train_step's host arena, large enough that nothing spills to the SSD array: (blocks + 2)
     x micro-batches slots of one bf16 hidden state, 4 KiB aligned (block_store.Store.reserve;
     beyond a smaller budget the inputs spill); the most that any micro-batch Fuyou's fit may
-    halve to needs (fuyoud's pinned budget is set before the fit)."""
-    need = 0
+    halve to needs (fuyoud's pinned budget is set before the fit). With ``swap`` blocks
+    swapping their activations (``attach(swap_blocks=)``): their inputs are not kept, and
+    their activations (what the planner assumes an HF GPT-2 block saves:
+    memory/device_plan.activation_bytes) take what the kept inputs leave, the inputs
+    at most half (train_step's split); beyond it they go through the SSD array (counted)."""
+    need, tokens = 0, micro * accum * seq
     while True:
         slot = -(-micro * seq * width * 2 // 4096) * 4096
-        need = max(need, slot * (layers + 2) * accum)
+        need = max(need, slot * (layers - swap + 2) * accum)
         if micro == 1:
-            return need
+            break
         micro, accum = micro // 2, accum * 2
+    if not swap:
+        return need
+    from fuyou_client.memory.device_plan import activation_bytes
+    acts = swap * tokens * activation_bytes("gpt2", width, 4 * width, 2)
+    return max(need + acts, 2 * need)
 
 
 # -- the run: workers side by side, interleaved rounds ------------------------------------------
@@ -232,6 +241,10 @@ def parse(argv):
     ap.add_argument("--activations", default="recompute", choices=["recompute", "auto"],
                     help="--schedule loop: every block recomputed in backward (default), or the planner's choice "
                          "per block of keep, swap (host arena, then SSD) or recompute, within the two budgets below")
+    ap.add_argument("--swap-blocks", default=0, type=int, metavar="N",
+                    help="--schedule block-major: N blocks (spread evenly) swap their activations to pinned host "
+                         "memory instead of being recomputed (attach(swap_blocks=N)); the arena grows by their "
+                         "activations (default 0: every block recomputed)")
     ap.add_argument("--act-device-budget", default="1GiB", type=parse_size,
                     help="loop with --activations auto: activation bytes on the GPU (default 1GiB)")
     ap.add_argument("--act-host-budget", default="1GiB", type=parse_size,
@@ -269,6 +282,10 @@ def parse(argv):
         args.cases = [c for c in args.cases if c != "zero"]
     if args.schedule == "block-major" and args.activations == "auto":
         ap.error("--activations auto applies to --schedule loop (train_step recomputes every block)")
+    if args.swap_blocks and args.schedule != "block-major":
+        ap.error("--swap-blocks is engine.train_step's (--schedule block-major)")
+    if not 0 <= args.swap_blocks <= (layers := fuyou_depth(args.width, args.seq, args.cap)):
+        ap.error(f"--swap-blocks must be 0 to the model's {layers} blocks, not {args.swap_blocks}")
     micro, accum = DEFAULTS[args.schedule]
     args.micro, args.accum = args.micro or micro, args.accum or accum
     args.zero_micro = args.zero_micro or min(args.micro, 8)
@@ -291,11 +308,12 @@ def main(argv=None) -> int:
     params = params_of(args.width, layers, args.seq)
     ceiling_max = max(1, max((L for L in range(1, layers) if params_of(args.width, L, args.seq) * STATE_BYTES_PER_PARAM <= args.cap),
                              default=1))
-    arena = arena_bytes(layers, args.micro, args.accum, args.seq, args.width) if args.schedule == "block-major" else 0
+    arena = arena_bytes(layers, args.micro, args.accum, args.seq, args.width, args.swap_blocks) \
+        if args.schedule == "block-major" else 0
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     spec = dict(cap=args.cap, width=args.width, seq=args.seq, micro=args.micro, accum=args.accum,
-                schedule=args.schedule, arena_bytes=arena, ceiling_micro_max=args.ceiling_micro_max,
+                schedule=args.schedule, arena_bytes=arena, swap_blocks=args.swap_blocks, ceiling_micro_max=args.ceiling_micro_max,
                 zero_accum=args.zero_accum, zero_micro=args.zero_micro, zero_params=args.zero_params,
                 zero_prefetch=args.zero_prefetch, layers=layers, params=params, host_budget=args.host_budget,
                 buffer_budget=args.buffer_budget, weights=args.weights, grads=args.grads,

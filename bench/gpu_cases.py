@@ -288,6 +288,7 @@ class Fuyou(Case):
         self.info = {"layers": spec["layers"], "params": self.params, "schedule": spec["schedule"],
                      "offload": OFFLOAD[spec["weights"]], "grads": spec["grads"], "micro": self.micro,
                      "accum": self.accum, "micro_fallbacks": self.fallbacks, "arena_bytes": arena or None,
+                     "swap_blocks": spec.get("swap_blocks", 0),
                      "daemon_host_bytes": spec["host_budget"] + spec["buffer_budget"] + (arena or spec["act_host_budget"]),
                      "io_engine": self.engine.session.daemon_status.io_engine}
 
@@ -300,7 +301,7 @@ class Fuyou(Case):
         self.net = self.model(spec["layers"], self.torch.bfloat16)
         self.params = sum(p.numel() for p in self.net.parameters())  # (before attach empties offloaded ones)
         if self.block_major:  # (train_step accumulates over its list itself and recomputes every block)
-            mode = dict(accumulation_steps=1, host_budget=spec["arena_bytes"])
+            mode = dict(accumulation_steps=1, host_budget=spec["arena_bytes"], swap_blocks=spec.get("swap_blocks", 0))
         else:
             mode = dict(accumulation_steps=self.accum, activations=spec["activations"],
                         device_budget=spec["act_device_budget"], host_budget=spec["act_host_budget"])
@@ -358,6 +359,10 @@ class Fuyou(Case):
         times, status1 = getattr(self.engine, "train_step_times", None), self.engine.session.status()
         if times is not None:  # (where the step's seconds went, the device synchronised at each boundary)
             result["phases"] = {"forward": times.forward, "backward": times.backward, "step": times.step}
+        stats = self.engine.train_step_stats
+        if stats is not None and self.spec.get("swap_blocks"):  # (the swapped blocks' activations, this step)
+            result["activations"] = {k: getattr(stats, k) for k in (
+                "activations_to_host", "activations_back", "activations_to_ssd", "activations_from_ssd")}
         result["ssd_read_bytes"] = status1.bytes_read - status0.bytes_read  # (the daemon's, this step)
         result["ssd_written_bytes"] = status1.bytes_written - status0.bytes_written
         if profiler is not None:

@@ -249,6 +249,36 @@ def test_the_block_major_arena_holds_what_train_step_reserves(bench):
             assert -(-micro * 7 * 3 * 2 // 4096) * 4096 * 4 * accum <= need
 
 
+def test_swapped_blocks_add_their_activations_to_the_arena_and_drop_their_inputs(bench):
+    """--swap-blocks N: the arena keeps the other blocks' inputs (at most half of it, as
+    train_step splits host_budget) and holds the swapped blocks' activations, what the
+    device plan counts an HF GPT-2 block saving."""
+    from fuyou_client.memory.device_plan import activation_bytes
+    gpu, _ = bench
+    kept = (21 - 5 + 2) * 32 * 16 * 1024 * 2048 * 2
+    acts = 5 * 32 * 16 * 1024 * activation_bytes("gpt2", 2048, 4 * 2048, 2)
+    assert gpu.arena_bytes(21, 16, 32, 1024, 2048, swap=5) == max(kept + acts, 2 * kept) == kept + acts
+
+
+def test_the_gpu_benchmark_swaps_blocks_on_the_cpu(short_tmp):
+    """--swap-blocks on the stand-in: attach gets swap_blocks, and each round reports the
+    swapped activations' bytes (down, back, and what went past the arena to the SSD array);
+    --swap-blocks is refused with the loop, or beyond the model's blocks."""
+    pytest.importorskip("transformers")
+    res = finish(*start(short_tmp, "swap", "--cases", "fuyou", "--micro", "2", "--accum", "2", "--weights", "host",
+                        "--swap-blocks", "2"))
+    assert res["fuyou_info"]["swap_blocks"] == 2 and res["fuyou_tflops"] > 0
+    for r in res["rounds"]:
+        moved = r["fuyou"]["activations"]
+        assert moved["activations_to_host"] == moved["activations_back"] > 0
+        assert moved["activations_to_ssd"] == moved["activations_from_ssd"]
+    for args, says in ((["--schedule", "loop"], "--swap-blocks is engine.train_step's"),
+                       (["--swap-blocks", "99"], "--swap-blocks must be 0 to the model's")):
+        bad = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), *SMALL, "--json", str(short_tmp / "x.json"),
+                              "--swap-blocks", "2", *args], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and says in bad.stderr, bad.stderr[-2000:]
+
+
 def test_the_h100_runs_command_reruns_that_run():
     """bench/results/gpu-h100.json ran the loop (its commit's only schedule); today's default
     is block-major, so its recorded command names the schedule and every option whose
