@@ -33,6 +33,7 @@ After the window the rank deletes its namespace's objects, so the rounds do not 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -239,7 +240,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
     if world > 1:
-        dist.destroy_process_group()
+        end_process_group()
     return 0
 
 
@@ -265,8 +266,16 @@ def serve(args, host: int) -> int:
         names = [o.name for o in session.objects()]
         if names:
             session.delete(*names, missing_ok=True)
-    dist.destroy_process_group()
+    end_process_group()
     return 0
+
+
+def end_process_group() -> None:
+    """The group ends while Python is alive: what holds it is collected first
+    (docs/guide/distributed.md: a gloo group freed at the interpreter's exit can abort it)."""
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 if __name__ == "__main__":

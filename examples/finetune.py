@@ -36,6 +36,7 @@ state and master weight in its daemon, the other ranks are workers that hold non
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -214,6 +215,10 @@ def main() -> int:
             daemon.stop()
             shutil.rmtree(daemon_dir(args, world), ignore_errors=True)
             daemon_dir(args, world).with_suffix(".socket").unlink(missing_ok=True)
+        if world > 1:  # the process group ends before the interpreter does (docs/guide/distributed.md)
+            gc.collect()
+            dist.destroy_process_group()
+            gc.collect()
     return 0
 
 

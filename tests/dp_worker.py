@@ -9,6 +9,7 @@ test asserts (mismatches, losses). The daemon is the one at $FUYOUD_SOCKET.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -439,7 +440,15 @@ def main(cases_table: dict | None = None, backend: str = BACKEND, setup=None) ->
                   if "." not in k or k.split(".", 1)[0] == case}
         result = table[case](out, **kwargs)
         (out / f"{case}-rank{RANK}.json").write_text(json.dumps(result, default=str))
+    # The process group dies before the interpreter does: what still holds it (the reference
+    # runs' DDP reducers, closed engines, in reference cycles) is collected now, and then the
+    # group itself, so that its gloo threads are joined while Python is alive. Freed by the
+    # interpreter's last collection instead, a gloo thread can drop the last reference of a
+    # finished collective's tensor views then, take the GIL during finalization and abort the
+    # process ("terminate called without an active exception": pytorch/pytorch issue 190489).
+    gc.collect()
     dist.destroy_process_group()
+    gc.collect()
 
 
 if __name__ == "__main__":
