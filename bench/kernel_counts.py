@@ -42,6 +42,7 @@ VIEWS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "split",
          "_local_scalar_dense", "is_same_size", "view_as", "expand_as", "sym_size", "sym_stride", "sym_numel",
          "_has_compatible_shallow_copy_type", "clone_noop", "arange", "scalar_tensor"}
 GEMMS = {"mm", "addmm", "bmm", "baddbmm"}
+LAYOUTS = ("gpt2", "gpt2-fused", "llama")  # sizing/kernels.py's layout()
 
 
 def _nbytes(x) -> int:
@@ -71,12 +72,15 @@ class Counter(TorchDispatchMode):
 
 
 def _config(family: str, width: int, mlp: int, vocab: int, seq: int):
+    """``family``: a layout of sizing/kernels.py ("gpt2": GELU written out as gelu_new;
+    "gpt2-fused": gelu_pytorch_tanh, one operator; "llama")."""
     import transformers
     heads = max(1, width // 64)
-    if family == "gpt2":
+    if family.startswith("gpt2"):
         cfg = transformers.GPT2Config(n_embd=width, n_layer=1, n_head=heads, n_inner=mlp, vocab_size=vocab,
                                       n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                      bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+                                      bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
+                                      activation_function="gelu_pytorch_tanh" if family == "gpt2-fused" else "gelu_new")
     else:
         cfg = transformers.LlamaConfig(hidden_size=width, num_hidden_layers=1, num_attention_heads=heads,
                                        num_key_value_heads=heads, intermediate_size=mlp, vocab_size=vocab,
@@ -94,20 +98,20 @@ def count(family: str, precision: str, part: str, width: int, mlp: int, vocab: i
     model = transformers.AutoModelForCausalLM.from_config(_config(family, width, mlp, vocab, seq))
     model = model.to({"autocast": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)).train()
     dtype = next(model.parameters()).dtype
-    inner = model.transformer if family == "gpt2" else model.model
+    inner = model.transformer if family.startswith("gpt2") else model.model
     x = torch.randn(micro, seq, width, dtype=dtype, requires_grad=True)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "autocast" else nullcontext()
     if part == "block":
-        module = inner.h[0] if family == "gpt2" else inner.layers[0]
+        module = inner.h[0] if family.startswith("gpt2") else inner.layers[0]
         kwargs = {}
-        if family != "gpt2":
+        if not family.startswith("gpt2"):
             kwargs["position_embeddings"] = inner.rotary_emb(x, torch.arange(seq)[None])
 
         def forward():
             out = module(x, **kwargs)
             return out[0] if isinstance(out, tuple) else out
     else:
-        norm = inner.ln_f if family == "gpt2" else inner.norm
+        norm = inner.ln_f if family.startswith("gpt2") else inner.norm
         module = torch.nn.ModuleList([norm, model.lm_head])
         labels = torch.randint(0, vocab, (micro, seq))
 
@@ -158,11 +162,11 @@ def saved(family: str, precision: str, width: int, mlp: int, micro: int, seq: in
     model = transformers.AutoModelForCausalLM.from_config(_config(family, width, mlp, 256, seq))
     model = model.to({"autocast": torch.float32, "fp32": torch.float32, "fp16": torch.float16}.get(
         precision, torch.bfloat16)).train()
-    inner = model.transformer if family == "gpt2" else model.model
-    module = inner.h[0] if family == "gpt2" else inner.layers[0]
+    inner = model.transformer if family.startswith("gpt2") else model.model
+    module = inner.h[0] if family.startswith("gpt2") else inner.layers[0]
     weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
     x = torch.randn(micro, seq, width, dtype=next(model.parameters()).dtype, requires_grad=True) * 1
-    kwargs = {} if family == "gpt2" else {"position_embeddings": inner.rotary_emb(x, torch.arange(seq)[None])}
+    kwargs = {} if family.startswith("gpt2") else {"position_embeddings": inner.rotary_emb(x, torch.arange(seq)[None])}
     storages = {}
 
     def pack(t):
@@ -191,12 +195,12 @@ def activation_coefficients(family: str, precision: str) -> tuple[float, float]:
 
 def activations_table() -> dict:
     return {(family, precision): activation_coefficients(family, precision)
-            for family in ("gpt2", "llama") for precision in ("bf16", "autocast")}
+            for family in LAYOUTS for precision in ("bf16", "autocast")}
 
 
 def table() -> dict:
     return {(family, precision, part): coefficients(family, precision, part)
-            for family in ("gpt2", "llama") for precision in ("bf16", "autocast") for part in ("block", "tail")}
+            for family in LAYOUTS for precision in ("bf16", "autocast") for part in ("block", "tail")}
 
 
 def literal(counted: dict) -> str:

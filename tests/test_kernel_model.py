@@ -77,7 +77,8 @@ def test_the_constants_are_the_fit():
         assert p.launch_s.value == kernels.LAUNCH_S and "kernel_fit" in p.launch_s.source
 
 
-@pytest.mark.parametrize("key", [("gpt2", "bf16", "block"), ("llama", "autocast", "block")])
+@pytest.mark.parametrize("key", [("gpt2", "bf16", "block"), ("gpt2-fused", "bf16", "block"),
+                                 ("llama", "autocast", "block")])
 def test_the_traffic_is_what_torch_dispatches(key):
     """The model's memory-bound bytes and launches are bench/kernel_counts.py's count of the
     operators torch runs (counted again here, on the CPU, at small shapes)."""
@@ -96,7 +97,7 @@ def test_the_saved_activations_are_what_autograd_saves():
     pytest.importorskip("transformers")
     import kernel_counts
     from fuyou_client.memory import device_plan
-    assert {f: kernel_counts.activation_coefficients(f, "bf16") for f in ("gpt2", "llama")} == \
+    assert {f: kernel_counts.activation_coefficients(f, "bf16") for f in ("gpt2", "gpt2-fused", "llama")} == \
         device_plan.SAVED_ACTIVATIONS
     assert device_plan.activation_bytes("gpt2", 1024, 4096, 2) / (1024 * 2) == pytest.approx(28.06, abs=0.01)
     # an fp32 model's are twice a 16-bit one's (the planner's rule; counted: within 10%)

@@ -17,6 +17,7 @@ import dataclasses
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 import fuyou_client
@@ -251,14 +252,23 @@ def test_memory_plan_shows_the_device_beside_the_pinned_side(daemon):
     engine.close()
 
 
-@pytest.mark.parametrize("make", [tiny_gpt2, tiny_llama])
+def tiny_gpt2_one_operator_gelu(**kw):
+    model = tiny_gpt2(**kw)
+    model.config.activation_function = "gelu_pytorch_tanh"  # (the planner reads it; attach, the module)
+    for block in model.transformer.h:
+        block.mlp.act = transformers.activations.ACT2FN["gelu_pytorch_tanh"]
+    return model
+
+
+@pytest.mark.parametrize("make", [tiny_gpt2, tiny_gpt2_one_operator_gelu, tiny_llama])
 def test_the_planners_gpu_memory_is_the_device_plan(daemon, make):
     """The planner (sizing/) and attach make one device plan: for a model and a device the
     planner only describes, its fixed bytes are those attach holds (the same groups, cut
     by the same rule, with the memory plan's counts), and its bytes per token too (a block's
-    saved activations by its layout, GPT-2's or Llama's, and its MLP's width: read from the
-    config by the planner, from the block's matrices by attach)."""
-    from fuyou_client.sizing import estimate as E, hardware, shape as S
+    saved activations by its layout, GPT-2's with its GELU written out or as one operator,
+    or Llama's, and its MLP's width: read from the config by the planner, from the block's
+    matrices and modules by attach)."""
+    from fuyou_client.sizing import estimate as E, hardware, kernels, shape as S
 
     torch.manual_seed(0)
     model = make(layers=4, width=128, vocab=512).to(torch.bfloat16)  # (the planner plans bf16 on a GPU)
@@ -281,6 +291,7 @@ def test_the_planners_gpu_memory_is_the_device_plan(daemon, make):
         engine.close()
         assert (theirs.fixed_bytes, theirs.granularity) == (ours.fixed_bytes, ours.granularity), f"{theirs}\n{ours}"
         assert theirs.per_token == ours.per_token, f"{theirs}\n{ours}"
+    assert kernels.layout(shape) == {tiny_gpt2: "gpt2", tiny_llama: "llama"}.get(make, "gpt2-fused")
 
 
 def test_each_byte_on_each_link_has_its_cause(daemon):

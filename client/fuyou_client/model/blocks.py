@@ -89,19 +89,27 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     return (best[0], best[1]) if best else None
 
 
+# An MLP activation module of one operator (torch's, or transformers' wrappers of one torch
+# function); any other (HF's NewGELUActivation: gelu_new written out) counts as written out.
+ONE_OPERATOR = {"GELU", "ReLU", "SiLU", "GELUActivation", "PytorchGELUTanh", "GELUTanh", "SiLUActivation"}
+
+
 def mlp_layout(block: nn.Module, width: int) -> tuple[str, int]:
     """A block's MLP as the device plan counts its activations (memory.SAVED_ACTIVATIONS):
     ("llama", its width) where three matrices share a width other than the model's (gate,
-    up and down: SiLU-gated), else ("gpt2", the width two matrices share: up and down),
-    read from the block's 2-D parameters (Linear and GPT-2's Conv1D alike; GQA's narrow key
-    and value projections are two, the MLP's three or two of a width at least theirs)."""
+    up and down: SiLU-gated), else GPT-2's, the width two matrices share (up and down):
+    "gpt2-fused" where its activation module is one operator, "gpt2" otherwise. Read from
+    the block's 2-D parameters (Linear and GPT-2's Conv1D alike; GQA's narrow key and value
+    projections are two, the MLP's three or two of a width at least theirs) and modules."""
     dims = collections.Counter(d for p in block.parameters() if p.dim() == 2 and width in p.shape
                                for d in p.shape if d != width)
     shared = [d for d, n in dims.items() if n >= 2]
-    if not shared:
-        return "gpt2", 4 * width
-    mlp = max(shared, key=lambda d: (dims[d], d))
-    return ("llama" if dims[mlp] >= 3 else "gpt2"), mlp
+    mlp = max(shared, key=lambda d: (dims[d], d)) if shared else 4 * width
+    if shared and dims[mlp] >= 3:
+        return "llama", mlp
+    names = {type(m).__name__ for m in block.modules()}
+    written = names & {"NewGELUActivation", "FastGELUActivation", "QuickGELUActivation", "BloomGelu"}
+    return ("gpt2-fused" if names & ONE_OPERATOR and not written else "gpt2"), mlp
 
 
 def block_list(model: nn.Module, blocks: list[nn.Module] | None = None) -> list[nn.Module]:

@@ -61,7 +61,8 @@ CAUSAL_BLOCK = 128  # FlashAttention's tile along the sequence: the causal diago
 
 # Memory-bound traffic and launches, counted by ``python bench/kernel_counts.py`` (torch
 # 2.13.0, transformers 5.24.0; tests/test_kernel_model.py counts again): per family layout
-# (gpt2: LayerNorm, fused QKV with biases, GELU-tanh as HF's gelu_new writes it out; llama:
+# (gpt2: LayerNorm, fused QKV with biases, GELU-tanh as HF's gelu_new writes it out;
+# gpt2-fused: the same with gelu_pytorch_tanh, the GELU one operator; llama:
 # RMSNorm in fp32, rotary, SiLU-gated MLP), precision and part (a block; the tail: final
 # norm, head, loss), per pass: bytes per token = a * width + b * mlp (tail: a * width +
 # b * vocab), bytes per parameter, and launches of GEMMs, attention and memory-bound
@@ -87,6 +88,26 @@ TRAFFIC = {
         "per_param": {"forward": 5.92, "backward": 6.02},
         "launches": {"forward": {"gemm": 1, "attention": 0, "memory": 7},
                      "backward": {"gemm": 2, "attention": 0, "memory": 6}}},
+    ("gpt2-fused", "bf16", "block"): {
+        "per_token": {"forward": (19.98, 4.02), "backward": (45.98, 8.02)},
+        "per_param": {"forward": 0.01, "backward": 0.02},
+        "launches": {"forward": {"gemm": 4, "attention": 1, "memory": 5},
+                     "backward": {"gemm": 8, "attention": 1, "memory": 10}}},
+    ("gpt2-fused", "bf16", "tail"): {
+        "per_token": {"forward": (4.94, 17.77), "backward": (6.19, 25.95)},
+        "per_param": {"forward": 0.0, "backward": 0.03},
+        "launches": {"forward": {"gemm": 1, "attention": 0, "memory": 5},
+                     "backward": {"gemm": 2, "attention": 0, "memory": 4}}},
+    ("gpt2-fused", "autocast", "block"): {
+        "per_token": {"forward": (47.96, 4.04), "backward": (93.96, 8.04)},
+        "per_param": {"forward": 5.99, "backward": 6.02},
+        "launches": {"forward": {"gemm": 4, "attention": 1, "memory": 15},
+                     "backward": {"gemm": 8, "attention": 1, "memory": 22}}},
+    ("gpt2-fused", "autocast", "tail"): {
+        "per_token": {"forward": (15.0, 17.75), "backward": (18.25, 25.94)},
+        "per_param": {"forward": 5.92, "backward": 6.02},
+        "launches": {"forward": {"gemm": 1, "attention": 0, "memory": 7},
+                     "backward": {"gemm": 2, "attention": 0, "memory": 6}}},
     ("llama", "bf16", "block"): {
         "per_token": {"forward": (123.88, 10.12), "backward": (285.81, 18.19)},
         "per_param": {"forward": 0.13, "backward": 0.13},
@@ -108,6 +129,7 @@ TRAFFIC = {
         "launches": {"forward": {"gemm": 1, "attention": 0, "memory": 12},
                      "backward": {"gemm": 2, "attention": 0, "memory": 19}}},
 }
+ONE_OPERATOR = {"gelu", "gelu_pytorch_tanh", "relu", "silu", "swish"}  # ACT2FN's activations of one kernel
 PRECISIONS = ("bf16", "fp16", "autocast")
 TRAFFIC_AS = {"bf16": "bf16", "fp16": "bf16", "autocast": "autocast"}  # (fp16's bytes: bf16's)
 GATED = {"llama", "mistral", "qwen2", "gemma", "phi3"}  # SiLU-gated MLP, RMSNorm: counted as llama's
@@ -133,7 +155,13 @@ class Time:
 
 
 def layout(shape) -> str:
-    return "llama" if shape.family in GATED else "gpt2"
+    """The block as counted: "llama" (SiLU-gated MLP, RMSNorm), else GPT-2's with its
+    activation in one operator ("gpt2-fused": F.gelu, gelu_pytorch_tanh, ReLU, SiLU) or
+    written out ("gpt2": HF's gelu_new, six elementwise operators; any activation not
+    known to be one operator counts so, the larger)."""
+    if shape.family in GATED:
+        return "llama"
+    return "gpt2-fused" if getattr(shape, "activation", None) in ONE_OPERATOR else "gpt2"
 
 
 def widths(shape) -> tuple[int, int, int]:
@@ -153,7 +181,7 @@ def block_gemms(shape, tokens: int) -> list[tuple[int, int, int]]:
     """A block's forward GEMMs as (M, N, K): M the tokens."""
     w = shape.width
     q, kv, mlp = widths(shape)
-    attn = [(tokens, q + 2 * kv, w)] if layout(shape) == "gpt2" else [(tokens, q, w), (tokens, kv, w), (tokens, kv, w)]
+    attn = [(tokens, q + 2 * kv, w)] if layout(shape) != "llama" else [(tokens, q, w), (tokens, kv, w), (tokens, kv, w)]
     up = [(tokens, mlp, w)] * (2 if layout(shape) == "llama" else 1)
     return attn + [(tokens, w, q)] + up + [(tokens, w, mlp)]
 
@@ -238,7 +266,7 @@ class GpuKernels:
         if which == "backward":  # .grad += this micro-batch's: read both, write one
             grad = 4 if precision == "autocast" else 2
             nbytes += 3 * grad * shape.block_params
-            launches += 12 if layout(shape) == "gpt2" else 9  # (one per parameter tensor)
+            launches += 9 if layout(shape) == "llama" else 12  # (one per parameter tensor)
         t = self._launched([self.gemm_s(*g) for g in gemms])
         t += self._launched([self.attention_s(micro, seq, q, which == "backward")])
         return t + self._memory(nbytes, launches)

@@ -29,6 +29,7 @@ from fuyou_client.sizing.shape import ModelShape
 DTYPES = ("fp32", "bf16", "int8")  # most exact first
 MICRO = (1, 2, 4, 8, 16, 32)
 TOKENS_PER_STEP = 1 << 19  # half a million: a common fine-tuning batch (256 x 2048)
+WRITTEN_OUT = {"gelu_new", "gelu_fast"}  # GPT-2 configs' tanh GELUs written out in elementwise operators
 
 
 @dataclass
@@ -192,6 +193,12 @@ def _advice(plan: Plan, seq, tokens, state_dtype, micro, offload, schedule, comp
     if s.state_dtype != "int8":
         trials.append(("int8 optimizer state", estimate(plan.shape, dataclasses.replace(s, state_dtype="int8"), host)))
     trials.append(_more_pinned(plan, seq, tokens, micro, offload, schedule, compute))
+    if plan.shape.family == "gpt2" and plan.shape.activation in WRITTEN_OUT:
+        one = dataclasses.replace(plan.shape, activation="gelu_pytorch_tanh")
+        trials.append((f"activation_function='gelu_pytorch_tanh' ({plan.shape.activation}'s tanh GELU as one "
+                       "operator: fewer activations and their bytes; not bitwise the same)",
+                       search(one, host, seq, tokens, s.state_dtype, micro, offload, schedule, advise=False,
+                              compute=compute).best))
     out = [(what, e.tokens_per_second / best.tokens_per_second) for what, e in trials if e is not None and e.fits]
     return sorted(out, key=lambda x: -x[1])
 

@@ -40,6 +40,10 @@ class Family:
 _LLAMA_FIELDS = {"width": ("hidden_size",), "layers": ("num_hidden_layers",), "heads": ("num_attention_heads",),
                  "kv_heads": ("num_key_value_heads",), "mlp": ("intermediate_size",), "vocab": ("vocab_size",),
                  "head_dim": ("head_dim",)}
+# The MLP's activation: the config's field and the family's default (transformers' ACT2FN
+# names; BLOOM's is its own GELU, written out like gpt2's gelu_new).
+ACTIVATIONS = {"gpt2": ("activation_function", "gelu_new"), "gpt_neox": ("hidden_act", "gelu"),
+               "opt": ("activation_function", "relu"), "bloom": (None, "bloom_gelu")}
 FAMILIES = {
     "gpt2": Family(False, "all", True, "n_positions", True,
                    {"width": ("n_embd",), "layers": ("n_layer",), "heads": ("n_head",), "mlp": ("n_inner",),
@@ -82,6 +86,7 @@ class ModelShape:
     rest_atoms: tuple = ()
     kv_width: int | None = None  # key-value heads x head_dim (GQA's narrower); None: unknown
     mlp_width: int | None = None  # the MLP's hidden width; None: unknown (kernels.widths solves it)
+    activation: str | None = None  # the MLP's activation as the config names it (ACT2FN's name)
 
     @property
     def params(self) -> int:
@@ -151,8 +156,10 @@ def from_config(cfg: dict, source: str = "config") -> ModelShape:
         rest += 2 * w  # (the embeddings' own LayerNorm)
     block_atoms, rest_atoms = _atoms(family, fam, w, q, kvw, mlp, vocab, tied, positions, extra)
     assert sum(n for n, _ in block_atoms) == attn + ffn + bias + norms and sum(n for n, _ in rest_atoms) == rest
+    field, default = ACTIVATIONS.get(family, ("hidden_act", "silu"))
+    activation = str(cfg.get(field) or default) if field else default
     return ModelShape(family, layers, w, attn + ffn + bias + norms, rest, vocab, q, attn + ffn, positions, source,
-                      tuple(block_atoms), tuple(rest_atoms), kvw, mlp)
+                      tuple(block_atoms), tuple(rest_atoms), kvw, mlp, activation)
 
 
 FUSED_QKV = ("gpt2", "gpt_neox", "bloom", "phi3")  # one projection for queries, keys and values
@@ -219,7 +226,7 @@ def from_model(model) -> ModelShape:
     try:
         dims = from_config(cfg, type(model).__name__)
         width, vocab, attn, max_seq = dims.width, dims.vocab, dims.attn_width, dims.max_seq
-        kv, mlp = dims.kv_width, dims.mlp_width
+        kv, mlp, activation = dims.kv_width, dims.mlp_width, dims.activation
     except ShapeError:
         linears = [m for b in blocks[:1] for m in b.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
         width = min((min(m.weight.shape) for m in linears), default=0)
@@ -230,10 +237,12 @@ def from_model(model) -> ModelShape:
             raise ShapeError(f"{type(model).__name__}: its width and vocabulary cannot be read (no Hugging Face config, "
                              "no linear layers or embedding)") from None
         kv, mlp = None, mlp_layout(blocks[0], width)[1]
+        activation = None
     from fuyou_client.model.cuts import atom_sizes
     return ModelShape(cfg.get("model_type") or type(model).__name__, len(blocks), width, block, total - in_blocks,
                       vocab, attn, matrices, max_seq, type(model).__name__,
-                      tuple(atom_sizes(model, blocks[0], blocks)), tuple(atom_sizes(model, None, blocks)), kv, mlp)
+                      tuple(atom_sizes(model, blocks[0], blocks)), tuple(atom_sizes(model, None, blocks)), kv, mlp,
+                      activation)
 
 
 def of(model_or_path) -> ModelShape:
