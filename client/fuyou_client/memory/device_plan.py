@@ -52,8 +52,9 @@ LOGIT_BYTES = 10  # per token and vocabulary entry: 16-bit logits, an fp32 copy,
 
 
 def activation_bytes(layout: str, width: int, mlp: int, compute_bytes: int) -> int:
-    """A block's saved activations per token (``layout``: "gpt2" or "llama", the families'
-    blocks as counted; ``mlp``: its MLP's width), for parameters of ``compute_bytes``."""
+    """A block's saved activations per token (``layout``: a key of SAVED_ACTIVATIONS, the
+    families' blocks as counted; ``mlp``: its MLP's width), for parameters of
+    ``compute_bytes`` (16-bit counts scaled by ``compute_bytes / 2``, rounded up)."""
     a, b = SAVED_ACTIVATIONS[layout]
     return -(-int((a * width + b * mlp) * compute_bytes * 50) // 100)  # (x compute_bytes / 2, rounded up)
 

@@ -21,10 +21,10 @@ import math
 from dataclasses import dataclass, field
 
 from fuyou_client.memory.budget import ARENA_DEFAULT
-from fuyou_proto.units import format_size
 from fuyou_client.sizing.estimate import Estimate, Settings, estimate, kept_inputs, swapped_activations
 from fuyou_client.sizing.hardware import Host
 from fuyou_client.sizing.shape import ModelShape
+from fuyou_proto.units import format_size
 
 DTYPES = ("fp32", "bf16", "int8")  # most exact first
 MICRO = (1, 2, 4, 8, 16, 32)
