@@ -155,8 +155,10 @@ def coefficients(family: str, precision: str, part: str) -> dict:
 def saved(family: str, precision: str, width: int, mlp: int, micro: int, seq: int) -> int:
     """The bytes autograd saves for one block's backward (what a swapped block sends to the
     host, what a block computing with a graph holds): every tensor packed by
-    saved_tensors_hooks in its forward, each storage once, the parameters' (and views of
-    them) not, the block's input (a non-leaf in a model) counted."""
+    saved_tensors_hooks in its forward, each once as the swapper parks it (the same bytes
+    in the same layout: activations/swapper.py's identity; two layouts of one storage count
+    twice, as they are sent twice), the parameters' (and views of them) not, the block's
+    input (a non-leaf in a model) counted."""
     import transformers
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_config(family, width, mlp, 256, seq))
@@ -167,17 +169,17 @@ def saved(family: str, precision: str, width: int, mlp: int, micro: int, seq: in
     weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
     x = torch.randn(micro, seq, width, dtype=next(model.parameters()).dtype, requires_grad=True) * 1
     kwargs = {} if family.startswith("gpt2") else {"position_embeddings": inner.rotary_emb(x, torch.arange(seq)[None])}
-    storages = {}
+    parked = {}
 
     def pack(t):
         st = t.untyped_storage()
         if st.data_ptr() not in weights:
-            storages[st.data_ptr()] = st.nbytes()
+            parked[(st.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)] = t.numel() * t.element_size()
         return t
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "autocast" else nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
         module(x, **kwargs)
-    return sum(storages.values())
+    return sum(parked.values())
 
 
 def activation_coefficients(family: str, precision: str) -> tuple[float, float]:

@@ -91,7 +91,7 @@ def test_the_saved_activations_are_what_autograd_saves():
     """The device plan's and the planner's bytes per token of a block's activations (what a
     block computing with a graph holds, what a swapped block sends to the host) are
     bench/kernel_counts.py's count of what autograd saves in the families' blocks, counted
-    again here; a GPT-2 block's (GELU written out, as HF's gelu_new) are 28 bytes per token
+    again here; a GPT-2 block's (GELU written out, as HF's gelu_new) are 29 bytes per token
     and unit of width per byte of the compute dtype at MLP 4 x width, Korthikanti et al.'s
     fused-kernel 17 being well under it."""
     pytest.importorskip("transformers")
@@ -99,7 +99,7 @@ def test_the_saved_activations_are_what_autograd_saves():
     from fuyou_client.memory import device_plan
     assert {f: kernel_counts.activation_coefficients(f, "bf16") for f in ("gpt2", "gpt2-fused", "llama")} == \
         device_plan.SAVED_ACTIVATIONS
-    assert device_plan.activation_bytes("gpt2", 1024, 4096, 2) / (1024 * 2) == pytest.approx(28.06, abs=0.01)
+    assert device_plan.activation_bytes("gpt2", 1024, 4096, 2) / (1024 * 2) == pytest.approx(29.06, abs=0.01)
     # an fp32 model's are twice a 16-bit one's (the planner's rule; counted: within 10%)
     fp32 = (kernel_counts.saved("llama", "fp32", 128, 512, 2, 64) - kernel_counts.saved("llama", "fp32", 128, 512, 1, 64))
     assert fp32 / 64 == pytest.approx(device_plan.activation_bytes("llama", 128, 512, 4), rel=0.1)
@@ -274,10 +274,10 @@ def test_13b_at_64_sequences_and_12_ssds_against_the_papers_156():
       (3/4 x 155.5 = 116.6 < 117); the planner recomputing every block gives 78 (fp16).
       Swapping the activations of blocks instead (the paper's method, ``swap_blocks``),
       as many as host memory holds the activations of: 17 of 40 here (what autograd saves
-      of an HF GPT-2 block, GELU written out: 18.8 GB a block a step), 82.5 model TFLOPS in
-      fp16 (84 in bf16). Each swapped micro-batch's 9.4 GB cross PCIe 4.0 in 376 ms each
+      of an HF GPT-2 block, GELU written out: 19.5 GB a block a step), 81.6 model TFLOPS in
+      fp16 (83 in bf16). Each swapped micro-batch's 9.75 GB cross PCIe 4.0 in 390 ms each
       way, against its forward's 208 ms: the link, not the GPU, sets a swapped block's pace,
-      and swapping all 40 (418 GB a step through the SSD array) would be slower than 17.
+      and swapping all 40 (433 GB a step through the SSD array) would be slower than 17.
     * What is left: the GPU's own time. The kernel model prices these 5120-wide blocks'
       kernels at 105 model TFLOPS with no wait at all, every block swapped (the GEMMs at
       about 72% of the peak, fitted on 2048-wide runs, where square torch.matmul GEMMs are
@@ -308,10 +308,10 @@ def test_13b_at_64_sequences_and_12_ssds_against_the_papers_156():
 def test_175b_at_16_sequences_against_the_papers_87(compute):
     """The issue's check: GPT-3 175B on the paper's box at 16 sequences of 1024 a step, model
     TFLOPS within 25% of the paper's 87 (65 to 109), in the paper's precision (fp16) and in
-    bf16: 87 (89). Every block recomputed: one block's activations a step (11.3 GB: what
+    bf16: 87 (89). Every block recomputed: one block's activations a step (11.7 GB: what
     autograd saves of an HF GPT-2 block) do not fit what the default pinned budget leaves
     beside the blocks' 349 GB of weights, and the planner puts no activation through the SSD
-    array. Swapping every block that way would be 98 (12% over the paper's), for 1,085 GB of
+    array. Swapping every block that way would be 97 (11% over the paper's), for 1,123 GB of
     activations written and read back a step."""
     plan = sizing.plan(GPT3_175B, on=papers_host(12), seq=1024, tokens_per_step=16 * 1024, compute=compute)
     assert plan.fits

@@ -51,7 +51,7 @@ def test_a_swapped_blocks_backward_is_the_recomputed_one_less_its_forward():
 
 
 def test_the_activations_move_once_each_way_and_the_earliest_blocks_spill():
-    """Every swapped block's activations (what autograd saves: a GPT-2 block's 16.04 x width
+    """Every swapped block's activations (what autograd saves: a GPT-2 block's 18.04 x width
     + 10.02 x MLP bytes per token at 16 bits) go down once and up once; beyond their arena
     they go to the SSD array and come back, the earliest blocks' first; none of a swapped
     block's kept input comes up in backward."""
@@ -75,12 +75,14 @@ def test_the_activations_move_once_each_way_and_the_earliest_blocks_spill():
 
 def test_a_slow_link_makes_swapping_lose_and_the_gpu_wait_for_it():
     """The activations' transfers bound a swapped block's micro-batch: on the profile's
-    PCIe 4.0 swapping 13B's blocks gains; at a tenth of it the GPU waits for the
-    downloads and uploads and recomputing is faster."""
+    PCIe 4.0 swapping every block of 13B with its GELU as one operator (5.7 GB a
+    micro-batch) gains; with GELU written out (9.75 GB), or at a tenth of the link, the GPU
+    waits for the downloads and uploads and recomputing is faster."""
+    fused = S.from_config({**GPT3_13B, "activation_function": "gelu_pytorch_tanh"})
     fast, slow = rates(), rates(pcie_h2d=2.5, pcie_d2h=2.5)
-    for r, gains in ((fast, True), (slow, False)):
-        base = iteration.simulate(SHAPE, schedule(), r)["iteration_seconds"]
-        out = iteration.simulate(SHAPE, schedule(swapped=40), r)
+    for shape, r, gains in ((fused, fast, True), (SHAPE, fast, False), (fused, slow, False)):
+        base = iteration.simulate(shape, schedule(), r)["iteration_seconds"]
+        out = iteration.simulate(shape, schedule(swapped=40), r)
         assert (out["iteration_seconds"] < base) == gains
     stalls = iteration.simulate(SHAPE, schedule(swapped=40), slow)["seconds"]
     assert stalls["gpu stalled: activation downloads"] > 0 and stalls["gpu stalled: activations upload"] > 0
@@ -171,8 +173,8 @@ def test_a_gelu_written_out_is_counted_and_the_planner_names_the_one_operator_ge
     of the MLP's width: the planner reads the config's activation_function (GPT-2's default
     gelu_new, GPT-NeoX's gelu, OPT's relu) and counts those bytes, and names
     gelu_pytorch_tanh (the same tanh GELU as one operator) with the speed-up it would give,
-    the plan of that config. On the paper's box 13B's swapped activations fall from 9.4 GB
-    a micro-batch to 5.4, and swapping pays: more blocks swap and the step is faster."""
+    the plan of that config. On the paper's box 13B's swapped activations fall from 9.75 GB
+    a micro-batch to 5.7, and swapping pays: more blocks swap and the step is faster."""
     assert S.from_config(GPT3_13B).activation == "gelu_new"
     assert S.from_config({**GPT3_13B, "activation_function": "relu"}).activation == "relu"
     neox = {"model_type": "gpt_neox", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -190,5 +192,5 @@ def test_a_gelu_written_out_is_counted_and_the_planner_names_the_one_operator_ge
     assert a_f == a_w and b_f < b_w / 2  # (the MLP's share: one tensor saved for the GELU, not five more)
     per = {name: activation_bytes(S.from_config(cfg), 32 * 1024, 2) for name, cfg in
            (("written", GPT3_13B), ("fused", fused_cfg))}
-    assert per["written"] > 9.4e9 > 5.4e9 > per["fused"] > 5.3e9
+    assert 9.8e9 > per["written"] > 9.7e9 > 5.8e9 > per["fused"] > 5.7e9
     assert fused.best.settings.swap_blocks > written.best.settings.swap_blocks

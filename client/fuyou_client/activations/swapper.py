@@ -6,7 +6,10 @@ own storage) into a *host arena* - one pinned shared buffer of ``host_budget`` b
 and hands autograd a small handle instead. When the arena is full, the oldest parked
 activations (the first layers': backward needs them last) go on to the SSD array as
 transient objects, written by the daemon straight from the arena. In backward the
-handle becomes a tensor again: from the arena, or read back from SSD; as soon as
+handle becomes a tensor again: from the arena, or read back from SSD. A tensor saved by
+several operators (a Llama block's q, k and v projections each save their input, three
+views of one tensor) is parked once, its saves sharing the handle, as long as it is the
+same live tensor, unchanged (its storage, layout and version). As soon as
 backward reaches a parked activation, the SSD-resident ones it will need next (reverse
 order) are read ahead into free arena space. Every activation is freed (arena range
 released, object deleted) once backward has used it, and anything left over - a
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -87,6 +91,8 @@ class _Parked:
     fetch: Future | None = None  # a read-ahead from SSD into ``offset``
     copied: object = DONE  # event: the copy into the arena
     on_device: tuple | None = None  # (tensor, event): uploaded ahead of its use in backward
+    refs: int = 1  # saves of this tensor (one op's input saved by several: each gets this handle)
+    unpacked: torch.Tensor | None = None  # the tensor backward took, for the saves still to take it
 
 
 @dataclass(eq=False)
@@ -113,6 +119,9 @@ class ActivationSwapper:
         self._keys = itertools.count()
         self._host: dict[int, _Parked] = {}  # in the arena, in pack order
         self._ssd: dict[int, _Parked] = {}  # spilled, in pack order
+        # The tensors parked lately, by identity: one saved again (q, k and v projections all
+        # save their input) is parked once, and its saves share the handle.
+        self._parked_by_tensor: dict[tuple, tuple[weakref.ref, _Parked]] = {}
 
     def sibling(self, host_budget: int) -> "ActivationSwapper":
         """Another swapper on the same session and device, telling weights from activations
@@ -177,11 +186,16 @@ class ActivationSwapper:
         if not swap or nbytes < self.min_bytes or t.device != self.device.torch_device:
             self.stats.kept(nbytes)
             return _Kept(t, nbytes)
+        again = self._saved_again(t)
+        if again is not None:
+            again.refs += 1
+            return again
         if nbytes > self.arena.size:
             raise ValueError(f"an activation of {nbytes} bytes does not fit the host arena of {self.arena.size} "
                              f"bytes: attach with host_budget of at least {-(-nbytes // ALIGN) * ALIGN} bytes")
         off = self._make_room(nbytes)
         parked = _Parked(next(self._keys), t.shape, t.dtype, nbytes, off)
+        self._remember(t, parked)
         t0 = time.perf_counter()
         dst = self._parked_tensor(parked)
         if self.device.shares_host_memory:
@@ -197,6 +211,33 @@ class ActivationSwapper:
         self.stats.host_bytes += nbytes
         self.stats.host_peak = max(self.stats.host_peak, self.stats.host_bytes)
         return parked
+
+    @staticmethod
+    def _identity(t: torch.Tensor) -> tuple:
+        """The same tensor, unchanged: its storage, where in it, its layout and its version
+        (an in-place change between two saves makes them two activations)."""
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+
+    @staticmethod
+    def _owner(t: torch.Tensor) -> torch.Tensor:
+        """What keeps ``t``'s memory alive: its base where it is a view (each linear layer
+        views its input anew, so the q, k and v projections' saves are three views of one
+        tensor), else itself."""
+        return t._base if t._base is not None else t
+
+    def _saved_again(self, t: torch.Tensor) -> _Parked | None:
+        """The handle of ``t`` where it is parked already and still there (the same bytes
+        of the same live tensor: a freed one's memory reused by another is not it)."""
+        hit = self._parked_by_tensor.get(self._identity(t))
+        if hit is None or hit[0]() is not self._owner(t):
+            return None
+        p = hit[1]
+        return p if (p.key in self._host or p.key in self._ssd) and p.unpacked is None else None
+
+    def _remember(self, t: torch.Tensor, p: _Parked) -> None:
+        if len(self._parked_by_tensor) > 256:  # (those whose tensor is gone are no use)
+            self._parked_by_tensor = {k: v for k, v in self._parked_by_tensor.items() if v[0]() is not None}
+        self._parked_by_tensor[self._identity(t)] = (weakref.ref(self._owner(t)), p)
 
     def _make_room(self, nbytes: int) -> int:
         """An arena range, spilling the oldest parked activations to SSD until one fits."""
@@ -235,6 +276,13 @@ class ActivationSwapper:
         if not isinstance(saved, _Parked):
             return saved
         p = saved
+        if p.unpacked is not None:  # (another save of the same tensor took it back already)
+            t = p.unpacked
+            p.refs -= 1
+            if p.refs == 0:
+                p.unpacked = None
+            return t
+        p.refs -= 1
         self.stats.returned += p.nbytes
         if p.key in self._ssd:
             self._read_back(p)
@@ -251,6 +299,8 @@ class ActivationSwapper:
                             key=lambda q: -q.key)[:UPLOAD_AHEAD]:  # the next ones backward needs
                 if q.on_device is None:
                     q.on_device = self._upload(q)
+        if p.refs:
+            p.unpacked = t
         return t
 
     def _parked_tensor(self, p: _Parked) -> torch.Tensor:
@@ -353,6 +403,7 @@ class ActivationSwapper:
         for p in list(self._host.values()):
             self._arena.give(p.offset, p.nbytes)
         self._host.clear()
+        self._parked_by_tensor.clear()
         if self._tier is not None:
             self._tier.reset()
         self.stats.host_bytes = 0

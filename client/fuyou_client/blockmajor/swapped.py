@@ -7,7 +7,7 @@ block runs its forward once, with a graph, and what autograd saves for backward 
 compute device as it is made (activations/swapper.py: a host arena, beyond it the SSD
 array), coming back ahead of the block's backward. Of ``host_budget``, the kept inputs take
 what their plan holds, at most half (store.py), and the activations' arena the rest. It trades the recomputation for PCIe
-and host (or SSD) traffic each way: what autograd saves, an HF GPT-2 block's 28 bytes per
+and host (or SSD) traffic each way: what autograd saves, an HF GPT-2 block's 29 bytes per
 token, unit of width and byte of the compute dtype (memory/device_plan.py
 ``SAVED_ACTIVATIONS``, by the block's layout). The planner (sizing/iteration.py)
 weighs the two and picks how many blocks swap.

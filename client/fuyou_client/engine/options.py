@@ -104,7 +104,7 @@ class AttachOptions:
       autograd saves to host memory (then the SSD array) instead of recomputing them in
       backward (default 0: every block recomputed; blockmajor/swapped.py says which). It
       saves a third of those blocks' FLOPs for what autograd saves (an HF GPT-2 block's:
-      28 bytes per token, unit of width and byte of the compute dtype) down and up
+      29 bytes per token, unit of width and byte of the compute dtype) down and up
       again; ``fuyouctl plan`` weighs the two.
       ``host_budget``: bytes of shared host memory for the arena that swapped activations
       and ``train_step``'s kept block inputs go to before the SSD array (default: 256 MiB,

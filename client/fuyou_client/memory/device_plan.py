@@ -37,17 +37,19 @@ from fuyou_proto.units import format_size
 
 DEVICE_GRAD_BUFFERS = MemoryPlan.DEVICE_GRAD_BUFFERS  # gradients/pool.py: the group in backward, the one downloading
 CHECKPOINT_BUFFERS = 8  # block-major's kept inputs on the device at once: uploads and downloads in flight
-# What autograd saves for one block's backward, per token: a * width + b * mlp bytes with
-# 16-bit parameters (the block's input included, its weights not), by block layout ("gpt2":
+# What autograd saves for one block's backward, per token, as the swapper parks it (each
+# tensor once, in each layout it is saved in): a * width + b * mlp bytes with 16-bit
+# parameters (the block's input included, its weights not), by block layout ("gpt2":
 # LayerNorm, fused QKV, GELU-tanh written out as HF's gelu_new; "gpt2-fused": the same with an
 # activation of one operator, gelu_pytorch_tanh; "llama": RMSNorm computed in fp32, rotary,
 # SiLU-gated MLP), dropout off. Counted by ``python bench/kernel_counts.py``
 # (activations_table; torch 2.13.0, transformers 5.24.0; tests/test_kernel_model.py counts
-# again). A GPT-2 block of MLP 4 x width saves 28 bytes per token and unit of width per byte
-# of the compute dtype, a Llama block of MLP 2.75 x width 23: Korthikanti et al.'s 17
+# again; train_step's swapped blocks move exactly these bytes, activations_to_host). A GPT-2
+# block of MLP 4 x width saves 29 bytes per token and unit of width per byte of the compute
+# dtype, a Llama block of MLP 2.75 x width 24: Korthikanti et al.'s 17
 # (Reducing Activation Recomputation in Large Transformer Models, 2022) is Megatron's fused
 # kernels', not these blocks'.
-SAVED_ACTIVATIONS = {"gpt2": (16.04, 10.02), "gpt2-fused": (16.04, 4.02), "llama": (24.04, 8.02)}
+SAVED_ACTIVATIONS = {"gpt2": (18.04, 10.02), "gpt2-fused": (18.04, 4.02), "llama": (26.04, 8.02)}
 LOGIT_BYTES = 10  # per token and vocabulary entry: 16-bit logits, an fp32 copy, its gradient
 
 
