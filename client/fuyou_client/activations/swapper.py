@@ -188,7 +188,7 @@ class ActivationSwapper:
             return _Kept(t, nbytes)
         again = self._saved_again(t)
         if again is not None:
-            again.refs += 1
+            self._saved_later(again)
             return again
         if nbytes > self.arena.size:
             raise ValueError(f"an activation of {nbytes} bytes does not fit the host arena of {self.arena.size} "
@@ -233,6 +233,16 @@ class ActivationSwapper:
             return None
         p = hit[1]
         return p if (p.key in self._host or p.key in self._ssd) and p.unpacked is None else None
+
+    def _saved_later(self, p: _Parked) -> None:
+        """``p`` saved once more: one more save shares it, and it takes this save's place in
+        pack order (backward, which runs in reverse, needs it by then: the read-ahead, the
+        uploads ahead and which to spill first all go by that order)."""
+        p.refs += 1
+        where = self._host if p.key in self._host else self._ssd
+        del where[p.key]
+        p.key = next(self._keys)
+        where[p.key] = p
 
     def _remember(self, t: torch.Tensor, p: _Parked) -> None:
         if len(self._parked_by_tensor) > 256:  # (those whose tensor is gone are no use)
