@@ -101,8 +101,10 @@ def _serve(config, removals: list[Path]) -> int:
     from fuyoud.server import Daemon, StartFailed, StopFailed  # heavy imports after argument checks
 
     log = logging.getLogger("fuyoud")
+    store = [config.daemon.state_dir.resolve(), *(Path(d).resolve() for d in config.data_dirs)]
+    outlives = not any(p == r or r in p.parents for p in store for r in removals)
     try:
-        daemon = Daemon(config)
+        daemon = Daemon(config, store_outlives=outlives)
     except Exception as exc:  # start-up failures: say what and stop (removing nothing: the directory
         log.error("cannot start: %s", exc)  # may be another daemon's, which refused us)
         return 1

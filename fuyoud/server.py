@@ -104,8 +104,11 @@ def _refuse_if_served(path: Path, kind: int) -> None:
                              "[daemon] runtime_dir")
 
 class Daemon:
-    def __init__(self, config: Config, engine: IOEngine | None = None):
+    def __init__(self, config: Config, engine: IOEngine | None = None, store_outlives: bool = True):
+        """``store_outlives``: False where the store is deleted when the daemon stops
+        (``--remove-when-stopped``): Status says so, and "auto" checkpoints are copies."""
         self.config = config
+        self.store_outlives = store_outlives
         self.owns_runtime_dir = False
         self.metrics = Metrics()
         self.metrics_url = ""
@@ -129,7 +132,8 @@ class Daemon:
                                             self.store.index_db.claim_namespace, config.daemon.admits)
             self.pool = Pool(config.memory.pinned_budget, config.session_budget, config.memory.segment_size,
                              lock=config.memory.lock, pages=self.huge_pages.choose, describe=self.sessions.describe)
-            self.checkpointer = Checkpointer(self.store, self.optimizer, self.sessions, config.checkpoint_dirs)
+            self.checkpointer = Checkpointer(self.store, self.optimizer, self.sessions, config.checkpoint_dirs,
+                                             store_outlives)
             undo.pop_all()
         for reason in REASONS:  # (every reason exported from the start, at 0)
             self.metrics.sessions_closed.labels(reason)
@@ -306,7 +310,8 @@ class Daemon:
                         self.optimizer.buffers.mapped_bytes, self.optimizer.cached_bytes(),
                         self.config.optimizer.buffer_budget, self.config.optimizer.buffers, self.store.usage(),
                         *rates, session_namespaces={s.id: s.namespace for s in live},
-                        optimizer_buffers_held=self.optimizer.buffers.held())
+                        optimizer_buffers_held=self.optimizer.buffers.held(),
+                        store_outlives_daemon=self.store_outlives)
 
     def set_draining(self, draining: bool) -> None:
         """Drain: refuse new sessions (the gRPC service reports NOT_SERVING) while the

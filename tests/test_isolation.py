@@ -61,6 +61,8 @@ CLIENT = textwrap.dedent("""
                       metadata=s.metadata)
     probe("forged_handle", forged)
     probe("checkpoint_outside", lambda: s.checkpoint(root_dir + "/mine"))
+    # (the raw request, naming a path the daemon would write with its own rights)
+    probe("raw_checkpoint_outside", lambda: s.call("Checkpoint", pb.CheckpointRequest(directory=root_dir + "/mine")))
     probe("restore_roots", lambda: s.restore(ckpt))
     probe("drain", lambda: s.admin_stub.Drain(pb.DrainRequest(), metadata=s.metadata))
     probe("list_namespaces", lambda: s.admin_stub.ListNamespaces(pb.Empty(), metadata=s.metadata))
@@ -162,8 +164,12 @@ def test_an_admitted_uid_reaches_nothing_of_another_users(short_tmp):
         assert got["root_namespace"].startswith("PermissionDenied") and "belongs to uid 0" in got["root_namespace"]
         assert "PERMISSION_DENIED" in got["other_namespace_stat"] and "not this session's" in got["other_namespace_stat"]
         assert "not one of this session's" in got["forged_handle"]
-        assert got["checkpoint_outside"].startswith("PermissionDenied") and "checkpoint_dirs" in got["checkpoint_outside"]
-        assert got["restore_roots"].startswith("PermissionDenied") and "uid 0" in got["restore_roots"]
+        # The client writes a checkpoint with its user's rights (it may not write there); the
+        # daemon writes by path only inside checkpoint_dirs.
+        assert got["checkpoint_outside"].startswith("PermissionDenied") and "may not write" in got["checkpoint_outside"]
+        assert (got["raw_checkpoint_outside"].startswith("PermissionDenied")
+                and "checkpoint_dirs" in got["raw_checkpoint_outside"])
+        assert got["restore_roots"].startswith("PermissionDenied") and "may not open" in got["restore_roots"]
         assert "PERMISSION_DENIED" in got["drain"] and "admin token" in got["drain"]
         for call in ("list_namespaces", "delete_namespace"):  # (another user's namespaces, named or not)
             assert "PERMISSION_DENIED" in got[call] and "admin token" in got[call], got[call]
@@ -179,13 +185,15 @@ def test_an_admitted_uid_reaches_nothing_of_another_users(short_tmp):
         assert got["restore_escape"].startswith("InvalidArgument") and "objects/NNNNNN.bin" in got["restore_escape"]
         assert got["restore_symlink"].startswith("InvalidArgument") and "symlink" in got["restore_symlink"]
         assert got["restore_their_namespace"].startswith("PermissionDenied"), got["restore_their_namespace"]
-        assert got["delete_theirs"].startswith("PermissionDenied") and "uid 0" in got["delete_theirs"]
+        assert got["delete_theirs"].startswith("PermissionDenied") and "may not open" in got["delete_theirs"]
         assert got["loot"].startswith("ObjectNotFound")
         assert not any("0x" in v for v in got.values() if isinstance(v, str))
         assert got["own_checkpoint"] == "OK"
-        assert got["restore_replaced"].startswith("PermissionDenied") and "owned by uid 65534" in got["restore_replaced"]
-        # (moved, it is no checkpoint the daemon knows: a tenant may not delete what it cannot own)
-        assert got["delete_own"].startswith("PermissionDenied"), got["delete_own"]
+        # (the daemon recorded the checkpoint at that path: a manifest put there since is refused)
+        assert got["restore_replaced"].startswith("DataLoss") and "changed since" in got["restore_replaced"]
+        # (moved, it is a copy the daemon has no record of, in the tenant's own directory: the
+        # tenant removes it as it could anyway)
+        assert got["delete_own"] == "OK", got["delete_own"]
         with fuyou_client.connect(d.socket, namespace="rootns") as root:  # untouched
             out = root.allocate(4096)
             root.swap_in("secret", out)

@@ -60,7 +60,8 @@ class FuyouAdminServicer(ServicerBase, rpc.FuyouAdminServicer):
             metrics_url=d.metrics_url, session_socket=d.session_socket,
             bytes_read=usage.bytes_read, bytes_written=usage.bytes_written, draining=d.draining,
             read_bytes_per_second=d.read_bytes_per_second, write_bytes_per_second=d.write_bytes_per_second,
-            uptime_seconds=int(time.time() - d.started), session_list=self._visible_sessions(context))
+            uptime_seconds=int(time.time() - d.started), session_list=self._visible_sessions(context),
+            store_outlives_daemon=d.store_outlives_daemon)
 
     @handler
     def ListSessions(self, request, context):

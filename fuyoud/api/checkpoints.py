@@ -1,7 +1,10 @@
 """The checkpoint RPCs of service Fuyou (Checkpoint, Restore, DeleteCheckpoint) and the
 clients' Report; mixed into the servicer (service.py). A session acts on its own
-namespace; with the admin token an operator checkpoints any session (fuyouctl
-checkpoint) and deletes any checkpoint."""
+namespace, in a directory it holds: it names the files it handed on its session socket
+(``handed``), and the daemon reaches the directory only through them. Without them a
+session's directory must be inside ``[daemon] checkpoint_dirs``, the daemon's own. With
+the admin token an operator checkpoints any session (fuyouctl checkpoint) and deletes any
+checkpoint, the daemon writing with its own rights."""
 from __future__ import annotations
 
 from fuyou_proto import pb
@@ -30,18 +33,27 @@ class CheckpointMethods(ServicerBase):
         if not request.timeout_seconds <= MAX_CHECKPOINT_TIMEOUT:  # (also refuses NaN)
             raise InvalidArgument(f"timeout_seconds must be at most {MAX_CHECKPOINT_TIMEOUT:g}, "
                                   f"got {request.timeout_seconds}")
-        with self.checkpointer.location(request.directory, caller and caller.uid) as where:
+        with self._where(request, caller, new=True) as where:
             result = self.checkpointer.checkpoint(session.namespace, session.uid, where,
                                      request.timeout_seconds or DEFAULT_CHECKPOINT_TIMEOUT, request.mode or "auto",
                                      request.client_state)
         self.metrics.observe_checkpoint(result.mode, result.seconds, result.bytes)
         return pb.CheckpointReply(directory=result.directory, namespace=result.namespace, objects=result.objects,
-                                  bytes=result.bytes, step=result.step, seconds=result.seconds, mode=result.mode)
+                                  bytes=result.bytes, step=result.step, seconds=result.seconds, mode=result.mode,
+                                  manifest=result.manifest if request.handed else b"")
+
+    def _where(self, request, caller, new: bool):
+        """The checkpoint's location: through the files the caller handed, or by path."""
+        if request.handed:
+            if caller is None:
+                raise InvalidArgument("an operator's request names a directory, not handed files")
+            return self.checkpointer.handed_location(request.directory, caller.handed.take(request.handed), new)
+        return self.checkpointer.location(request.directory, caller and caller.uid)
 
     @handler
     def Restore(self, request, context):
         session = self._session(context)
-        with self.checkpointer.location(request.directory, session.uid) as where:
+        with self._where(request, session, new=False) as where:
             result = self.checkpointer.restore(session, where)
         return pb.RestoreReply(namespace=result.namespace, step=result.step, objects=result.objects,
                                bytes=result.bytes, mode=result.mode, client_state=result.client_state,
@@ -49,9 +61,9 @@ class CheckpointMethods(ServicerBase):
 
     @handler
     def DeleteCheckpoint(self, request, context):
-        uid = None if self._is_admin(context) else self._session(context).uid
-        with self.checkpointer.location(request.directory, uid) as where:
-            self.checkpointer.delete(uid, where)
+        caller = None if self._is_admin(context) else self._session(context)
+        with self._where(request, caller, new=False) as where:
+            self.checkpointer.delete(caller and caller.uid, where)
         return pb.Empty()
 
     @handler

@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING
 from fuyou_proto.contract import SNAPSHOT_PREFIX, group_of
 from fuyoud import __version__, failpoints
 from fuyoud.checkpoints.files import (CLIENT_STATE, FORMAT, MANIFEST, MAX_CLIENT_STATE, MAX_MANIFEST,
-                                     CheckpointDir, Location, Manifest, NewCheckpoint, object_file,
-                                     parse_manifest, refuse_existing, require_room, write_failure)
+                                     CheckpointDir, Location, Manifest, NewCheckpoint, object_file, parse_manifest,
+                                     refuse_existing, require_room, write_failure)
+from fuyoud.checkpoints.handed import HandedCheckpoint, HandedLocation
 from fuyoud.errors import DataLoss, FailedPrecondition, FuyouError, InvalidArgument, NotFound, PermissionDenied
 from fuyoud.memory.hugepages import huge_page_buffer
 from fuyoud.optimizer.group import Group
@@ -65,15 +66,6 @@ COPY_CHUNK = 8 << 20
 SNAPSHOTS = SNAPSHOT_PREFIX
 
 
-def _has_manifest(d: CheckpointDir) -> bool:
-    """Whether the directory has a manifest entry at all (what it is, ``read`` checks)."""
-    try:
-        os.stat(MANIFEST, dir_fd=d.fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return True
-
-
 @dataclass
 class CheckpointResult:
     directory: str
@@ -84,6 +76,7 @@ class CheckpointResult:
     seconds: float
     mode: str
     client_state: bytes = b""
+    manifest: bytes = b""  # (a checkpoint into the client's files: the client writes it)
 
 
 def privileged(uid: int | None) -> bool:
@@ -141,10 +134,14 @@ class Checkpointer:
     """Checkpoints of a namespace: taking them (``checkpoint``), restoring and deleting
     them, where a caller may (``location``). Works on the store, the optimizer's groups
     (their locks give the consistent point) and the sessions (a restore claims the
-    namespace); ``dirs`` are ``[daemon] checkpoint_dirs``."""
+    namespace); ``dirs`` are ``[daemon] checkpoint_dirs``; ``store_outlives``: False where the
+    store is deleted when the daemon stops, and "auto" then never gives a snapshot (it would
+    go with the store)."""
 
-    def __init__(self, store: "Store", optimizer: "Optimizer", sessions: "SessionRegistry", dirs: list[Path]):
+    def __init__(self, store: "Store", optimizer: "Optimizer", sessions: "SessionRegistry", dirs: list[Path],
+                 store_outlives: bool = True):
         self.store, self.optimizer, self.sessions, self.dirs = store, optimizer, sessions, list(dirs)
+        self.store_outlives = store_outlives
 
     def location(self, directory: str, uid: int | None) -> Location:
         """The checkpoint directory's location, if the caller may use it: other users only
@@ -152,6 +149,12 @@ class Checkpointer:
         permissions), checked on the real path of the opened parent directory."""
         roots = None if privileged(uid) else [r.resolve() for r in self.dirs]
         return Location(directory, roots)
+
+    @staticmethod
+    def handed_location(directory: str, handed, new: bool) -> HandedLocation:
+        """The checkpoint directory the client holds, reached only through the descriptors
+        it handed (``new``: a checkpoint to write; else one to restore or delete)."""
+        return HandedLocation(directory, handed, new)
 
     def _on_array(self, where: Location) -> bool:
         devices = {os.stat(d.directory).st_dev for d in self.store.devices}
@@ -179,7 +182,7 @@ class Checkpointer:
                     f"{timeout:g} s (steps seen: {sorted(steps)}); retry between iterations or with a longer timeout")
             time.sleep(0.01)
 
-    def checkpoint(self, namespace: str, uid: int, where: Location, timeout: float = 60.0,
+    def checkpoint(self, namespace: str, uid: int, where: Location | HandedLocation, timeout: float = 60.0,
                    mode: str = "auto", client_state: bytes = b"") -> CheckpointResult:
         """Checkpoint ``namespace`` (whose state belongs to ``uid``) into a new directory."""
         if mode not in ("auto", "snapshot", "copy"):
@@ -187,11 +190,11 @@ class Checkpointer:
         if len(client_state) > MAX_CLIENT_STATE:
             raise InvalidArgument(f"client_state of {len(client_state)} bytes exceeds {MAX_CLIENT_STATE}")
         if mode == "auto":
-            mode = "snapshot" if self._on_array(where) else "copy"
+            mode = "snapshot" if self.store_outlives and self._on_array(where) else "copy"
         refuse_existing(where)
         t0 = time.perf_counter()
         target = where.path
-        new: NewCheckpoint | None = None
+        new: NewCheckpoint | HandedCheckpoint | None = None
         store = self.store
         entries, links = [], []
         # Until DIR exists the checkpoint is marked pending in the index: a crash in between
@@ -201,8 +204,10 @@ class Checkpointer:
         pending = _pending_key(namespace, snap)
         store.index_db.set_meta(pending, str(target))
         try:
+            if isinstance(where, HandedLocation):
+                self._replace_stale_record(str(target), uid)
             if mode == "snapshot":
-                new = NewCheckpoint(where)
+                new = where.new_checkpoint()
 
                 def link():
                     names = [m.name for m in store.list(namespace)
@@ -223,7 +228,9 @@ class Checkpointer:
                 # room for is refused whole (one that fills up mid-way anyway: write_failure).
                 require_room(where, [(e.meta.name, e.meta.size) for e in entries], len(client_state))
                 failpoints.hit("checkpoint.room_checked")
-                new = NewCheckpoint(where)
+                new = where.new_checkpoint()
+                if isinstance(new, HandedCheckpoint):
+                    new.require_objects(len(entries))
                 objects, groups = self._copy_all(entries, new)
                 failpoints.hit("checkpoint.copied")
             manifest = {"format": FORMAT, "mode": mode, "fuyoud_version": __version__, "namespace": namespace,
@@ -250,7 +257,24 @@ class Checkpointer:
         seconds = time.perf_counter() - t0
         log.info("checkpoint of %s at step %d (%s): %d objects, %s in %.2f s to %s", namespace, step, mode,
                  len(objects), format_size(total), seconds, target)
-        return CheckpointResult(str(target), namespace, len(objects), total, step, seconds, mode)
+        return CheckpointResult(str(target), namespace, len(objects), total, step, seconds, mode, manifest=data)
+
+    def _replace_stale_record(self, target: str, uid: int) -> None:
+        """A checkpoint the client writes where the daemon recorded one of the same user's
+        before: the client found no directory there (it refuses an existing one), so the old
+        one was removed without DeleteCheckpoint; its snapshot's objects go with its record.
+        Another user's record there is never touched (the daemon cannot see the path)."""
+        old = self.store.index_db.checkpoint_record(target)
+        if old is None:
+            return
+        if old.uid != uid:
+            raise PermissionDenied(f"a checkpoint of uid {old.uid} is recorded at {target}; name another directory")
+        if old.mode == "snapshot" and old.snapshot:
+            self.store.delete(old.namespace, [m.name for m in self.store.list(old.namespace, old.snapshot)],
+                              missing_ok=True)
+        self.store.index_db.forget_checkpoint(target)
+        log.info("checkpoint %s was removed without DeleteCheckpoint; its record (and a snapshot's objects) went "
+                 "as a new one was written there", target)
 
     def _groups_from_headers(self, namespace: str, names: list[str]) -> list[dict]:
         from fuyoud.storage.store import ReadItem
@@ -263,7 +287,7 @@ class Checkpointer:
                     groups.append(_group_entry(name, bytes(buf[:HEADER])))
         return groups
 
-    def _copy_all(self, entries, new: NewCheckpoint) -> tuple[list[dict], list[dict]]:
+    def _copy_all(self, entries, new: NewCheckpoint | HandedCheckpoint) -> tuple[list[dict], list[dict]]:
         mapping, buf = huge_page_buffer(COPY_CHUNK)
         try:
             objects, groups = [], []
@@ -322,7 +346,7 @@ class Checkpointer:
                              record.snapshot if record.mode == "snapshot" else None)
         d = where.open(owner=None if trusted else uid, single_links=not trusted)
         try:
-            if not _has_manifest(d):  # (not a damaged checkpoint: none was ever here, as far as this fuyoud knows)
+            if not d.has_manifest():  # (not a damaged checkpoint: none was ever here, as far as this fuyoud knows)
                 raise NotFound(f"{where.path} holds no checkpoint: it has no {MANIFEST} and this fuyoud has no "
                                "record of one there")
             manifest = parse_manifest(d.read(MANIFEST, MAX_MANIFEST))

@@ -37,6 +37,7 @@ FORMAT = "fuyou-checkpoint/1"
 MANIFEST = "manifest.json"
 CLIENT_STATE = "client_state.bin"
 OBJECTS = "objects"
+FILE_LAYOUT = (MANIFEST, CLIENT_STATE)  # the files beside objects/
 OBJECT_FILE_RE = re.compile(r"^objects/([0-9]{6})\.bin$")
 MAX_MANIFEST = 64 << 20
 MAX_CLIENT_STATE = 16 << 20
@@ -51,7 +52,7 @@ def object_file(index: int) -> str:
     return f"{OBJECTS}/{index:06d}.bin"
 
 
-def _real(fd: int) -> Path:
+def real_path(fd: int) -> Path:
     return Path(os.readlink(f"/proc/self/fd/{fd}"))
 
 
@@ -77,7 +78,7 @@ class Location:
         except PermissionError:
             raise PermissionDenied(f"fuyoud may not open the parent of checkpoint directory {shown(directory)}") \
                 from None
-        self.parent = _real(self.parent_fd)
+        self.parent = real_path(self.parent_fd)
         self.path = self.parent / self.name
         if roots is not None and not any(self.path.is_relative_to(r) and self.path != r for r in roots):
             os.close(self.parent_fd)
@@ -103,6 +104,9 @@ class Location:
             return True
         except FileNotFoundError:
             return False
+
+    def new_checkpoint(self) -> "NewCheckpoint":
+        return NewCheckpoint(self)
 
     def open(self, owner: int | None = None, single_links: bool = False) -> "CheckpointDir":
         """The existing checkpoint directory (not a symlink), for reading."""
@@ -148,6 +152,14 @@ class CheckpointDir:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def has_manifest(self) -> bool:
+        """Whether the directory has a manifest entry at all (what it is, ``read`` checks)."""
+        try:
+            os.stat(MANIFEST, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
 
     def open_file(self, rel: str, size: int | None = None, limit: int | None = None,
                   missing_ok: bool = False) -> int | None:

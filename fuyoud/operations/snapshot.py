@@ -30,3 +30,4 @@ class Snapshot:
     write_bytes_per_second: float
     session_namespaces: dict[int, str] = field(default_factory=dict)  # live session id -> its namespace
     optimizer_buffers_held: dict[str, int] = field(default_factory=dict)  # namespace -> optimizer buffers it holds
+    store_outlives_daemon: bool = True  # False: --remove-when-stopped deletes the store

@@ -8,6 +8,8 @@ SOCK_SEQPACKET socket (message boundaries kept, fds passed with SCM_RIGHTS):
     daemon -> client   {"session": id, "token": str, "namespace": str, "version": str}
                     or {"error": {"code": "PERMISSION_DENIED", "message": str}}
     daemon -> client   {"segment": id, "size": n}  + the segment's memfd   (any time later)
+    client -> daemon   {"hand": key, "names": [...], "last": bool} + fds  (files for a request
+                       to come: a checkpoint's, which the client created; sessions/handed.py)
 
 The daemon reads uid/pid with SO_PEERCRED. EOF (or any error) on the connection ends
 the session: everything it held is reclaimed. A client that goes away at any point of
@@ -40,6 +42,7 @@ from fuyoud import __version__, failpoints
 from fuyoud.concurrency.threads import Threads
 from fuyoud.errors import FuyouError
 from fuyoud.sessions import peers
+from fuyoud.sessions.handed import MAX_FDS_PER_MESSAGE
 from fuyoud.sessions.registry import KILLED, Session, SessionRegistry
 
 log = logging.getLogger(__name__)
@@ -148,9 +151,15 @@ class SessionListener:
             session = self._handshake(conn)
             if session is None:
                 return
-            # The client never sends anything else: block until EOF (its death or close).
-            while conn.recv(MAX_MESSAGE):
-                pass
+            # After the hello the client sends only hand-overs: serve them until EOF (its
+            # death or close).
+            while True:
+                data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, MAX_FDS_PER_MESSAGE)
+                if not data:
+                    for fd in fds:
+                        os.close(fd)
+                    break
+                self._hand_over(session, data, fds)
         except OSError as exc:
             log.debug("session socket error: %s", exc)
         finally:
@@ -158,6 +167,22 @@ class SessionListener:
                 # (a session the client closed with CloseSession is closed already: nothing happens)
                 self.registry.close(session, "session socket closed", KILLED)
             self._drop(conn)
+
+    @staticmethod
+    def _hand_over(session: Session, data: bytes, fds: list[int]) -> None:
+        try:
+            message = json.loads(data)
+            if not isinstance(message, dict) or "hand" not in message:
+                raise ValueError("not a hand-over")
+        except ValueError:
+            for fd in fds:
+                os.close(fd)
+            log.warning("session %d sent a message that is not a hand-over on its session socket; ignored", session.id)
+            return
+        try:
+            session.handed.put(message, fds)
+        except FuyouError as exc:  # (its descriptors are closed; the request that names it is told why)
+            log.warning("session %d: hand-over refused: %s", session.id, exc)
 
     def _handshake(self, conn: socket.socket) -> Session | None:
         """Read the hello, open the session, reply. The session, once opened, is returned or

@@ -22,6 +22,7 @@ from typing import Callable
 
 from fuyoud.errors import (AlreadyExists, FailedPrecondition, NotFound, PermissionDenied, Unauthenticated,
                            Unavailable)
+from fuyoud.sessions.handed import HandedFiles
 from fuyoud.sessions.names import check_namespace, shown
 from fuyoud.sessions.unnamed import refuse_unnamed, unnamed_namespace
 
@@ -51,6 +52,8 @@ class Session:
     # Ends its session socket's connection (set by the session socket handler): a session
     # closed otherwise (reaped, CloseSession) leaves no thread waiting on it.
     disconnect: Callable[[], None] | None = None
+    # Files the client handed for a request to come (sessions/handed.py): a checkpoint's.
+    handed: HandedFiles = field(default_factory=HandedFiles)
 
 
 # Why a session ended: the label of fuyoud_sessions_closed_total (bounded).
@@ -146,6 +149,7 @@ class SessionRegistry:
             self._by_namespace.pop(session.namespace, None)
         log.info("session %d closed (%s)", session.id, reason)
         try:
+            session.handed.close()
             self._on_close(session, kind)
         finally:
             if session.disconnect is not None:

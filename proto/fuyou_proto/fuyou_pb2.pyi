@@ -310,7 +310,7 @@ class DeviceStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., path: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., available_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "io_engine", "io_engine_reason", "devices", "pinned_budget_bytes", "pinned_used_bytes", "sessions", "objects", "pid", "metrics_url", "session_socket", "bytes_read", "bytes_written", "draining", "read_bytes_per_second", "write_bytes_per_second", "uptime_seconds", "session_list", "session_budget_bytes", "segment_bytes", "optimizer_buffer_budget_bytes", "optimizer_buffers", "pinned_reserved_bytes")
+    __slots__ = ("version", "io_engine", "io_engine_reason", "devices", "pinned_budget_bytes", "pinned_used_bytes", "sessions", "objects", "pid", "metrics_url", "session_socket", "bytes_read", "bytes_written", "draining", "read_bytes_per_second", "write_bytes_per_second", "uptime_seconds", "session_list", "session_budget_bytes", "segment_bytes", "optimizer_buffer_budget_bytes", "optimizer_buffers", "pinned_reserved_bytes", "store_outlives_daemon")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     IO_ENGINE_FIELD_NUMBER: _ClassVar[int]
     IO_ENGINE_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +334,7 @@ class StatusReply(_message.Message):
     OPTIMIZER_BUFFER_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     PINNED_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_OUTLIVES_DAEMON_FIELD_NUMBER: _ClassVar[int]
     version: str
     io_engine: str
     io_engine_reason: str
@@ -357,7 +358,8 @@ class StatusReply(_message.Message):
     optimizer_buffer_budget_bytes: int
     optimizer_buffers: int
     pinned_reserved_bytes: int
-    def __init__(self, version: _Optional[str] = ..., io_engine: _Optional[str] = ..., io_engine_reason: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., pinned_budget_bytes: _Optional[int] = ..., pinned_used_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., objects: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_url: _Optional[str] = ..., session_socket: _Optional[str] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., draining: _Optional[bool] = ..., read_bytes_per_second: _Optional[float] = ..., write_bytes_per_second: _Optional[float] = ..., uptime_seconds: _Optional[int] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., session_budget_bytes: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., optimizer_buffer_budget_bytes: _Optional[int] = ..., optimizer_buffers: _Optional[int] = ..., pinned_reserved_bytes: _Optional[int] = ...) -> None: ...
+    store_outlives_daemon: bool
+    def __init__(self, version: _Optional[str] = ..., io_engine: _Optional[str] = ..., io_engine_reason: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., pinned_budget_bytes: _Optional[int] = ..., pinned_used_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., objects: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_url: _Optional[str] = ..., session_socket: _Optional[str] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., draining: _Optional[bool] = ..., read_bytes_per_second: _Optional[float] = ..., write_bytes_per_second: _Optional[float] = ..., uptime_seconds: _Optional[int] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., session_budget_bytes: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., optimizer_buffer_budget_bytes: _Optional[int] = ..., optimizer_buffers: _Optional[int] = ..., pinned_reserved_bytes: _Optional[int] = ..., store_outlives_daemon: _Optional[bool] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
     __slots__ = ("iterations", "iteration_seconds", "exposed_optimizer_seconds", "activation_bytes_to_host", "activation_bytes_to_ssd")
@@ -468,24 +470,28 @@ class DrainReply(_message.Message):
     def __init__(self, draining: _Optional[bool] = ..., sessions: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("session_id", "directory", "timeout_seconds", "mode", "client_state")
+    __slots__ = ("session_id", "directory", "timeout_seconds", "mode", "client_state", "handed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     CLIENT_STATE_FIELD_NUMBER: _ClassVar[int]
+    HANDED_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     directory: str
     timeout_seconds: float
     mode: str
     client_state: bytes
-    def __init__(self, session_id: _Optional[int] = ..., directory: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., client_state: _Optional[bytes] = ...) -> None: ...
+    handed: str
+    def __init__(self, session_id: _Optional[int] = ..., directory: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., client_state: _Optional[bytes] = ..., handed: _Optional[str] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("directory",)
+    __slots__ = ("directory", "handed")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    HANDED_FIELD_NUMBER: _ClassVar[int]
     directory: str
-    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+    handed: str
+    def __init__(self, directory: _Optional[str] = ..., handed: _Optional[str] = ...) -> None: ...
 
 class RestoreReply(_message.Message):
     __slots__ = ("namespace", "step", "objects", "bytes", "mode", "client_state", "seconds")
@@ -506,13 +512,15 @@ class RestoreReply(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., step: _Optional[int] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ..., mode: _Optional[str] = ..., client_state: _Optional[bytes] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class DeleteCheckpointRequest(_message.Message):
-    __slots__ = ("directory",)
+    __slots__ = ("directory", "handed")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    HANDED_FIELD_NUMBER: _ClassVar[int]
     directory: str
-    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+    handed: str
+    def __init__(self, directory: _Optional[str] = ..., handed: _Optional[str] = ...) -> None: ...
 
 class CheckpointReply(_message.Message):
-    __slots__ = ("directory", "namespace", "objects", "bytes", "step", "seconds", "mode")
+    __slots__ = ("directory", "namespace", "objects", "bytes", "step", "seconds", "mode", "manifest")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
@@ -520,6 +528,7 @@ class CheckpointReply(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
     directory: str
     namespace: str
     objects: int
@@ -527,4 +536,5 @@ class CheckpointReply(_message.Message):
     step: int
     seconds: float
     mode: str
-    def __init__(self, directory: _Optional[str] = ..., namespace: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ..., mode: _Optional[str] = ...) -> None: ...
+    manifest: bytes
+    def __init__(self, directory: _Optional[str] = ..., namespace: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ..., mode: _Optional[str] = ..., manifest: _Optional[bytes] = ...) -> None: ...

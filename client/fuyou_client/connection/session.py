@@ -23,6 +23,7 @@ from typing import Sequence
 import grpc
 
 from fuyou_client import errors
+from fuyou_client.connection import checkpoint_files
 from fuyou_client.connection.buffers import Segment, SharedBuffer
 from fuyou_client.connection.reach import denied, reachable
 from fuyou_client.optim import DTYPE_NAMES, AdamW, GroupInfo, SGD, StepInfo
@@ -30,6 +31,9 @@ from fuyou_proto import SESSION_METADATA_KEY, pb, rpc
 from fuyou_proto import dtype_value
 
 MAX_MESSAGE = 64 * 1024
+MAX_FDS_PER_MESSAGE = 250  # descriptors in one hand-over message (the kernel's SCM_MAX_FD is 253)
+# A checkpoint's manifest comes back in its reply: room for one of many objects.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 128 << 20)]
 
 
 def default_socket() -> str:
@@ -160,7 +164,7 @@ class Session:
     def __init__(self, socket_path: str | None = None, namespace: str | None = None, timeout: float = 10.0):
         self.socket_path = socket_path or default_socket()
         reachable(self.socket_path, timeout)
-        self._channel = grpc.insecure_channel(f"unix:{self.socket_path}")
+        self._channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=CHANNEL_OPTIONS)
         self._stub = rpc.FuyouStub(self._channel)
         self._admin_stub = rpc.FuyouAdminStub(self._channel)
         try:
@@ -197,6 +201,7 @@ class Session:
         self._metadata = ((SESSION_METADATA_KEY, reply["token"]),)
         self._segments: dict[int, Segment] = {}
         self._seg_lock = threading.Lock()
+        self._send_lock = threading.Lock()
         self._device = None  # a compute device every mapped segment is registered with
         self.closed = False
 
@@ -397,24 +402,41 @@ class Session:
 
     def checkpoint(self, directory: str | os.PathLike, timeout: float = 60.0, mode: str = "auto",
                    client_state: bytes = b"") -> pb.CheckpointReply:
-        """Have the daemon checkpoint this session's persistent objects (optimizer state
-        included) into ``directory``, an absolute path on the daemon's host that must not
-        exist yet, at a point between optimizer steps. ``mode``: "snapshot" (shares the
-        objects' extents on the array: no copy), "copy" (files in the directory), "auto"
-        (snapshot when the directory is on the array's filesystem). See proto/fuyou.proto."""
-        req = pb.CheckpointRequest(directory=os.fspath(directory), timeout_seconds=timeout, mode=mode,
-                                   client_state=client_state)
-        return _call(self._stub.Checkpoint, req, self._metadata, timeout=timeout + 3600)
+        """Checkpoint this session's persistent objects (optimizer state included) into
+        ``directory``, a new directory this process may create (connection/checkpoint_files.py: the
+        client creates its files and hands them to the daemon, which writes only through
+        them), at a point between optimizer steps. ``mode``: "snapshot" (the objects stay on
+        the array, sharing extents: no copy), "copy" (files in the directory), "auto"
+        (snapshot when the directory is on the array's filesystem and the daemon's store
+        outlives it). See proto/fuyou.proto."""
+        return checkpoint_files.write(self, directory, timeout, mode, client_state)
 
     def restore(self, directory: str | os.PathLike) -> pb.RestoreReply:
         """Bring a checkpoint's objects into this session's namespace (all or nothing)."""
-        return _call(self._stub.Restore, pb.RestoreRequest(directory=os.fspath(directory)), self._metadata,
-                     timeout=3600)
+        return checkpoint_files.restore(self, directory)
 
     def delete_checkpoint(self, directory: str | os.PathLike) -> None:
         """Remove a checkpoint: its directory and, for a snapshot, the extents it holds."""
-        _call(self._stub.DeleteCheckpoint, pb.DeleteCheckpointRequest(directory=os.fspath(directory)),
-              self._metadata, timeout=600)
+        checkpoint_files.delete(self, directory)
+
+    def hand(self, key: str, names: Sequence[str], fds: Sequence[int]) -> None:
+        """Hand the daemon descriptors (``fds``, one per name; the caller keeps and closes its
+        own) for the request that will name ``key`` (fuyoud/sessions/handed.py)."""
+        if len(names) != len(fds):
+            raise ValueError("one name per descriptor")
+        per = MAX_FDS_PER_MESSAGE
+        with self._send_lock:
+            for start in range(0, max(len(fds), 1), per):
+                message = {"hand": key, "names": list(names[start:start + per]), "last": start + per >= len(fds)}
+                try:
+                    socket.send_fds(self._sock, [json.dumps(message).encode()], list(fds[start:start + per]))
+                except OSError as exc:
+                    raise errors.DaemonUnavailable(f"cannot hand files to fuyoud on the session socket: {exc}") \
+                        from None
+
+    def call(self, method: str, request, timeout: float | None = None):
+        """A unary call of service Fuyou as this session (errors as fuyou_client.errors)."""
+        return _call(getattr(self._stub, method), request, self._metadata, timeout=timeout)
 
     def report_async(self, iterations: int, iteration_seconds: float, exposed_optimizer_seconds: float,
                      activation_bytes_to_host: int = 0, activation_bytes_to_ssd: int = 0) -> Future:

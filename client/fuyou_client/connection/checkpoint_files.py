@@ -1,0 +1,192 @@
+"""The client's side of a checkpoint directory: it is the user's.
+
+The client creates, opens and removes the directory and its files with the user's own
+rights, and hands fuyoud their descriptors over the session socket (fuyoud/sessions/
+handed.py); the daemon writes and reads only through them (fuyoud/checkpoints/handed.py).
+So a checkpoint goes wherever the user can write (a Trainer's ``output_dir`` in a home
+directory, under the host's daemon running as its own user), every file in it is the
+user's, and the daemon can do nothing there that the user could not.
+
+Writing: ``DIR.partial-<pid>-<hex>/`` with ``objects/NNNNNN.bin`` (one new file per
+persistent object, for a copy), handed; the daemon copies the objects into them at a
+point between steps and returns the manifest; the client writes ``manifest.json`` and
+``client_state.bin``, syncs, and renames the directory to ``DIR`` (complete or absent).
+A snapshot's objects stay on the daemon's array, so its directory holds the manifest
+alone (the object files handed in "auto" mode are removed again, still empty).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+from fuyou_client import errors
+from fuyou_proto import pb
+from fuyou_proto.contract import SNAPSHOT_PREFIX
+
+MANIFEST = "manifest.json"
+CLIENT_STATE = "client_state.bin"
+OBJECTS = "objects"
+OBJECT_FILE = re.compile(r"^[0-9]{6}\.bin$")
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def _absolute(directory) -> Path:
+    return Path(os.path.abspath(os.fspath(directory)))
+
+
+def _write_file(dir_fd: int, name: str, data: bytes) -> None:
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=dir_fd)
+    try:
+        view, done = memoryview(data), 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, _DIR_FLAGS)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _objects_to_copy(session) -> int:
+    """How many files a copy needs: the namespace's persistent objects, but its snapshots'."""
+    return sum(1 for o in session.objects() if o.persistent and not o.name.startswith(SNAPSHOT_PREFIX))
+
+
+def _open_to_read(name: str, dir_fd: int, path: Path) -> int:
+    try:
+        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except PermissionError:
+        raise errors.PermissionDenied(f"this process may not read {name} of checkpoint {path}") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise errors.InvalidArgument(f"checkpoint {path}: {name} is a symlink; refused") from None
+        raise
+
+
+def _key() -> str:
+    return f"ckpt-{secrets.token_hex(8)}"
+
+
+def write(session, directory, timeout: float, mode: str, client_state: bytes) -> pb.CheckpointReply:
+    """Checkpoint the session's namespace into the new directory ``directory`` (see the
+    module's docstring); the reply names the mode the daemon chose."""
+    target = _absolute(directory)
+    if target.exists() or target.is_symlink():
+        raise errors.FailedPrecondition(f"checkpoint directory {target} already exists; name a new one")
+    if not target.parent.is_dir():
+        raise errors.FailedPrecondition(f"the parent of checkpoint directory {target} does not exist")
+    partial = target.parent / f"{target.name}.partial-{os.getpid()}-{secrets.token_hex(3)}"
+    try:
+        os.mkdir(partial, DIR_MODE)
+    except PermissionError:
+        raise errors.PermissionDenied(f"cannot create checkpoint directory {target}: this process may not write "
+                                      f"in {target.parent}") from None
+    try:
+        os.chmod(partial, DIR_MODE)  # (mkdir's mode went through the umask)
+        os.mkdir(partial / OBJECTS, DIR_MODE)
+        count = 0 if mode == "snapshot" else _objects_to_copy(session)
+        names, fds = ["dir"], [os.open(partial, _DIR_FLAGS)]
+        try:
+            objects_fd = os.open(partial / OBJECTS, _DIR_FLAGS)
+            try:
+                for i in range(count):
+                    name = f"{i:06d}.bin"
+                    fds.append(os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                       FILE_MODE, dir_fd=objects_fd))
+                    names.append(f"{OBJECTS}/{name}")
+            finally:
+                os.close(objects_fd)
+            key = _key()
+            session.hand(key, names, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        reply = session.call("Checkpoint", pb.CheckpointRequest(
+            directory=str(target), timeout_seconds=timeout, mode=mode, client_state=client_state, handed=key),
+            timeout=timeout + 3600)
+        if reply.mode == "snapshot":  # (its objects stayed on the array: the files handed for a copy are empty)
+            for name in os.listdir(partial / OBJECTS):
+                os.unlink(partial / OBJECTS / name)
+        dir_fd = os.open(partial, _DIR_FLAGS)
+        try:
+            _write_file(dir_fd, CLIENT_STATE, client_state)
+            _write_file(dir_fd, MANIFEST, reply.manifest)
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        _fsync_dir(partial / OBJECTS)
+        os.rename(partial, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return reply
+
+
+@contextlib.contextmanager
+def _handed_existing(session, directory, objects: bool):
+    """Hand the existing checkpoint ``directory``'s files (``objects``: its object files
+    too); yields (its absolute path, the key)."""
+    path = _absolute(directory)
+    try:
+        dir_fd = os.open(path, _DIR_FLAGS)
+    except FileNotFoundError:
+        raise errors.ObjectNotFound(f"no checkpoint at {path}") from None
+    except NotADirectoryError:
+        raise errors.InvalidArgument(f"checkpoint {path} is not a directory") from None
+    except PermissionError:
+        raise errors.PermissionDenied(f"this process may not open checkpoint {path}") from None
+    names, fds = ["dir"], [dir_fd]
+    try:
+        for name in (MANIFEST, CLIENT_STATE):
+            try:
+                fds.append(_open_to_read(name, dir_fd, path))
+                names.append(name)
+            except FileNotFoundError:
+                pass
+        if objects:
+            try:
+                listed = sorted(n for n in os.listdir(path / OBJECTS) if OBJECT_FILE.match(n))
+            except (FileNotFoundError, NotADirectoryError):
+                listed = []
+            if listed:
+                objects_fd = os.open(path / OBJECTS, _DIR_FLAGS)
+                try:
+                    for name in listed:
+                        fds.append(_open_to_read(name, objects_fd, path / OBJECTS))
+                        names.append(f"{OBJECTS}/{name}")
+                finally:
+                    os.close(objects_fd)
+        key = _key()
+        session.hand(key, names, fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    yield path, key
+
+
+def restore(session, directory) -> pb.RestoreReply:
+    """Bring the checkpoint in ``directory`` into the session's namespace (all or nothing)."""
+    with _handed_existing(session, directory, objects=True) as (path, key):
+        return session.call("Restore", pb.RestoreRequest(directory=str(path), handed=key), timeout=3600)
+
+
+def delete(session, directory) -> None:
+    """Remove the checkpoint in ``directory``: the daemon forgets it (a snapshot's extents
+    go back to the array), then the client removes the directory."""
+    with _handed_existing(session, directory, objects=False) as (path, key):
+        session.call("DeleteCheckpoint", pb.DeleteCheckpointRequest(directory=str(path), handed=key), timeout=600)
+    shutil.rmtree(path)
