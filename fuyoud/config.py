@@ -70,9 +70,10 @@ class DaemonSection:
       "journald" (a syslog priority prefix, no timestamp), or "auto": the journald
       format when stderr is the journal (under systemd), else logfmt.
       ``checkpoint_dirs``: where clients of other uids may have the daemon write and read
-      checkpoints (it acts with its own permissions there); empty:
+      checkpoints by path (it acts with its own permissions there); empty:
       ``<state_dir>/checkpoints``. Clients of the daemon's own uid, root and operators
-      may name any directory.
+      may name any directory. fuyou_client never asks by path: it creates a checkpoint's
+      files itself, wherever its user can write, and hands the daemon their descriptors.
       ``allow_uids``: who may open a session beyond the daemon's own uid, root and the
       members of ``allow_group``: these uids. Everyone else is refused even if the socket
       mode lets them in.
