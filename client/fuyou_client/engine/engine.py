@@ -35,10 +35,9 @@ from torch import nn
 from fuyou_client.blockmajor import StepTimes, Store, check_micro_batches, run as run_block_major, swapped_blocks
 from fuyou_client.blockmajor.swapped import Swapped
 from fuyou_client.checkpoints import Trained, restore_groups
-from fuyou_client.checkpoints.durability import checkpoint_mode
+from fuyou_client.engine import closing
 from fuyou_client.engine.hooks import hf_checkpointing
 from fuyou_client.engine.torch_optimizer import TorchOptimizer
-from fuyou_client.groups import land_new_weights
 from fuyou_client.errors import DeviceOutOfMemory, ResourceExhausted
 from fuyou_client.optim import StepInfo
 from fuyou_proto.units import format_size
@@ -333,12 +332,13 @@ class Engine:
         moments, step counts) and this engine's learning rate, plus ``extra`` (plain data:
         scheduler.state_dict(), the data loader's position...), given back after
         ``attach(model, resume=directory)`` as ``engine.checkpoint_extra``. ``directory``
-        is a new path on the daemon's host; on the SSD array's filesystem the checkpoint is
-        a snapshot (no bytes copied), elsewhere a copy (``mode`` forces either). A daemon
-        that deletes its store when it stops (``start_daemon()`` without a ``state_dir``)
-        gets a copy in mode "auto": a snapshot would go with it (checkpoints/durability.py)."""
+        is a new path this process can create on the daemon's host, its files this user's
+        (the client creates them and the daemon writes through their descriptors); on the
+        SSD array's filesystem the checkpoint is a snapshot (no bytes copied), elsewhere a
+        copy (``mode`` forces either). A daemon that deletes its store when it stops
+        (``start_daemon()`` without a ``state_dir``) gives a copy in mode "auto": a snapshot
+        would go with it."""
         self.require_idle("save_checkpoint")
-        mode = checkpoint_mode(self.session, mode)
         return self.parallel.save_checkpoint(self.session, self.groups, self.optimizer.param_groups, extra, directory,
                                              mode, timeout)  # (data parallel: every rank calls it)
 
@@ -396,8 +396,31 @@ class Engine:
 
     def close(self, materialize: bool = True) -> None:
         """Detach from the daemon. With ``materialize`` the parameters become ordinary
-        tensors holding the trained weights (e.g. for save_pretrained) — the whole model
-        in memory; without, offloaded parameters stay empty."""
+        tensors holding the trained weights (e.g. for save_pretrained) — the whole model in
+        memory; without, offloaded parameters stay empty.
+
+        Either way no parameter is left a view of the shared memory that goes with the
+        session (it would read zeros after close):
+
+        * a resident group's parameters (the "rest" group; every group with
+          ``offload=False``) hold their trained weights, copied out of shared memory,
+          whatever ``materialize`` says;
+        * an offloaded group's parameters (its frozen ones too) hold their trained weights,
+          read from the SSD array, with ``materialize``; without, they are empty
+          placeholders (``numel() == 0``);
+        * parameters attach left alone (frozen ones outside offloaded blocks) keep theirs.
+
+        A step still in flight (close between ``backward()`` and ``engine.step()``) lands
+        first when it can. When a group's weights in this process may not be its trained
+        ones, they are not kept: its parameters become empty placeholders and close raises
+        RuntimeError naming the groups, after everything else is detached (the daemon's
+        committed state, and a checkpoint, have the trained weights). That is a step in
+        flight whose outcome is unknown (the daemon died or the connection broke under it,
+        or the step failed in this process), a step in flight whose new weights come back
+        through a collective close does not run (data parallelism, an optimizer host), or
+        an offloaded group whose weights could not be read back for ``materialize``. A step
+        the daemon refused or failed itself (``NonFinite``, an I/O error) leaves the
+        weights as its committed state has them: those are kept."""
         self.hooks.remove()
         self._values.remove()
         self.activation_policy.close()  # (the recomputed forwards unpatched)
@@ -405,16 +428,20 @@ class Engine:
             self._train_step_store.close()
         if self._train_step_swapper is not None:
             self._train_step_swapper.close()
+        lost: dict = {}
         try:
-            for g in self.groups:  # steps in flight still write into shared buffers: let them land
-                if g.future is not None and g.future.exception() is None and not g.strategy.lands_weights:
-                    land_new_weights(self.device, g)  # (GPU: into the parameters)
-            for strategy in self.coordinator.strategies:
-                strategy.reclaim()
-            if self.offloader is not None:
-                self.offloader.take_back_all()
-                self.offloader.release_all()
-            self._materialize(materialize)
+            try:
+                lost.update(closing.settle_in_flight(self.groups, self.coordinator.strategies, self.device,
+                                                     self.parallel.data_parallel))
+            finally:
+                try:
+                    if self.offloader is not None:  # (whatever failed: no slot stays, each group read again or emptied)
+                        try:
+                            self.offloader.take_back_all()
+                        finally:
+                            self.offloader.release_all()
+                finally:  # (no parameter is left a view of the session's memory)
+                    lost.update(closing.detach_parameters(self.groups, self.offloader, materialize, lost))
         finally:
             self.parallel.close()  # (after the last fetches: with offload they gather from the ranks)
             self.device.synchronize()
@@ -425,20 +452,8 @@ class Engine:
                     self.session.reserve(0)
             self.session.use_device(None)
             self.device.close()
-
-    def _materialize(self, materialize: bool) -> None:
-        """The parameters out of shared memory (which goes with the session): the trained
-        weights with ``materialize``, else offloaded ones empty."""
-        with torch.no_grad():
-            for g in self.groups:
-                if g.offloaded is not None and materialize:
-                    self.offloader.ensure(g.offloaded)
-                for p in (g.offloaded.params if g.offloaded is not None else [p for _, p in g.spec.params]):
-                    p.grad = None
-                    if materialize and p.data.numel():
-                        p.data = p.data.clone()
-                if g.offloaded is not None:
-                    self.offloader.release(g.offloaded, keep_params=materialize)
+        if lost:
+            raise closing.lost_weights(lost)
 
     def __enter__(self) -> "Engine":
         return self

@@ -289,13 +289,20 @@ class Offloader:
         g.slot, g.ready = None, DONE
 
     def release_all(self) -> None:
+        """Every group's slot given back, its parameters empty placeholders, and every
+        prefetch waited for (its slot is written no more). A prefetch that failed is
+        raised once all of them are released (none is left resident or in flight)."""
+        error = None
         for g in self.groups:
             if g.fetch is not None:  # let a prefetch land before its slot is reused
-                g.fetch.result()
+                exc = g.fetch.exception()
+                error = error or exc
                 self._slots.free.append(g.fetch_slot)
                 g.fetch = g.fetch_slot = None
             self.release(g, cache=False)
         self.forget_all()
+        if error is not None:
+            raise error
 
     # -- hooks ----------------------------------------------------------------------------
     def _touch(self, g: OffloadedGroup) -> None:
