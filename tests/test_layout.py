@@ -48,7 +48,10 @@ FOREIGN_PRIVATE = {"_modules", "_parameters", "_buffers", "_non_persistent_buffe
                    "_cdata", "_getframe", "_foreach_norm", "_make_wrapper_subclass", "_initialize_weights",
                    "_init_weights", "_reset_parameters", "_get_default_group", "_get_backend", "_timeout",
                    "_save_checkpoint", "_save", "_move_model_to_device", "_base",  # (a view's base: swapper.py)
-                   "_C"}  # (torch._C: _cuda_clearCublasWorkspaces, devices.py)
+                   "_C",  # (torch._C: _cuda_clearCublasWorkspaces, devices.py)
+                   # PEFT's (integrations/peft.py runs PEFT's own merge on each layer: its refusals
+                   # checked first, a DoRA layer's weight-norm cache put back as it was after)
+                   "_check_merge_allowed", "_caches"}
 LONG_FUNCTION = 80
 LONG_FILE = 500
 # Long files another change is splitting (issue 41: the block-major schedule).

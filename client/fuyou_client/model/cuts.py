@@ -21,8 +21,10 @@ and cuts each along its modules:
   learned position embeddings in one: used together, their gradients final together; with
   the head when tied: used at both ends of the model) and an untied head.
 
-Frozen parameters go with their atom (a LoRA layer's frozen base weight is a sub-block of
-frozen parameters only: fetched, never stepped). Sub-blocks are ordered as their first
+Frozen parameters go with their atom. A PEFT tuner layer is one atom, its frozen base
+weight and its adapters together (DoRA and an embedding's LoRA read the base weight
+outside the base layer's own forward): one sub-block, its base weight fetched, never
+stepped, its adapters stepped. Sub-blocks are ordered as their first
 module is registered, which for the transformer blocks here (GPT-2, Llama, and the other
 families the tests train) is the order forward uses them in. The groups stay in ``split``'s
 order (blocks, then the rest: the order a meta model is made real in); the rest's
@@ -50,6 +52,14 @@ class _Atom:
         return sum(p.numel() * p.element_size() for _, p in (*self.params, *self.frozen))
 
 
+def _whole(module: nn.Module) -> bool:
+    """A module never cut below itself: a PEFT tuner layer (LoRA, DoRA, LoHa, LoKr...),
+    whose forward reads its base layer's weight outside the base layer's own forward
+    (DoRA's weight norm, an embedding's LoRA), so the base layer and its adapters are one
+    atom, fetched around the tuner layer's forward."""
+    return any(c.__name__ == "BaseTunerLayer" for c in type(module).__mro__)
+
+
 def _atoms(root: nn.Module, spec: GroupSpec, skip: set[int]) -> list[_Atom]:
     """The group's parameters by the modules under ``root`` that own them (modules sharing
     a parameter joined), in module registration order; ``skip``: modules not searched
@@ -59,14 +69,16 @@ def _atoms(root: nn.Module, spec: GroupSpec, skip: set[int]) -> list[_Atom]:
     atoms: list[_Atom] = []
     stack = [root]
     order: list[nn.Module] = []
-    while stack:  # (modules in registration order, depth first, not below a skipped one)
+    while stack:  # (modules in registration order, depth first, not below a skipped one or a whole one)
         m = stack.pop()
         if id(m) in skip:
             continue
         order.append(m)
-        stack.extend(reversed(list(m.children())))
+        if not _whole(m):
+            stack.extend(reversed(list(m.children())))
     for m in order:
-        owned = [p for p in m._parameters.values() if p is not None and id(p) in mine]
+        own = m.parameters() if _whole(m) else m._parameters.values()
+        owned = [p for p in own if p is not None and id(p) in mine]
         if not owned:
             continue
         joined = []
