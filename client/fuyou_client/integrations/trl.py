@@ -26,12 +26,28 @@ so preference tuning of a model larger than host memory works. Where it comes fr
 * a PEFT policy, or ``precompute_ref_log_probs=True``: none (TRL disables the adapter, or
   computes the reference's log-probabilities before training).
 
+A policy loaded from a Hub id (``config._name_or_path`` "org/name") has its reference
+streamed from that model's snapshot in the local Hugging Face cache (where
+``from_pretrained`` put the policy's files; nothing is downloaded); one not there, or
+without safetensors weights, is refused naming ``ref_model=``. ``trust_remote_code`` is
+the TRL config's, or True where the policy itself is a remote-code model (its class came
+from the checkpoint's code, which loading it trusted).
+
 ``stream_reference=False`` leaves the reference to TRL, in memory. ``sync_ref_model=True``
 is refused: the streamed reference's weights are written once and never again.
+
+Every refusal of FuyouTrainer (integrations/transformers.py: ``optim``, ``fp16``,
+DeepSpeed, FSDP, several processes, checkpointing with another treatment, CUDA-graph
+compile modes, ``state_dtype``) is made at construction before TRL's set-up: before a
+model is loaded, a data set tokenized or a reference model written to the SSD array.
+So is ``use_vllm=True`` (GRPO) with offloaded blocks: TRL sends vLLM the policy's
+weights from ``named_parameters()``, which hold empty placeholders for offloaded blocks
+between uses; it works with ``fuyou={"offload": False}`` (every block resident).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from pathlib import Path
 
@@ -43,11 +59,42 @@ from trl.trainer import grpo_trainer as grpo_module
 
 from fuyou_client.engine.attach import attach_frozen
 from fuyou_client.engine.options import AttachOptions
-from fuyou_client.integrations.transformers import FuyouTrainer
+from fuyou_client.integrations.transformers import (DECIDED, FuyouTrainer, check_arguments, check_compile,
+                                                    map_checkpointing)
+from fuyou_client.optim import AdamW
 
 
 def _options(fuyou) -> AttachOptions:
     return fuyou if isinstance(fuyou, AttachOptions) else AttachOptions(**(fuyou or {}))
+
+
+def check_before_work(model, args, fuyou, state_dtype: str = "fp32") -> AttachOptions:
+    """FuyouTrainer's refusals (integrations/transformers.py), made before TRL's ``__init__``
+    does any work (loads a model, tokenizes a data set, writes a reference model to the SSD
+    array), and those of TRL's options that cannot work with Fuyou. FuyouTrainer makes its
+    own again after TRL's set-up (and on a config TRL builds itself, ``args=None``)."""
+    options = _options(fuyou)
+    if args is not None:
+        check_arguments(args)
+        taken = [f"{k} ({why})" for k, why in DECIDED.items()
+                 if getattr(options, k) != getattr(AttachOptions, k, None)]
+        if taken:
+            raise ValueError(f"FuyouTrainer(fuyou=...) sets {taken[0]}, which the Trainer decides")
+        check_compile(args, map_checkpointing(copy.copy(args), options))  # (a copy: the mapping turns the flags off)
+        if getattr(args, "use_vllm", False) and options.offload is not False:
+            raise ValueError(
+                "use_vllm=True: TRL sends vLLM the policy's weights from model.named_parameters() between steps, "
+                "but an offloaded block's parameters are empty placeholders between uses (its weights are on the SSD "
+                "array), so vLLM would get none. Set use_vllm=False (TRL generates with the model itself: each "
+                "generated token runs every block, fetching each offloaded block's weights again), or "
+                "fuyou={'offload': False} (every block resident: named_parameters() hold the trained weights after "
+                "each step; the whole model then stays in device memory, beside vLLM's copy)")
+    AdamW(state_dtype=state_dtype)  # (refused now if unknown)
+    if (not isinstance(model, (str, os.PathLike)) and options.weights is None
+            and any(p.is_meta for p in model.parameters())):
+        raise ValueError("the model is on the meta device: pass fuyou={'weights': DIR} (its from_pretrained "
+                         "directory) to have attach stream its weights in one layer group at a time")
+    return options
 
 
 def _dtype(value, config) -> torch.dtype:
@@ -62,27 +109,61 @@ def _dtype(value, config) -> torch.dtype:
     return torch.float32
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def from_pretrained_directory(name, revision=None, cache_dir=None) -> Path:
+    """The local directory a reference model is streamed from: ``name`` itself, or a Hub id's
+    snapshot in the local Hugging Face cache (``HF_HUB_CACHE``, or ``cache_dir``), where
+    ``from_pretrained`` put the policy's files; nothing is downloaded. It must hold
+    safetensors weights (what the stream reads). Anything else is refused, naming what to pass."""
+    name = os.fspath(name) if name is not None else ""
+    if name and Path(name).is_dir():
+        directory = Path(name)
+    else:
+        found = None
+        if name:
+            from huggingface_hub import constants, try_to_load_from_cache
+            try:
+                found = try_to_load_from_cache(name, "config.json", cache_dir=cache_dir, revision=revision)
+            except ValueError:  # (not a Hub id either: HFValidationError)
+                found = None
+        if not isinstance(found, str):
+            where = f" ({cache_dir or constants.HF_HUB_CACHE})" if name else ""
+            raise ValueError(
+                "the reference model is streamed from the SSD array, built from the policy's from_pretrained files "
+                f"(nothing is downloaded for it), but {name[:80]!r}, neither a directory nor a model in the local "
+                f"Hugging Face cache{where}, is none here: pass ref_model= (a model, or the path of its directory), "
+                f"e.g. ref_model=huggingface_hub.snapshot_download({name[:80]!r}) (which downloads it), load the policy "
+                "from a local directory, or pass stream_reference=False to leave the reference to TRL, in memory")
+        directory = Path(found).parent
+    if not any((directory / f).is_file() for f in WEIGHT_FILES):
+        raise ValueError(
+            f"the reference model is streamed from the safetensors weights of {str(directory)[:120]!r}, but it holds "
+            f"neither {WEIGHT_FILES[0]} nor {WEIGHT_FILES[1]}: pass ref_model= (a model, or a directory that "
+            "save_pretrained wrote), or stream_reference=False to leave the reference to TRL, in memory")
+    return directory
+
+
 def stream_reference(ref_model, options: AttachOptions, weights=None, **init):
     """The reference model attached frozen (see the module's docstring): (model, engine).
-    ``ref_model``: a model (one on the meta device takes ``weights``) or the path of a
-    ``from_pretrained`` directory, built on the meta device with ``init`` (dtype,
-    attn_implementation) and streamed from it."""
+    ``ref_model``: a model (one on the meta device takes ``weights``), or the path of a
+    ``from_pretrained`` directory or a Hub id in the local Hugging Face cache
+    (``from_pretrained_directory``), built on the meta device with ``init`` (``dtype``,
+    ``attn_implementation``, ``trust_remote_code``; ``revision`` and ``cache_dir`` find a
+    Hub id's snapshot) and streamed from it."""
     if isinstance(ref_model, (str, os.PathLike)):
-        path = ref_model
-        if not Path(path).is_dir():
-            raise ValueError(
-                "the reference model is streamed from the SSD array, built from its from_pretrained directory, but "
-                f"{str(path)[:80]!r} is none here: pass ref_model= (a model, or the path of its directory), or "
-                "stream_reference=False to leave it to TRL, in memory")
         if init.get("quantization_config") is not None:
             raise ValueError("a quantized reference model is not streamed: stream_reference=False")
-        config = transformers.AutoConfig.from_pretrained(path)
-        kwargs = {"dtype": _dtype(init.get("dtype"), config)}
+        path = from_pretrained_directory(ref_model, init.get("revision"), init.get("cache_dir"))
+        trust = bool(init.get("trust_remote_code", False))
+        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust)
+        kwargs = {"dtype": _dtype(init.get("dtype"), config), "trust_remote_code": trust}
         if init.get("attn_implementation"):
             kwargs["attn_implementation"] = init["attn_implementation"]
         with torch.device("meta"):
             ref_model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
-        weights = path
+        weights = str(path)
     elif weights is None and any(p.is_meta for p in ref_model.parameters()):
         raise ValueError("ref_model is on the meta device: pass reference_weights=DIR (its from_pretrained "
                          "directory) to stream its weights from there")
@@ -91,6 +172,21 @@ def stream_reference(ref_model, options: AttachOptions, weights=None, **init):
     opts = AttachOptions(socket=options.socket, device=options.device, weights=weights,
                          offload=True if options.offload is False else options.offload)
     return ref_model, attach_frozen(ref_model, options=opts)
+
+
+def _is_remote_code(model) -> bool:
+    """Whether ``model``'s class came from a checkpoint's own code (``trust_remote_code=True``)."""
+    return type(model).__module__.startswith("transformers_modules")
+
+
+def _init_kwargs(args, model) -> dict:
+    """What a reference given by path is built with: the config's ``trust_remote_code`` (or
+    the policy's, see the module's docstring), ``revision`` and ``cache_dir``."""
+    init = {k: v for k, v in (getattr(args, "model_init_kwargs", None) or {}).items()
+            if k in ("revision", "cache_dir", "trust_remote_code")}
+    init.setdefault("trust_remote_code", bool(getattr(args, "trust_remote_code", False)))
+    init["trust_remote_code"] = init["trust_remote_code"] or _is_remote_code(model)
+    return init
 
 
 class _Reference:
@@ -103,13 +199,15 @@ class _Reference:
     TRL then prepares it as it would its own (dropout off, its fused head, Accelerate)."""
     reference_engine = None
 
-    def _construct(self, module, model, ref_model, args, fuyou, stream: bool, weights, init):
+    def _construct(self, module, model, ref_model, args, fuyou, state_dtype, stream: bool, weights, init):
+        options = check_before_work(model, args, fuyou, state_dtype)
         if stream and args is not None and getattr(args, "sync_ref_model", False):
             raise ValueError("sync_ref_model=True: the streamed reference model's weights are written to the SSD "
                              "array once and never again; set sync_ref_model=False (or stream_reference=False)")
-        options = _options(fuyou)
         if stream and ref_model is not None:
-            ref_model, self.reference_engine = stream_reference(ref_model, options, weights)
+            ref_model, self.reference_engine = stream_reference(
+                ref_model, options, weights,
+                **(_init_kwargs(args, model) if isinstance(ref_model, (str, os.PathLike)) else {}))
         try:
             if stream and ref_model is None:
                 with self._loading_references(module, model, options):
@@ -127,13 +225,17 @@ class _Reference:
             raise RuntimeError(f"this TRL ({trl.__version__}) loads its reference model otherwise than Fuyou knows: "
                                "pass ref_model= (streamed as given), or stream_reference=False")
         policy_calls = [1 if isinstance(model, (str, os.PathLike)) else 0]  # (TRL loads a policy given by path first)
+        loaded = [model]
 
         def load(path, *args, **kwargs):
             if policy_calls[0]:
                 policy_calls[0] -= 1
-                return original(path, *args, **kwargs)
+                loaded[0] = original(path, *args, **kwargs)
+                return loaded[0]
             if (not path or not Path(path).is_dir()) and options.weights is not None and Path(options.weights).is_dir():
                 path = options.weights  # (a policy on the meta device: its weights' directory)
+            if _is_remote_code(loaded[0]):
+                kwargs["trust_remote_code"] = True  # (as the policy was loaded: its own code, trusted then)
             ref, self.reference_engine = stream_reference(path, options, **kwargs)
             return ref
 
@@ -160,6 +262,10 @@ class FuyouSFTTrainer(FuyouTrainer, trl.SFTTrainer):
     """``trl.SFTTrainer`` with Fuyou's optimizer (FuyouTrainer's arguments: ``fuyou=``,
     ``state_dtype=``)."""
 
+    def __init__(self, model, args=None, *rest, fuyou=None, state_dtype: str = "fp32", **kwargs):
+        check_before_work(model, args, fuyou, state_dtype)
+        super().__init__(model, args, *rest, fuyou=fuyou, state_dtype=state_dtype, **kwargs)
+
 
 class FuyouDPOTrainer(_Reference, FuyouTrainer, trl.DPOTrainer):
     """``trl.DPOTrainer`` with Fuyou's optimizer and a reference model streamed from the
@@ -167,23 +273,26 @@ class FuyouDPOTrainer(_Reference, FuyouTrainer, trl.DPOTrainer):
     ``stream_reference`` (default True) and ``reference_weights`` (a meta-device
     ``ref_model``'s from_pretrained directory)."""
 
-    def __init__(self, model, ref_model=None, args=None, *rest, fuyou=None, stream_reference: bool = True,
-                 reference_weights=None, **kwargs):
-        self._construct(dpo_module, model, ref_model, args, fuyou, stream_reference, reference_weights,
+    def __init__(self, model, ref_model=None, args=None, *rest, fuyou=None, state_dtype: str = "fp32",
+                 stream_reference: bool = True, reference_weights=None, **kwargs):
+        self._construct(dpo_module, model, ref_model, args, fuyou, state_dtype, stream_reference, reference_weights,
                         lambda ref: super(FuyouDPOTrainer, self).__init__(model, ref, args, *rest, fuyou=fuyou,
-                                                                          **kwargs))
+                                                                          state_dtype=state_dtype, **kwargs))
 
 
 class FuyouGRPOTrainer(_Reference, FuyouTrainer, trl.GRPOTrainer):
     """``trl.GRPOTrainer`` with Fuyou's optimizer; with ``beta`` > 0 its reference model
     (the policy's from_pretrained directory, as TRL loads it) is streamed from the SSD
-    array. Besides FuyouTrainer's arguments: ``stream_reference`` (default True)."""
+    array. Besides FuyouTrainer's arguments: ``stream_reference`` (default True).
+    ``use_vllm=True`` needs ``fuyou={"offload": False}`` (see the module's docstring)."""
 
-    def __init__(self, model, reward_funcs=None, args=None, *rest, fuyou=None, stream_reference: bool = True,
-                 **kwargs):
-        self._construct(grpo_module, model, None, args, fuyou, stream_reference, None,
+    def __init__(self, model, reward_funcs=None, args=None, *rest, fuyou=None, state_dtype: str = "fp32",
+                 stream_reference: bool = True, **kwargs):
+        self._construct(grpo_module, model, None, args, fuyou, state_dtype, stream_reference, None,
                         lambda _: super(FuyouGRPOTrainer, self).__init__(model, reward_funcs, args, *rest,
-                                                                         fuyou=fuyou, **kwargs))
+                                                                         fuyou=fuyou, state_dtype=state_dtype,
+                                                                         **kwargs))
 
 
-__all__ = ["FuyouSFTTrainer", "FuyouDPOTrainer", "FuyouGRPOTrainer", "stream_reference"]
+__all__ = ["FuyouSFTTrainer", "FuyouDPOTrainer", "FuyouGRPOTrainer", "check_before_work",
+           "from_pretrained_directory", "stream_reference"]
