@@ -321,3 +321,23 @@ def test_each_byte_on_each_link_has_its_cause(daemon):
         resident = sum(g.numel * 4 for g in engine.groups if g.offloaded is None)  # (their new weights, up once)
         assert device.bytes_up - up == weights_up + resident + parked + checkpoints_up
     engine.close()
+
+
+def test_recomputing_a_cut_block_in_the_per_iteration_loop_is_refused_by_name(daemon):  # noqa: F811
+    """activations="recompute" (the Trainer's and TRL's gradient_checkpointing=True) with a
+    block cut into sub-blocks: torch's checkpoint would keep every recomputed sub-block's
+    weights until backward, more than the device holds (and it failed in backward with
+    torch's CheckpointError). Refused at the block's first forward with grad, naming the
+    ways out; evaluation without grad runs; train_step recomputes cut blocks."""
+    torch.manual_seed(0)
+    model = tiny_llama(layers=2)
+    engine = fuyou_client.attach(model, socket=daemon.socket, granularity="module", activations="recompute")
+    try:
+        x = torch.randint(0, 256, (2, 16))
+        with torch.no_grad():
+            assert torch.isfinite(model(input_ids=x).logits).all()
+        with pytest.raises(RuntimeError, match="is cut into sub-blocks .* engine.train_step"):
+            model(input_ids=x, labels=x)
+        engine.train_step([x], lambda b: model(input_ids=b, labels=b).loss)
+    finally:
+        engine.close(materialize=False)

@@ -10,6 +10,28 @@ backward (``attach(activations=...)``; ``"auto"`` changes it from a profile: aut
 from __future__ import annotations
 
 
+CUT_RECOMPUTE = (
+    "is cut into sub-blocks (granularity='module': the device does not hold a whole block), and its "
+    "activations are recomputed (activations='recompute'; the Trainer's and TRL's gradient_checkpointing=True): "
+    "in this loop torch's checkpoint would keep every recomputed sub-block's weights until backward reaches "
+    "them, more than the device holds, so it is refused. Use engine.train_step(micro_batches, loss_fn), which "
+    "recomputes cut blocks, or activations='keep' or 'swap' (gradient_checkpointing=False), or "
+    "granularity='block' on a device that holds a block")
+
+
+def _refused(name: str, forward):
+    """A cut block's forward where recomputation is refused (CUT_RECOMPUTE): without grad
+    (evaluation, generation) it runs as it is."""
+    import torch
+
+    def refusing(*args, **kwargs):
+        if torch.is_grad_enabled():
+            raise RuntimeError(f"block {name} {CUT_RECOMPUTE}")
+        return forward(*args, **kwargs)
+
+    return refusing
+
+
 class ActivationPolicy:
     def __init__(self, blocks: list, swapper, offloader, treatment: dict[str, str]):
         """``blocks``: the layer groups that are blocks (groups.LayerGroup, with a module);
@@ -27,6 +49,9 @@ class ActivationPolicy:
             recompute = self._treatment[name] == "recompute"
             if recompute and name not in self._originals:
                 self._originals[name] = g.spec.module.forward
+                if g.offloaded is not None and g.offloaded.cut:
+                    g.spec.module.forward = _refused(name, g.spec.module.forward)
+                    continue
                 g.spec.module.forward = self._swapper.recomputed(g.spec.module.forward,
                                                                  lambda og=g.offloaded: self._resident(og))
             elif not recompute and name in self._originals:
