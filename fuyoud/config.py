@@ -105,13 +105,13 @@ class DaemonSection:
         """May a process of ``uid`` open a session?"""
         if uid in (0, os.getuid()) or uid in self.allow_uids:
             return True
-        group = grp.getgrnam(self.allow_group or self.socket_group) if (self.allow_group or self.socket_group) \
-            else grp.getgrgid(os.getgid())
-        try:
+        name = self.allow_group or self.socket_group
+        try:  # (the daemon's own group by number: it may have no entry, as under DynamicUser or in a container)
+            gid = grp.getgrnam(name).gr_gid if name else os.getgid()
             user = pwd.getpwuid(uid)
-        except KeyError:
+        except KeyError:  # (a group or user with no entry: nobody is a member by name)
             return False
-        return group.gr_gid in os.getgrouplist(user.pw_name, user.pw_gid)
+        return gid == user.pw_gid or gid in os.getgrouplist(user.pw_name, user.pw_gid)
 
     @property
     def control_path(self) -> Path:

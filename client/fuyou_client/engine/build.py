@@ -258,7 +258,10 @@ def restored_granularity(session, specs: list[GroupSpec], wanted: str) -> str:
     block = next((spec for spec in specs if spec.module is not None and spec.params), None)
     if block is None:
         return wanted
-    saved = "block" if session.group(block.parts[0].name).numel == block.parts[0].numel else "module"
+    try:
+        saved = "block" if session.group(block.parts[0].name).numel == block.parts[0].numel else "module"
+    except errors.ObjectNotFound:  # (cut, its own group had nothing to train: a PEFT block's norms are frozen)
+        saved = "module"
     if wanted not in ("auto", saved):
         held = "the whole block" if saved == "block" else "the block's modules but its large ones"
         raise ValueError(f"the checkpoint's layer groups are by {saved} (its {block.name} group holds {held}), and "
