@@ -76,8 +76,37 @@ def _open_to_read(name: str, dir_fd: int, path: Path) -> int:
         raise
 
 
-def _key() -> str:
-    return f"ckpt-{secrets.token_hex(8)}"
+def _create_new(name: str, dir_fd: int) -> int:
+    return os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=dir_fd)
+
+
+def _open_objects(directory: Path, files: list[str], open_one, names: list[str], fds: list[int]) -> None:
+    """Open each of ``files`` in ``directory``/objects/ with ``open_one(name, dir_fd)``,
+    appending the layout's name and the descriptor (the caller closes them)."""
+    if not files:
+        return
+    objects_fd = os.open(directory / OBJECTS, _DIR_FLAGS)
+    try:
+        for name in files:
+            fds.append(open_one(name, objects_fd))
+            names.append(f"{OBJECTS}/{name}")
+    finally:
+        os.close(objects_fd)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _hand(session, names: list[str], fds: list[int]) -> str:
+    """Hand ``fds`` (closed here, however it ends) under a new key; returns the key."""
+    try:
+        key = f"ckpt-{secrets.token_hex(8)}"
+        session.hand(key, names, fds)
+        return key
+    finally:
+        _close_all(fds)
 
 
 def write(session, directory, timeout: float, mode: str, client_state: bytes) -> pb.CheckpointReply:
@@ -100,20 +129,11 @@ def write(session, directory, timeout: float, mode: str, client_state: bytes) ->
         count = 0 if mode == "snapshot" else _objects_to_copy(session)
         names, fds = ["dir"], [os.open(partial, _DIR_FLAGS)]
         try:
-            objects_fd = os.open(partial / OBJECTS, _DIR_FLAGS)
-            try:
-                for i in range(count):
-                    name = f"{i:06d}.bin"
-                    fds.append(os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                       FILE_MODE, dir_fd=objects_fd))
-                    names.append(f"{OBJECTS}/{name}")
-            finally:
-                os.close(objects_fd)
-            key = _key()
-            session.hand(key, names, fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
+            _open_objects(partial, [f"{i:06d}.bin" for i in range(count)], _create_new, names, fds)
+        except BaseException:
+            _close_all(fds)
+            raise
+        key = _hand(session, names, fds)
         reply = session.call("Checkpoint", pb.CheckpointRequest(
             directory=str(target), timeout_seconds=timeout, mode=mode, client_state=client_state, handed=key),
             timeout=timeout + 3600)
@@ -162,19 +182,11 @@ def _handed_existing(session, directory, objects: bool):
                 listed = sorted(n for n in os.listdir(path / OBJECTS) if OBJECT_FILE.match(n))
             except (FileNotFoundError, NotADirectoryError):
                 listed = []
-            if listed:
-                objects_fd = os.open(path / OBJECTS, _DIR_FLAGS)
-                try:
-                    for name in listed:
-                        fds.append(_open_to_read(name, objects_fd, path / OBJECTS))
-                        names.append(f"{OBJECTS}/{name}")
-                finally:
-                    os.close(objects_fd)
-        key = _key()
-        session.hand(key, names, fds)
-    finally:
-        for fd in fds:
-            os.close(fd)
+            _open_objects(path, listed, lambda name, d: _open_to_read(name, d, path / OBJECTS), names, fds)
+    except BaseException:
+        _close_all(fds)
+        raise
+    key = _hand(session, names, fds)
     yield path, key
 
 
