@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import secrets
 import shutil
+import stat
 from pathlib import Path
 
 from fuyou_client import errors
@@ -31,7 +33,8 @@ from fuyou_proto.contract import SNAPSHOT_PREFIX
 MANIFEST = "manifest.json"
 CLIENT_STATE = "client_state.bin"
 OBJECTS = "objects"
-OBJECT_FILE = re.compile(r"^[0-9]{6}\.bin$")
+NAMED_FILE = re.compile(r"^objects/[0-9]{6}\.bin$")  # (a manifest's file entries)
+MAX_MANIFEST = 64 << 20
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -74,6 +77,29 @@ def _open_to_read(name: str, dir_fd: int, path: Path) -> int:
         if exc.errno == errno.ELOOP:
             raise errors.InvalidArgument(f"checkpoint {path}: {name} is a symlink; refused") from None
         raise
+
+
+def _files_named(dir_fd: int) -> list[str]:
+    """The object files the checkpoint's manifest names (``objects/NNNNNN.bin``; only those
+    are handed: another file in objects/ is none of the daemon's business). Nothing where the
+    manifest is missing or not one: the daemon then says what is wrong with it."""
+    try:
+        fd = os.open(MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError:
+        return []
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST:
+            return []
+        with os.fdopen(os.dup(fd), "rb") as f:
+            raw = json.loads(f.read(MAX_MANIFEST + 1))
+        listed = raw.get("objects") if isinstance(raw, dict) else None
+        files = [o.get("file") for o in listed if isinstance(o, dict)] if isinstance(listed, list) else []
+    except (OSError, ValueError, RecursionError):
+        return []
+    finally:
+        os.close(fd)
+    return sorted({f.split("/", 1)[1] for f in files if isinstance(f, str) and NAMED_FILE.match(f)})
 
 
 def _create_new(name: str, dir_fd: int) -> int:
@@ -162,13 +188,16 @@ def _handed_existing(session, directory, objects: bool):
     too); yields (its absolute path, the key)."""
     path = _absolute(directory)
     try:
-        dir_fd = os.open(path, _DIR_FLAGS)
+        dir_fd = os.open(path, _DIR_FLAGS | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise errors.ObjectNotFound(f"no checkpoint at {path}") from None
-    except NotADirectoryError:
-        raise errors.InvalidArgument(f"checkpoint {path} is not a directory") from None
     except PermissionError:
         raise errors.PermissionDenied(f"this process may not open checkpoint {path}") from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+            raise errors.InvalidArgument(f"checkpoint {path} is not a directory (symlinks are refused: name the "
+                                         "directory itself)") from None
+        raise
     names, fds = ["dir"], [dir_fd]
     try:
         for name in (MANIFEST, CLIENT_STATE):
@@ -178,11 +207,8 @@ def _handed_existing(session, directory, objects: bool):
             except FileNotFoundError:
                 pass
         if objects:
-            try:
-                listed = sorted(n for n in os.listdir(path / OBJECTS) if OBJECT_FILE.match(n))
-            except (FileNotFoundError, NotADirectoryError):
-                listed = []
-            _open_objects(path, listed, lambda name, d: _open_to_read(name, d, path / OBJECTS), names, fds)
+            _open_objects(path, _files_named(dir_fd), lambda name, d: _open_to_read(name, d, path / OBJECTS),
+                          names, fds)
     except BaseException:
         _close_all(fds)
         raise
