@@ -9,7 +9,10 @@ Actions: ``hang`` (block the calling thread until the process ends), ``sleep(S)`
 that point: crash tests). Unset, ``hit`` costs one dictionary lookup. Names in use:
 ``rpc.<Method>`` (before a control request is served), ``session.hello`` (the session
 socket read a client's hello) and ``session.opened`` (its session is registered, the
-reply not sent yet), ``optimizer.prefetch`` (a read-ahead of a group's state starts),
+reply not sent yet), ``allocate.looked_up`` and ``reserve.looked_up`` (Allocate, Reserve: the
+session looked up, the pool not asked yet), ``session.close.<step>`` (a closing session's
+step starts: ``optimizer``, ``namespace``, ``transient``; server.py ``_session_closed``),
+``optimizer.prefetch`` (a read-ahead of a group's state starts),
 ``checkpoint.*`` (checkpoints/checkpointer.py). Tests of an in-process daemon arm them with ``armed``.
 """
 from __future__ import annotations

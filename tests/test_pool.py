@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from fuyoud.errors import InvalidArgument, OutOfMemoryBudget
+from fuyoud.errors import InvalidArgument, OutOfMemoryBudget, Unauthenticated
 from fuyoud.memory.pool import BufferRef, Pool
 
 MiB = 1 << 20
@@ -195,3 +195,18 @@ def test_a_session_released_while_its_segment_is_made_leaves_nothing():
     slow.set()
     t.join(30)
     assert errors and closed and pool.usage().segments == 0
+
+
+def test_a_new_segments_fd_is_sent_as_a_duplicate_refused_once_its_session_is_released(pool):
+    """Allocate sends the client a duplicate of a new segment's fd taken under the pool's
+    lock: a release racing in closes the segment's own fd, whose number could then name
+    another file by the time it was sent."""
+    _, seg = pool.allocate(1, 4096)
+    fd = pool.segment_fd(1, seg)
+    try:
+        assert fd != seg.fd and os.fstat(fd).st_ino == os.fstat(seg.fd).st_ino
+    finally:
+        os.close(fd)
+    pool.release_session(1)
+    with pytest.raises(Unauthenticated, match="closing or closed"):
+        pool.segment_fd(1, seg)

@@ -33,12 +33,13 @@ class FuyouAdminServicer(ServicerBase, rpc.FuyouAdminServicer):
                               reserved_bytes=reserved.get(s.id, 0))
 
     def _visible_sessions(self, context: grpc.ServicerContext) -> list[pb.SessionInfo]:
-        """Every session for the operator, the caller's own for a session, else none."""
+        """Every session for the operator, the caller's own for a session, else none;
+        those closing too, until their memory is back (it counts against the budget)."""
         if self._is_admin(context):
-            visible = self.sessions.all()
+            visible = self.sessions.listed()
         else:
             token = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)
-            visible = [s for s in self.sessions.all() if token is not None and
+            visible = [s for s in self.sessions.listed() if token is not None and
                        hmac.compare_digest(s.token.encode(), token.encode())]
         usage = self.pool.usage()
         return [self.session_info(s, usage.by_session, usage.reserved_by_session)
@@ -71,7 +72,7 @@ class FuyouAdminServicer(ServicerBase, rpc.FuyouAdminServicer):
     def Drain(self, request, context):
         self._require_admin(context, "drain")
         self.set_draining(not request.cancel)
-        return pb.DrainReply(draining=self.sessions.draining, sessions=len(self.sessions.all()))
+        return pb.DrainReply(draining=self.sessions.draining, sessions=len(self.sessions.listed()))
 
     @handler
     def ListNamespaces(self, request, context):

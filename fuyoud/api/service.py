@@ -9,10 +9,12 @@ codes. Handlers are thin: the work is in the pool, the store and the session reg
 from __future__ import annotations
 
 import logging
+import os
 
 from fuyou_proto import pb, rpc
 from fuyou_proto import dtype_name, state_dtype_name, state_dtype_value
 from fuyou_proto.contract import SNAPSHOT_PREFIX, STATE_PREFIX, group_of
+from fuyoud import failpoints
 from fuyoud.api.checkpoints import CheckpointMethods
 from fuyoud.api.handler import handler as _handler
 from fuyoud.errors import InvalidArgument, PermissionDenied
@@ -91,18 +93,28 @@ class FuyouServicer(CheckpointMethods, rpc.FuyouServicer):
         if len(items) > MAX_ITEMS:
             raise InvalidArgument(f"too many items in one request ({len(items)} > {MAX_ITEMS})")
 
+    # Allocate and Reserve need no check that the session is still open: the pool refuses
+    # a released session under its own lock, and what lands before the release goes with it.
     @_handler
     def Allocate(self, request, context):
         session = self._session(context)
+        failpoints.hit("allocate.looked_up")
         ref, new_segment = self.pool.allocate(session.id, request.size)
         if new_segment is not None:
-            # The client must hold the segment before it can use the handle.
-            session.send_segment(new_segment.id, new_segment.size, new_segment.fd)
+            # The client must hold the segment before it can use the handle. (A duplicate of
+            # its fd: a release racing in closes the segment's own, whose number could then
+            # name another file.)
+            fd = self.pool.segment_fd(session.id, new_segment)
+            try:
+                session.send_segment(new_segment.id, new_segment.size, fd)
+            finally:
+                os.close(fd)
         return pb.BufferRef(segment=ref.segment, offset=ref.offset, length=ref.length, generation=ref.generation)
 
     @_handler
     def Reserve(self, request, context):
         session = self._session(context)
+        failpoints.hit("reserve.looked_up")
         reserved = self.pool.reserve(session.id, request.bytes)
         return pb.ReserveReply(reserved_bytes=reserved, held_bytes=self.pool.usage().by_session.get(session.id, 0))
 

@@ -17,10 +17,16 @@ The lock guards the bookkeeping only: a new segment's bytes are counted under it
 the segment is created, pre-faulted and mlocked (page faults over hundreds of MB or GB)
 after it is released, and segments are unmapped after it too, so that one session's
 large allocation or release never stalls another's buffer lookups, its step or Status.
+
+A released session is remembered (its id, for the daemon's life: ids are never reused):
+an allocation or reservation for it is refused under the same lock that released it, so
+a request that looked its session up just before the session closed (the client died
+mid-call) can leave nothing behind, whichever side of the release it lands on.
 """
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -86,7 +92,7 @@ class Pool:
         self._by_session: dict[int, set[int]] = {}
         self._reserved: dict[int, int] = {}  # session -> bytes its plan reserved
         self._creating: dict[int, int] = defaultdict(int)  # session -> bytes of segments being created
-        self._ended: set[int] = set()  # sessions released while one of their segments was being created
+        self._released: set[int] = set()  # sessions released: nothing more is allocated or reserved for them
         self._segment_ids = itertools.count(1)
         self._generations = itertools.count(1)
         self._pinned = 0  # segment bytes, those being created included
@@ -107,6 +113,20 @@ class Pool:
         """What every other session holds (non-zero only)."""
         return {s: h for s in self._holders() if s != session_id and (h := self._held(s))}
 
+    def _refuse_released(self, session_id: int, what: str) -> None:  # (the lock held)
+        if session_id in self._released:
+            raise Unauthenticated(f"session {session_id} is closing or closed: nothing more can be {what} for it")
+
+    def segment_fd(self, session_id: int, segment: Segment) -> int:
+        """A duplicate of a new segment's fd, for sending to its client (the caller closes
+        it): taken under the pool's lock, so a release that closes the segment cannot close
+        the fd first and let its number name another file by the time it is sent."""
+        with self._mutex:
+            self._refuse_released(session_id, "sent")
+            if segment.id not in self._segments:
+                raise Unauthenticated(f"session {session_id} is closing or closed: its segment went")
+            return os.dup(segment.fd)
+
     # -- reservations ---------------------------------------------------------------------------
     def reserve(self, session_id: int, nbytes: int) -> int:
         """Hold ``nbytes`` of the budget for a session (replacing its reservation; 0 gives
@@ -115,6 +135,7 @@ class Pool:
         if nbytes < 0:
             raise InvalidArgument(f"a reservation must be >= 0 bytes, got {nbytes}")
         with self._mutex:
+            self._refuse_released(session_id, "reserved")
             if nbytes > self.session_budget:
                 raise OutOfMemoryBudget(
                     f"a reservation of {format_size(nbytes)} exceeds the session pinned-memory budget of "
@@ -160,6 +181,7 @@ class Pool:
             raise InvalidArgument(f"buffer size must be positive, got {nbytes}")
         size = align_up(nbytes, PAGE)
         with self._mutex:
+            self._refuse_released(session_id, "allocated")
             for seg_id in sorted(self._by_session.get(session_id, ())):
                 ref = self._try_allocate(self._segments[seg_id], size)
                 if ref is not None:
@@ -177,9 +199,7 @@ class Pool:
                 self._creating[session_id] -= seg_size
                 if not self._creating[session_id]:
                     del self._creating[session_id]
-                ended = session_id in self._ended
-                if ended and session_id not in self._creating:
-                    self._ended.discard(session_id)
+                ended = session_id in self._released  # (released while the segment was made)
                 if segment is None or ended:
                     self._pinned -= seg_size
                 else:
@@ -230,16 +250,23 @@ class Pool:
             gone.close()  # (unmapped outside the lock)
 
     def release_session(self, session_id: int) -> int:
-        """Drop every segment and the reservation of a session; returns the bytes given
-        back."""
+        """Drop every segment and the reservation of a session, and refuse it anything
+        from now on (a segment being made for it is dropped once made); returns the bytes
+        given back. Every segment is closed even if closing one fails (the first error is
+        raised after)."""
         with self._mutex:
+            self._released.add(session_id)
             gone = [self._drop_segment(self._segments[seg_id]) for seg_id in list(self._by_session.get(session_id, ()))]
             self._by_session.pop(session_id, None)
             self._reserved.pop(session_id, None)
-            if self._creating.get(session_id):
-                self._ended.add(session_id)  # (the segment being made is dropped once made)
+        failed = None
         for seg in gone:
-            seg.close()
+            try:
+                seg.close()
+            except Exception as exc:  # noqa: BLE001 - the others are closed all the same
+                failed = failed or exc
+        if failed is not None:
+            raise failed
         return sum(seg.size for seg in gone)
 
     def _drop_segment(self, state: _SegmentState) -> Segment:

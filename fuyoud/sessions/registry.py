@@ -8,6 +8,13 @@ socket stays open, the daemon stopping) releases everything it held, and where t
 named its namespace (the client named none) that namespace's persistent objects too:
 nobody could come back to them (fuyoud/sessions/unnamed.py). Its snapshot checkpoints' objects
 stay until the checkpoint is deleted.
+
+A session that is closing is no longer usable (its token is refused from the moment the
+close begins) but is still listed (``listed``: fuyouctl sessions, Status, the sessions
+metric) until everything it held is given back, and its namespace opens to a new session
+only then (``open`` waits for that, up to CLOSING_WAIT seconds): a job restarted right
+after a crash is never refused for memory held by a session nobody can see, nor has its
+groups forgotten by the old session's close.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from fuyoud.sessions.names import check_namespace, shown
 from fuyoud.sessions.unnamed import refuse_unnamed, unnamed_namespace
 
 log = logging.getLogger(__name__)
+CLOSING_WAIT = 30.0  # seconds ``open`` waits for a closing session to give its namespace back
 
 
 @dataclass
@@ -38,7 +46,7 @@ class Session:
     namespace: str
     started: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.time)
-    closed: bool = False
+    closed: bool = False  # closing or closed: its token is refused
     # The namespace's owner is recorded (persistently) once it holds persistent objects.
     namespace_claimed: bool = False
     # The daemon named the namespace (the client asked for none): nobody can come back to
@@ -73,9 +81,10 @@ class SessionRegistry:
         self._admits = admits
         self._namespace_owner = namespace_owner
         self._claim_namespace = claim_namespace
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # (notified as a closing session is done)
         self._by_token: dict[str, Session] = {}
         self._by_namespace: dict[str, Session] = {}
+        self._closing: dict[int, Session] = {}  # closed, what they held not given back yet: listed, not usable
         self._withheld: set[str] = set()  # namespaces the operator is deleting: no session may open them
         self._ids = itertools.count(1)
         self.accepting = True  # False once the daemon is stopping
@@ -87,20 +96,30 @@ class SessionRegistry:
 
     def open(self, uid: int, pid: int, namespace: str | None, pid_start: int | None = None) -> Session:
         with self._lock:
-            if not self.accepting:
-                raise Unavailable("fuyoud is shutting down and accepts no new sessions")
-            if not self._admits(uid):
-                raise PermissionDenied(f"uid {uid} may not use this fuyoud: add it to [daemon] allow_uids, or to "
-                                       "the group in [daemon] allow_group (default: the sockets' group)")
-            if self.draining:
-                raise Unavailable("fuyoud is draining (fuyouctl drain) and accepts no new sessions; "
-                                  "`fuyouctl drain --cancel` reopens it")
+            deadline = time.monotonic() + CLOSING_WAIT
+            while True:
+                if not self.accepting:
+                    raise Unavailable("fuyoud is shutting down and accepts no new sessions")
+                if not self._admits(uid):
+                    raise PermissionDenied(f"uid {uid} may not use this fuyoud: add it to [daemon] allow_uids, or to "
+                                           "the group in [daemon] allow_group (default: the sockets' group)")
+                if self.draining:
+                    raise Unavailable("fuyoud is draining (fuyouctl drain) and accepts no new sessions; "
+                                      "`fuyouctl drain --cancel` reopens it")
+                if namespace is not None:
+                    refuse_unnamed(check_namespace(namespace))
+                ending = self._closing_holder(namespace)
+                if ending is None:
+                    break
+                # (its namespace is free once it has given back what it held: a restarted job waits for that)
+                if not self._lock.wait(deadline - time.monotonic()) and self._closing_holder(namespace) is ending:
+                    raise Unavailable(f"namespace {shown(namespace)} is held by session {ending.id} (pid "
+                                      f"{ending.pid}), which is closing and has not given back what it held "
+                                      f"after {CLOSING_WAIT:.0f} s: try again shortly")
             sid = next(self._ids)
             ephemeral = namespace is None
             if ephemeral:
                 namespace = unnamed_namespace(sid)
-            else:
-                refuse_unnamed(check_namespace(namespace))
             owner = self._namespace_owner(namespace)
             if owner is not None and owner != uid and uid != 0:
                 raise PermissionDenied(f"namespace {shown(namespace)} belongs to uid {owner}")
@@ -137,9 +156,18 @@ class SessionRegistry:
         session.last_active = time.time()
         return session
 
+    def _closing_holder(self, namespace: str | None) -> Session | None:  # (the lock held)
+        """The closing session whose namespace is ``namespace`` (None for an unnamed one:
+        nobody else can ask for it)."""
+        if namespace is None:
+            return None
+        return next((s for s in self._closing.values() if s.namespace == namespace), None)
+
     def close(self, session: Session, reason: str, kind: str = CLOSED) -> None:
         """End a session (once; later calls do nothing): ``reason`` for the log, ``kind``
-        one of REASONS for the metrics."""
+        one of REASONS for the metrics. Its token is refused at once; it stays listed, and
+        ``open`` waits to give its namespace to another, until ``on_close`` (which gives
+        back what it held) returns, whether or not that raised."""
         assert kind in REASONS, kind
         with self._lock:
             if session.closed:
@@ -147,11 +175,19 @@ class SessionRegistry:
             session.closed = True
             self._by_token.pop(session.token, None)
             self._by_namespace.pop(session.namespace, None)
-        log.info("session %d closed (%s)", session.id, reason)
+            self._closing[session.id] = session
+        log.info("session %d closing (%s)", session.id, reason)
         try:
-            session.handed.close()
+            try:
+                session.handed.close()
+            except Exception:  # noqa: BLE001 - its memory goes back all the same
+                log.exception("session %d: closing the files it handed failed", session.id)
             self._on_close(session, kind)
         finally:
+            with self._lock:
+                self._closing.pop(session.id, None)
+                self._lock.notify_all()
+            log.info("session %d closed (%s)", session.id, reason)
             if session.disconnect is not None:
                 session.disconnect()
 
@@ -208,8 +244,15 @@ class SessionRegistry:
             return namespace in self._by_namespace
 
     def all(self) -> list[Session]:
+        """The live sessions (usable: not closing)."""
         with self._lock:
             return list(self._by_token.values())
+
+    def listed(self) -> list[Session]:
+        """What the operator sees (fuyouctl sessions, Status, the sessions metric): the
+        live sessions and those closing, whose memory is not given back yet; by id."""
+        with self._lock:
+            return sorted([*self._by_token.values(), *self._closing.values()], key=lambda s: s.id)
 
     def close_all(self, reason: str, kind: str = STOPPING) -> None:
         for s in self.all():
