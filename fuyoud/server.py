@@ -57,6 +57,7 @@ from fuyoud.operations.watchdog import Watchdog, interval_from_env
 from fuyoud.optimizer.buffers import StateBuffers
 from fuyoud.optimizer.groups import Optimizer
 from fuyoud.sessions import namespaces, peers
+from fuyoud.sessions.limits import LIMITS
 from fuyoud.sessions.listener import SessionListener
 from fuyoud.sessions.registry import REASONS, Session, SessionRegistry
 from fuyoud.storage.device import Device
@@ -67,6 +68,13 @@ from fuyoud.units import format_size
 log = logging.getLogger("fuyoud")
 SERVICE_NAME = "fuyou.v1.Fuyou"
 
+
+
+# The steps of giving back what a closing session held (``Daemon._session_closed``): the
+# label of fuyoud_session_close_errors_total (bounded), and what each does for the log.
+CLOSE_STEPS = {"checkpoints": "removing the checkpoints it never committed",
+               "optimizer": "forgetting its optimizer groups", "namespace": "deleting its unnamed namespace's state",
+               "transient": "dropping its transient objects", "pool": "releasing its pinned memory"}
 
 
 class StartFailed(RuntimeError):
@@ -137,6 +145,10 @@ class Daemon:
             undo.pop_all()
         for reason in REASONS:  # (every reason exported from the start, at 0)
             self.metrics.sessions_closed.labels(reason)
+        for name in CLOSE_STEPS:
+            self.metrics.session_close_errors.labels(name)
+        for limit in LIMITS:
+            self.metrics.session_connections_refused.labels(limit)
         self._grpc: grpc.Server | None = None
         self._health = health.HealthServicer()
         self._listener: SessionListener | None = None
@@ -161,18 +173,39 @@ class Daemon:
             raise
 
     def _session_closed(self, session: Session, reason: str) -> None:
-        failpoints.hit("session.closing")
-        self.optimizer.forget(session.namespace)
-        if session.ephemeral:  # (a namespace the daemon named: its state would be left on the SSDs for good)
-            count, size = namespaces.delete_state(self.store, session.namespace)
-            if count:
-                log.info("session %d: deleted the %d objects (%s) of its unnamed namespace %s", session.id,
-                         count, format_size(size), session.namespace)
-        dropped = self.store.drop_transient(session.id)
-        freed = self.pool.release_session(session.id)
-        self.metrics.sessions_closed.labels(reason).inc()
-        self.metrics.reclaimed_bytes.inc(freed)
+        """Give back what a session held. Each step runs whatever failed before it (a
+        failure is logged and counted, fuyoud_session_close_errors_total{step}); the pool's
+        release runs last, always: nothing retries a close, and pinned memory left behind
+        would be refused to every other tenant until a restart. The failpoint
+        ``session.close.<step>`` comes first in each step but the pool's."""
+        def step(name: str, fn):
+            try:
+                if name != "pool":
+                    failpoints.hit(f"session.close.{name}")
+                return fn()
+            except Exception:  # noqa: BLE001 - the next steps run all the same
+                log.exception("session %d: closing it, %s failed", session.id, CLOSE_STEPS[name])
+                self.metrics.session_close_errors.labels(name).inc()
+                return 0
+
+        freed = dropped = 0
+        try:
+            step("checkpoints", lambda: self.checkpointer.session_closed(session.id))
+            step("optimizer", lambda: self.optimizer.forget(session.namespace))
+            if session.ephemeral:  # (a namespace the daemon named: its state would be left on the SSDs for good)
+                step("namespace", lambda: self._delete_unnamed(session))
+            dropped = step("transient", lambda: self.store.drop_transient(session.id))
+        finally:
+            freed = step("pool", lambda: self.pool.release_session(session.id))
+            self.metrics.sessions_closed.labels(reason).inc()
+            self.metrics.reclaimed_bytes.inc(freed)
         log.info("session %d: reclaimed %s pinned, %d transient objects", session.id, format_size(freed), dropped)
+
+    def _delete_unnamed(self, session: Session) -> None:
+        count, size = namespaces.delete_state(self.store, session.namespace)
+        if count:
+            log.info("session %d: deleted the %d objects (%s) of its unnamed namespace %s", session.id,
+                     count, format_size(size), session.namespace)
 
     def start(self) -> "Daemon":
         cfg = self.config.daemon
@@ -210,7 +243,8 @@ class Daemon:
         os.chmod(control, cfg.socket_mode)
         self._grpc = server
         self._listener = SessionListener(cfg.session_path, cfg.socket_mode, self.sessions, cfg.socket_gid,
-                                         self.metrics.session_accept_errors_by)
+                                         self.metrics.session_accept_errors_by,
+                                         on_refused=self.metrics.session_connections_refused_by)
         self._listener.start()
         if self.config.metrics.enabled:
             self.metrics.attach(self.snapshot)
@@ -303,7 +337,7 @@ class Daemon:
     def snapshot(self) -> Snapshot:
         """The daemon's state now, for Status and the metrics collector."""
         rates = self.housekeeping.throughput.rates() if self.housekeeping else (0.0, 0.0)
-        live = self.sessions.all()
+        live = self.sessions.listed()  # (read before the pool: a session leaves it only once its memory is back)
         return Snapshot(__version__, os.getpid(), self.started, self.engine.name, self.engine_reason,
                         self.metrics_url, str(self.config.daemon.session_path), self.sessions.draining,
                         len(live), self.pool.usage(), self.staging.total_bytes,

@@ -36,7 +36,7 @@ class CheckpointMethods(ServicerBase):
         with self._where(request, caller, new=True) as where:
             result = self.checkpointer.checkpoint(session.namespace, session.uid, where,
                                      request.timeout_seconds or DEFAULT_CHECKPOINT_TIMEOUT, request.mode or "auto",
-                                     request.client_state)
+                                     request.client_state, session.id)
         self.metrics.observe_checkpoint(result.mode, result.seconds, result.bytes)
         return pb.CheckpointReply(directory=result.directory, namespace=result.namespace, objects=result.objects,
                                   bytes=result.bytes, step=result.step, seconds=result.seconds, mode=result.mode,
@@ -49,6 +49,12 @@ class CheckpointMethods(ServicerBase):
                 raise InvalidArgument("an operator's request names a directory, not handed files")
             return self.checkpointer.handed_location(request.directory, caller.handed.take(request.handed), new)
         return self.checkpointer.location(request.directory, caller and caller.uid)
+
+    @handler
+    def CommitCheckpoint(self, request, context):
+        session = self._session(context)
+        self.checkpointer.commit(session.id, request.directory)
+        return pb.Empty()
 
     @handler
     def Restore(self, request, context):

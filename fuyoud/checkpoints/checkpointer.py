@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import secrets
+import threading
 import time
 import zlib
 from contextlib import ExitStack
@@ -90,8 +91,21 @@ def _group_entry(name: str, head: bytes) -> dict:
     return {"name": group_of(name), "numel": numel, "step": step, "optimizer": spec.to_dict()}
 
 
-def _pending_key(namespace: str, snap: str) -> str:
-    return f"pending_checkpoint|{namespace}|{snap}|{secrets.token_hex(4)}"
+HANDED_PENDING = "handed_checkpoint|"
+
+
+def _pending_key(namespace: str, snap: str, handed: bool = False) -> str:
+    prefix = HANDED_PENDING if handed else "pending_checkpoint|"
+    return f"{prefix}{namespace}|{snap}|{secrets.token_hex(4)}"
+
+
+@dataclass
+class _Uncommitted:
+    """A checkpoint written into a client's handed files, kept only once its client
+    commits it (CommitCheckpoint, after renaming its directory into place)."""
+    key: str  # its pending mark in the index
+    record: CheckpointRecord
+    links: list[str]  # a snapshot's linked objects
 
 
 def recover(store) -> None:
@@ -99,6 +113,13 @@ def recover(store) -> None:
     directory and, for a snapshot, the objects it had linked (unless the directory was
     renamed into place just before the crash: then it is complete)."""
     index = store.index_db
+    for key, target in index.meta_items(HANDED_PENDING):  # (never committed by their client: never kept)
+        _, namespace, snap, _ = key.split("|")
+        if snap:
+            store.delete(namespace, [m.name for m in store.list(namespace, snap)], missing_ok=True)
+        index.delete_meta(key)
+        log.warning("checkpoint %s of %s never completed (the daemon stopped before its client committed it): "
+                    "removed what it had linked", target, namespace)
     for key, target in index.meta_items("pending_checkpoint|"):
         _, namespace, snap, _ = key.split("|")
         try:
@@ -142,6 +163,8 @@ class Checkpointer:
                  store_outlives: bool = True):
         self.store, self.optimizer, self.sessions, self.dirs = store, optimizer, sessions, list(dirs)
         self.store_outlives = store_outlives
+        self._lock = threading.Lock()
+        self._uncommitted: dict[tuple[int, str], _Uncommitted] = {}  # (session id, directory) -> it
 
     def location(self, directory: str, uid: int | None) -> Location:
         """The checkpoint directory's location, if the caller may use it: other users only
@@ -183,8 +206,10 @@ class Checkpointer:
             time.sleep(0.01)
 
     def checkpoint(self, namespace: str, uid: int, where: Location | HandedLocation, timeout: float = 60.0,
-                   mode: str = "auto", client_state: bytes = b"") -> CheckpointResult:
-        """Checkpoint ``namespace`` (whose state belongs to ``uid``) into a new directory."""
+                   mode: str = "auto", client_state: bytes = b"", session_id: int = 0) -> CheckpointResult:
+        """Checkpoint ``namespace`` (whose state belongs to ``uid``) into a new directory.
+        Into handed files (``where`` a HandedLocation): kept only once ``session_id``
+        commits it (``commit``)."""
         if mode not in ("auto", "snapshot", "copy"):
             raise InvalidArgument(f"checkpoint mode must be auto, snapshot or copy, not {shown(mode)}")
         if len(client_state) > MAX_CLIENT_STATE:
@@ -201,7 +226,8 @@ class Checkpointer:
         # leaves a partial directory and, for a snapshot, objects no manifest names; the next
         # start removes both (recover()).
         snap = f"{SNAPSHOTS}{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}/" if mode == "snapshot" else ""
-        pending = _pending_key(namespace, snap)
+        handed = isinstance(where, HandedLocation)
+        pending = _pending_key(namespace, snap, handed)
         store.index_db.set_meta(pending, str(target))
         try:
             if isinstance(where, HandedLocation):
@@ -238,9 +264,13 @@ class Checkpointer:
             data = json.dumps(manifest, indent=1).encode()
             new.write(CLIENT_STATE, client_state)
             new.write(MANIFEST, data)
-            # Recorded before DIR appears: a checkpoint in place is always one the index knows.
-            store.index_db.record_checkpoint(CheckpointRecord(str(target), namespace, uid, mode, snap,
-                                                              hashlib.sha256(data).hexdigest()))
+            record = CheckpointRecord(str(target), namespace, uid, mode, snap, hashlib.sha256(data).hexdigest())
+            if handed:  # (recorded at the client's commit; until then pending, and undone with its session)
+                with self._lock:
+                    self._uncommitted[(session_id, str(target))] = _Uncommitted(pending, record,
+                                                                                [m.name for m in links])
+            else:  # Recorded before DIR appears: a checkpoint in place is always one the index knows.
+                store.index_db.record_checkpoint(record)
             new.publish()
         except BaseException as exc:
             if new is not None:  # (before it, nothing of this checkpoint is on disk or recorded)
@@ -251,13 +281,39 @@ class Checkpointer:
                 raise write_failure(target, exc) from None
             raise
         finally:
-            store.index_db.delete_meta(pending)
+            if not handed or (session_id, str(target)) not in self._uncommitted:
+                store.index_db.delete_meta(pending)
             store.unpin(entries)
         total = sum(o["size"] for o in objects)
         seconds = time.perf_counter() - t0
         log.info("checkpoint of %s at step %d (%s): %d objects, %s in %.2f s to %s", namespace, step, mode,
                  len(objects), format_size(total), seconds, target)
         return CheckpointResult(str(target), namespace, len(objects), total, step, seconds, mode, manifest=data)
+
+    def commit(self, session_id: int, directory: str) -> None:
+        """The client renamed a checkpoint written into its handed files into place: the
+        daemon records it (restore and delete go by the record) and keeps a snapshot's objects."""
+        with self._lock:
+            pending = self._uncommitted.pop((session_id, directory), None)
+        if pending is None:
+            raise NotFound(f"this session has no checkpoint of {shown(directory)} to commit (it commits its own, once, "
+                           "after the checkpoint's reply)")
+        self.store.index_db.record_checkpoint(pending.record)
+        self.store.index_db.delete_meta(pending.key)
+
+    def session_closed(self, session_id: int) -> int:
+        """The session ended: the checkpoints it never committed go (a snapshot's objects
+        removed, nothing recorded). Returns how many."""
+        with self._lock:
+            mine = [k for k in self._uncommitted if k[0] == session_id]
+            gone = [self._uncommitted.pop(k) for k in mine]
+        for pending in gone:
+            rec = pending.record
+            self.store.delete(rec.namespace, pending.links, missing_ok=True)
+            self.store.index_db.delete_meta(pending.key)
+            log.warning("checkpoint %s of %s was never committed (its session ended first): removed what it had "
+                        "linked", rec.directory, rec.namespace)
+        return len(gone)
 
     def _replace_stale_record(self, target: str, uid: int) -> None:
         """A checkpoint the client writes where the daemon recorded one of the same user's

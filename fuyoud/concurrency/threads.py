@@ -1,7 +1,7 @@
 """Threads a part of the daemon starts, kept so that its owner can join them.
 
-Every thread the daemon starts outside gRPC's own pool (the session socket's accept loop
-and one per connection, the optimizer's read-aheads, housekeeping) is started through a
+Every thread the daemon starts outside gRPC's own pool (the session socket's event loop
+and its workers, the optimizer's read-aheads, housekeeping and the reaper) is started through a
 ``Threads`` of the part that owns it, and that part's ``close``/``join`` waits for them:
 the daemon stops them all before it closes the store and the I/O engine, so no thread
 reads or writes a data file's descriptor after it was closed (or reused for another

@@ -1,7 +1,13 @@
 """The daemon's once-a-second chores, on one thread: sample SSD throughput (for
-`fuyouctl status`), run the systemd watchdog, reap sessions whose process is gone
-(every REAP_EVERY seconds: sessions/registry.py ``reap``) and persist the lifetime byte counters
-every minute."""
+`fuyouctl status`), run the systemd watchdog and persist the lifetime byte counters
+every minute; and, on a thread of its own (the reaper), reap sessions whose process is
+gone (every REAP_EVERY seconds: sessions/registry.py ``reap``).
+
+The reaper has its own thread because a reap closes sessions, and a session's close
+waits for what it still runs (a dead client's optimizer step in flight): the watchdog's
+pings, which vouch for the serving path only, must not wait for that, or systemd would
+kill a healthy daemon (WatchdogSec=). A reaper that hangs stops reaping and nothing else;
+``stop`` reports it by name."""
 from __future__ import annotations
 
 import collections
@@ -10,6 +16,7 @@ import threading
 import time
 from typing import Callable
 
+from fuyoud.concurrency.threads import Threads
 from fuyoud.operations.watchdog import Watchdog
 from fuyoud.storage.store import Store
 
@@ -47,14 +54,15 @@ class Housekeeping:
         self.store = store
         self.watchdog = watchdog
         self.reap = reap
-        self._last_reap = time.monotonic()
         self.throughput = RateMeter()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="housekeeping", daemon=True)
+        self._threads = Threads("housekeeping")
         self._last_save = time.monotonic()
 
     def start(self) -> None:
-        self._thread.start()
+        self._threads.start(self._run, name="housekeeping")
+        if self.reap is not None:
+            self._threads.start(self._reap_loop, name="reaper")
 
     def _run(self) -> None:
         period = min(TICK, self.watchdog.interval) if self.watchdog is not None else TICK
@@ -70,19 +78,22 @@ class Housekeeping:
         self.throughput.sample(now, usage.bytes_read, usage.bytes_written)
         if self.watchdog is not None:
             self.watchdog.tick(now)
-        if self.reap is not None and now - self._last_reap >= REAP_EVERY:
-            self._last_reap = now
-            self.reap()
         if now - self._last_save >= SAVE_EVERY:
             self._last_save = now
             self.store.save_lifetime()
 
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(REAP_EVERY):
+            try:
+                self.reap()
+            except Exception:  # noqa: BLE001 - a failed reap must not end the reaper
+                log.exception("reaping sessions failed")
+
     def stop(self, timeout: float = 60.0) -> list[str]:
-        """End the chores and join their thread; returns its name if it is still running
-        after ``timeout`` seconds (a chore that hangs)."""
+        """End the chores and join their threads; returns the names of those still running
+        after ``timeout`` seconds (a chore that hangs: a reap blocked in a session's close)."""
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        left = self._threads.join(timeout)
         if self.watchdog is not None:
             self.watchdog.close()
-        return [self._thread.name] if self._thread.is_alive() else []
+        return left

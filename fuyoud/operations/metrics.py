@@ -50,6 +50,16 @@ class Metrics:
             "fuyoud_session_accept_errors",
             "accept() failures of the session socket, by errno (EMFILE: out of file descriptors); the listener "
             "retries", ["errno"], registry=r)
+        self.session_close_errors = Counter(
+            "fuyoud_session_close_errors",
+            "Steps of a session's close that failed, by step (optimizer: forgetting its groups; namespace: deleting "
+            "its unnamed namespace's state; transient: dropping its transient objects; pool: releasing its pinned "
+            "memory); the later steps ran all the same, and its pinned memory was released unless the step is pool",
+            ["step"], registry=r)
+        self.session_connections_refused = Counter(
+            "fuyoud_session_connections_refused",
+            "Session-socket connections refused at accept, by the limit met: per_uid (the connections one user holds "
+            "at once), total (all users'); the client is told why", ["limit"], registry=r)
         self.reclaimed_bytes = Counter("fuyoud_reclaimed_pinned_bytes",
                                        "Pinned bytes given back when sessions ended", registry=r)
         self.optimizer_steps = Counter("fuyoud_optimizer_group_steps", "Optimizer steps of parameter groups",
@@ -89,6 +99,9 @@ class Metrics:
 
     def session_accept_errors_by(self, errno_name: str) -> None:
         self.session_accept_errors.labels(errno_name).inc()
+
+    def session_connections_refused_by(self, limit: str) -> None:
+        self.session_connections_refused.labels(limit).inc()
 
     def observe_io(self, device: int, direction: str, nbytes: int, ops: int, seconds: float) -> None:
         dev = str(device)

@@ -6,6 +6,9 @@ wedged daemon alive, so each ping follows a probe of the serving path itself: a
 grpc.health.v1 check through the control socket (it needs a free gRPC worker, so a
 daemon whose workers are all stuck fails it), the session listener thread, and a read
 of the index. A failed probe sends no ping and is logged; systemd then restarts us.
+The pings run on the housekeeping thread and wait for nothing a client started: the
+reaper (whose closes wait for a dead client's requests) has a thread of its own
+(operations/housekeeping.py), and so do the session socket's closes (sessions/listener.py).
 """
 from __future__ import annotations
 

@@ -8,9 +8,11 @@ only through them, never by path, so it can do nothing there the user could not
 
     client -> daemon   {"hand": key, "names": [str, ...], "last": bool}  + one fd per name
 
-The request takes what was handed under its key (``take``), waiting briefly for the
-messages (the socket and the gRPC channel are not ordered with each other), and owns the
-descriptors from then on. What is never taken goes when the session closes. A session
+The daemon answers the last message of a key on the same socket (``{"handed": key}``, with
+``"error"`` where it was refused), and the client sends its request only then: the socket
+and the gRPC channel are not ordered with each other, and so no request waits for files
+that may never come. The request takes what was handed under its key (``take``) and owns
+the descriptors from then on. What is never taken goes when the session closes. A session
 holds at most ``MAX_KEYS`` keys and ``MAX_FDS`` descriptors: beyond them a hand-over is
 refused, and its descriptors closed at once.
 """
@@ -19,7 +21,6 @@ from __future__ import annotations
 import os
 import re
 import threading
-import time
 
 from fuyoud.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from fuyoud.sessions.names import shown
@@ -27,7 +28,6 @@ from fuyoud.sessions.names import shown
 MAX_FDS_PER_MESSAGE = 250  # (the kernel's SCM_MAX_FD is 253)
 MAX_FDS = 16384  # descriptors one session may have handed and not yet had taken
 MAX_KEYS = 16
-TAKE_TIMEOUT = 30.0  # seconds a request waits for what its key names to arrive whole
 KEY_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -82,8 +82,9 @@ class HandedFiles:
     def _count(self) -> int:
         return sum(len(h.fds) for h in self._sets.values())
 
-    def put(self, message: dict, fds: list[int]) -> None:
-        """One hand-over message and its descriptors (owned from here: closed if refused)."""
+    def put(self, message: dict, fds: list[int]) -> bool:
+        """One hand-over message and its descriptors (owned from here: closed if refused);
+        True when it completed its key (the daemon then answers the client)."""
         try:
             key, names, last = message.get("hand"), message.get("names"), message.get("last", True)
             if not isinstance(key, str) or not KEY_RE.match(key):
@@ -114,6 +115,7 @@ class HandedFiles:
                 fds = []
                 handed.complete = bool(last)
                 self._cond.notify_all()
+                return handed.complete
         finally:
             for fd in fds:  # (refused: none of them is kept)
                 try:
@@ -130,27 +132,22 @@ class HandedFiles:
                 handed.error = error
                 self._cond.notify_all()
 
-    def take(self, key: str, timeout: float = TAKE_TIMEOUT) -> Handed:
+    def take(self, key: str) -> Handed:
         """What was handed under ``key``, whole (the caller owns it: use it as a context
-        manager); FailedPrecondition if it does not arrive within ``timeout`` seconds."""
+        manager); FailedPrecondition if nothing complete was (the client waits for the
+        daemon's answer to its hand-over before it asks)."""
         if not isinstance(key, str) or not KEY_RE.match(key):
             raise InvalidArgument(f"bad hand-over key {shown(key, 32)}")
-        deadline = time.monotonic() + timeout
         with self._cond:
-            while True:
-                handed = self._sets.get(key)
-                if handed is not None and (handed.complete or handed.error):
-                    del self._sets[key]
-                    if handed.error:
-                        handed.close()
-                        raise InvalidArgument(handed.error)
-                    return handed
-                left = deadline - time.monotonic()
-                if self._closed or left <= 0:
-                    raise FailedPrecondition(
-                        f"the files of hand-over {shown(key)} did not arrive on the session socket within "
-                        f"{timeout:g} s (a client sends them before its request)")
-                self._cond.wait(left)
+            handed = self._sets.get(key)
+            if handed is None or not (handed.complete or handed.error):
+                raise FailedPrecondition(f"no files were handed under {shown(key)} on this session's socket (a "
+                                         "client hands them, and waits for the daemon's answer, before its request)")
+            del self._sets[key]
+        if handed.error:
+            handed.close()
+            raise InvalidArgument(handed.error)
+        return handed
 
     def close(self) -> None:
         """The session is over: every descriptor not taken is closed."""

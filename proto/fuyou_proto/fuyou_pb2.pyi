@@ -511,6 +511,12 @@ class RestoreReply(_message.Message):
     seconds: float
     def __init__(self, namespace: _Optional[str] = ..., step: _Optional[int] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ..., mode: _Optional[str] = ..., client_state: _Optional[bytes] = ..., seconds: _Optional[float] = ...) -> None: ...
 
+class CommitCheckpointRequest(_message.Message):
+    __slots__ = ("directory",)
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+
 class DeleteCheckpointRequest(_message.Message):
     __slots__ = ("directory", "handed")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]

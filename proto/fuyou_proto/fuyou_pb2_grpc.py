@@ -119,6 +119,11 @@ class FuyouStub:
                 request_serializer=fuyou__proto_dot_fuyou__pb2.DeleteCheckpointRequest.SerializeToString,
                 response_deserializer=fuyou__proto_dot_fuyou__pb2.Empty.FromString,
                 _registered_method=True)
+        self.CommitCheckpoint = channel.unary_unary(
+                '/fuyou.v1.Fuyou/CommitCheckpoint',
+                request_serializer=fuyou__proto_dot_fuyou__pb2.CommitCheckpointRequest.SerializeToString,
+                response_deserializer=fuyou__proto_dot_fuyou__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class FuyouServicer:
@@ -262,6 +267,16 @@ class FuyouServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitCheckpoint(self, request, context):
+        """A checkpoint written into handed files is the daemon's to keep only once the client
+        has renamed its directory into place and says so here: until then (and for good, if
+        the session ends first, or the daemon restarts) a snapshot's objects are removed again
+        and nothing is recorded, so a client that dies mid-checkpoint leaves nothing on the array.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FuyouServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -348,6 +363,11 @@ def add_FuyouServicer_to_server(servicer, server):
             'DeleteCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteCheckpoint,
                     request_deserializer=fuyou__proto_dot_fuyou__pb2.DeleteCheckpointRequest.FromString,
+                    response_serializer=fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
+            ),
+            'CommitCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitCheckpoint,
+                    request_deserializer=fuyou__proto_dot_fuyou__pb2.CommitCheckpointRequest.FromString,
                     response_serializer=fuyou__proto_dot_fuyou__pb2.Empty.SerializeToString,
             ),
     }
@@ -809,6 +829,33 @@ class Fuyou:
             target,
             '/fuyou.v1.Fuyou/DeleteCheckpoint',
             fuyou__proto_dot_fuyou__pb2.DeleteCheckpointRequest.SerializeToString,
+            fuyou__proto_dot_fuyou__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fuyou.v1.Fuyou/CommitCheckpoint',
+            fuyou__proto_dot_fuyou__pb2.CommitCheckpointRequest.SerializeToString,
             fuyou__proto_dot_fuyou__pb2.Empty.FromString,
             options,
             channel_credentials,

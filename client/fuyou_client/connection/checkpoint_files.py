@@ -10,7 +10,10 @@ user's, and the daemon can do nothing there that the user could not.
 Writing: ``DIR.partial-<pid>-<hex>/`` with ``objects/NNNNNN.bin`` (one new file per
 persistent object, for a copy), handed; the daemon copies the objects into them at a
 point between steps and returns the manifest; the client writes ``manifest.json`` and
-``client_state.bin``, syncs, and renames the directory to ``DIR`` (complete or absent).
+``client_state.bin``, syncs, renames the directory to ``DIR`` (complete or absent) and
+commits it: only then does the daemon record it and keep a snapshot's objects, so a
+process that dies mid-checkpoint leaves nothing on the array (its session's end removes
+them; a ``DIR.partial-*`` left in the user's directory is the user's to remove).
 A snapshot's objects stay on the daemon's array, so its directory holds the manifest
 alone (the object files handed in "auto" mode are removed again, still empty).
 """
@@ -120,6 +123,14 @@ def _open_objects(directory: Path, files: list[str], open_one, names: list[str],
         os.close(objects_fd)
 
 
+def _write_failure(target: Path, exc: OSError) -> Exception:
+    """The error for a checkpoint the client could not write (its partial directory gone)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return errors.ResourceExhausted(f"cannot write checkpoint {target}: {exc.strerror}; nothing of it was left. "
+                                        "Free space there, or name a directory on another filesystem")
+    return exc
+
+
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
@@ -149,6 +160,8 @@ def write(session, directory, timeout: float, mode: str, client_state: bytes) ->
     except PermissionError:
         raise errors.PermissionDenied(f"cannot create checkpoint directory {target}: this process may not write "
                                       f"in {target.parent}") from None
+    except OSError as exc:
+        raise _write_failure(target, exc) from None
     try:
         os.chmod(partial, DIR_MODE)  # (mkdir's mode went through the umask)
         os.mkdir(partial / OBJECTS, DIR_MODE)
@@ -176,8 +189,15 @@ def write(session, directory, timeout: float, mode: str, client_state: bytes) ->
         _fsync_dir(partial / OBJECTS)
         os.rename(partial, target)
         _fsync_dir(target.parent)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise _write_failure(target, exc) from None
+        raise
+    try:  # (until then the daemon keeps nothing of it: a process that dies here leaves nothing on the array)
+        session.call("CommitCheckpoint", pb.CommitCheckpointRequest(directory=reply.directory), timeout=600)
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)
         raise
     return reply
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import threading
 from concurrent.futures import Future
@@ -25,6 +26,7 @@ import grpc
 from fuyou_client import errors
 from fuyou_client.connection import checkpoint_files
 from fuyou_client.connection.buffers import Segment, SharedBuffer
+from fuyou_client.connection.futures import all_of, flatten, wrap_future  # noqa: F401 (all_of, flatten: re-exported)
 from fuyou_client.connection.reach import denied, reachable
 from fuyou_client.optim import DTYPE_NAMES, AdamW, GroupInfo, SGD, StepInfo
 from fuyou_proto import SESSION_METADATA_KEY, pb, rpc
@@ -32,6 +34,7 @@ from fuyou_proto import dtype_value
 
 MAX_MESSAGE = 64 * 1024
 MAX_FDS_PER_MESSAGE = 250  # descriptors in one hand-over message (the kernel's SCM_MAX_FD is 253)
+HAND_TIMEOUT = 60.0  # seconds to wait for the daemon to say it has a hand-over
 # A checkpoint's manifest comes back in its reply: room for one of many objects.
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 128 << 20)]
 
@@ -95,71 +98,6 @@ def _call(fn, request, metadata, timeout=None):
         raise errors.from_rpc_error(exc) from None
 
 
-def _wrap_future(call: grpc.Future, convert=lambda r: r) -> Future:
-    """A concurrent.futures.Future that raises fuyou_client errors."""
-    fut: Future = Future()
-
-    def done(c: grpc.Future) -> None:
-        if c.cancelled():  # (never by this client: a channel closed under it)
-            fut.set_exception(errors.DaemonUnavailable("the request was cancelled: the session's channel closed"))
-            return
-        exc = c.exception()
-        if exc is None:
-            fut.set_result(convert(c.result()))
-        elif isinstance(exc, grpc.RpcError):
-            fut.set_exception(errors.from_rpc_error(exc))
-        else:
-            fut.set_exception(exc)
-
-    call.add_done_callback(done)
-    return fut
-
-
-def all_of(futures: Sequence[Future], combine=list) -> Future:
-    """One future for several: done when every one is (so that no buffer they use is
-    reused early), with ``combine(results)``, or the first one's error."""
-    out: Future = Future()
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_f: Future) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        errors_ = [f.exception() for f in futures if f.exception() is not None]
-        if errors_:
-            out.set_exception(errors_[0])
-        else:
-            try:
-                out.set_result(combine([f.result() for f in futures]))
-            except Exception as exc:  # noqa: BLE001 - handed to the waiter
-                out.set_exception(exc)
-
-    for f in futures:
-        f.add_done_callback(one_done)
-    return out
-
-
-def flatten(outer: Future) -> Future:
-    """A future of a future's result, as one (a step submitted from a callback)."""
-    out: Future = Future()
-
-    def inner_done(inner: Future) -> None:
-        exc = inner.exception()
-        out.set_exception(exc) if exc is not None else out.set_result(inner.result())
-
-    def outer_done(f: Future) -> None:
-        exc = f.exception()
-        if exc is not None:
-            out.set_exception(exc)
-        else:
-            f.result().add_done_callback(inner_done)
-
-    outer.add_done_callback(outer_done)
-    return out
-
-
 class Session:
     def __init__(self, socket_path: str | None = None, namespace: str | None = None, timeout: float = 10.0):
         self.socket_path = socket_path or default_socket()
@@ -202,6 +140,7 @@ class Session:
         self._segments: dict[int, Segment] = {}
         self._seg_lock = threading.Lock()
         self._send_lock = threading.Lock()
+        self._acks: dict[str, dict | None] = {}  # hand-over key -> the daemon's error, or None
         self._device = None  # a compute device every mapped segment is registered with
         self.closed = False
 
@@ -231,19 +170,30 @@ class Session:
         """The mapping of a segment; its fd arrived on the session socket before the reply."""
         with self._seg_lock:
             while segment_id not in self._segments:
-                msg, fds, _, _ = socket.recv_fds(self._sock, MAX_MESSAGE, 4)
-                if not msg:
-                    raise errors.DaemonUnavailable("fuyoud closed the session socket")
-                info = json.loads(msg)
-                if "segment" not in info or len(fds) != 1:
-                    for fd in fds:
-                        os.close(fd)
-                    raise errors.FuyouClientError(f"unexpected message on the session socket: {info!r}")
-                seg = Segment(info["segment"], info["size"], fds[0])
-                self._segments[info["segment"]] = seg
-                if self._device is not None:
-                    seg.register(self._device)
+                self._read_message()
             return self._segments[segment_id]
+
+    def _read_message(self, timeout: float | None = None) -> None:
+        """One message from the session socket (the caller holds ``_seg_lock``): a new
+        segment (mapped, and registered with the device) or the answer to a hand-over
+        (kept in ``_acks``). ``timeout``: DaemonUnavailable if none comes within it."""
+        if timeout is not None and not select.select([self._sock], [], [], timeout)[0]:
+            raise errors.DaemonUnavailable(f"fuyoud did not answer on the session socket within {timeout:g} s")
+        msg, fds, _, _ = socket.recv_fds(self._sock, MAX_MESSAGE, 4)
+        if not msg:
+            raise errors.DaemonUnavailable("fuyoud closed the session socket")
+        info = json.loads(msg)
+        if "handed" in info and not fds:
+            self._acks[info["handed"]] = info.get("error")
+            return
+        if "segment" not in info or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise errors.FuyouClientError(f"unexpected message on the session socket: {info!r}")
+        seg = Segment(info["segment"], info["size"], fds[0])
+        self._segments[info["segment"]] = seg
+        if self._device is not None:
+            seg.register(self._device)
 
     @property
     def pinned_bytes(self) -> int:
@@ -286,7 +236,7 @@ class Session:
     def swap_out_async(self, items: Sequence[Out]) -> Future:
         """Start a batched swap-out; the future's result is the list of ObjectInfo."""
         call = self._stub.SwapOut.future(pb.SwapOutRequest(items=[i.to_pb() for i in items]), metadata=self._metadata)
-        return _wrap_future(call, lambda r: [ObjectInfo.from_pb(o) for o in r.objects])
+        return wrap_future(call, lambda r: [ObjectInfo.from_pb(o) for o in r.objects])
 
     def swap_in(self, name: str, buffer: SharedBuffer, offset: int = 0, length: int | None = None,
                 object_offset: int = 0) -> None:
@@ -298,7 +248,7 @@ class Session:
 
     def swap_in_async(self, items: Sequence[In]) -> Future:
         call = self._stub.SwapIn.future(pb.SwapInRequest(items=[i.to_pb() for i in items]), metadata=self._metadata)
-        return _wrap_future(call, lambda r: None)
+        return wrap_future(call, lambda r: None)
 
     def delete(self, *names: str, missing_ok: bool = False) -> None:
         _call(self._stub.Delete, pb.DeleteRequest(names=list(names), missing_ok=missing_ok), self._metadata)
@@ -306,7 +256,7 @@ class Session:
     def delete_async(self, *names: str) -> Future:
         """Delete objects (missing ones are fine) without waiting."""
         req = pb.DeleteRequest(names=list(names), missing_ok=True)
-        return _wrap_future(self._stub.Delete.future(req, metadata=self._metadata))
+        return wrap_future(self._stub.Delete.future(req, metadata=self._metadata))
 
     def stat(self, name: str) -> ObjectInfo:
         return ObjectInfo.from_pb(_call(self._stub.Stat, pb.StatRequest(name=name), self._metadata))
@@ -337,7 +287,7 @@ class Session:
         numel = (weights.size - offset) // 4 if numel is None else numel
         req = pb.CreateGroupRequest(name=name, optimizer=optimizer.to_pb(), weights=weights.ref, offset=offset,
                                     numel=numel, with_state=state, step=step)
-        return _wrap_future(self._stub.CreateGroup.future(req, metadata=self._metadata), GroupInfo.from_pb)
+        return wrap_future(self._stub.CreateGroup.future(req, metadata=self._metadata), GroupInfo.from_pb)
 
     def group(self, name: str) -> GroupInfo:
         """An existing group (also one created before a daemon restart)."""
@@ -385,7 +335,7 @@ class Session:
 
         req = self._step_request(name, grads, lr, grads_offset, grad_dtype or torch.float32, out, out_offset,
                                  out_dtype or torch.float32, grad_scale, weights_object, hyper, masters, masters_offset)
-        return _wrap_future(self._stub.StepGroup.future(req, metadata=self._metadata), StepInfo.from_pb)
+        return wrap_future(self._stub.StepGroup.future(req, metadata=self._metadata), StepInfo.from_pb)
 
     def status(self) -> pb.StatusReply:
         """The daemon's Status (engine, devices, memory, SSD bytes moved; its session list
@@ -398,7 +348,7 @@ class Session:
         served them."""
         req = pb.FetchWeightsRequest(name=name, out=out.ref, out_offset=out_offset,
                                      out_dtype=dtype_value(DTYPE_NAMES[dtype]))
-        return _wrap_future(self._stub.FetchWeights.future(req, metadata=self._metadata), lambda r: r.served)
+        return wrap_future(self._stub.FetchWeights.future(req, metadata=self._metadata), lambda r: r.served)
 
     def checkpoint(self, directory: str | os.PathLike, timeout: float = 60.0, mode: str = "auto",
                    client_state: bytes = b"") -> pb.CheckpointReply:
@@ -421,7 +371,8 @@ class Session:
 
     def hand(self, key: str, names: Sequence[str], fds: Sequence[int]) -> None:
         """Hand the daemon descriptors (``fds``, one per name; the caller keeps and closes its
-        own) for the request that will name ``key`` (fuyoud/sessions/handed.py)."""
+        own) for the request that will name ``key`` (fuyoud/sessions/handed.py), and wait for
+        the daemon to say it has them: the request that follows on the gRPC channel finds them."""
         if len(names) != len(fds):
             raise ValueError("one name per descriptor")
         per = MAX_FDS_PER_MESSAGE
@@ -433,6 +384,12 @@ class Session:
                 except OSError as exc:
                     raise errors.DaemonUnavailable(f"cannot hand files to fuyoud on the session socket: {exc}") \
                         from None
+        with self._seg_lock:
+            while key not in self._acks:
+                self._read_message(timeout=HAND_TIMEOUT)
+            error = self._acks.pop(key)
+        if error is not None:
+            raise errors.from_code(error.get("code", "UNKNOWN"), error.get("message", "hand-over refused"))
 
     def call(self, method: str, request, timeout: float | None = None):
         """A unary call of service Fuyou as this session (errors as fuyou_client.errors)."""
@@ -446,7 +403,7 @@ class Session:
                                exposed_optimizer_seconds=exposed_optimizer_seconds,
                                activation_bytes_to_host=activation_bytes_to_host,
                                activation_bytes_to_ssd=activation_bytes_to_ssd)
-        return _wrap_future(self._stub.Report.future(req, metadata=self._metadata))
+        return wrap_future(self._stub.Report.future(req, metadata=self._metadata))
 
     @property
     def stub(self) -> rpc.FuyouStub:
