@@ -147,6 +147,7 @@ def _pings(listener: socket.socket) -> int:
         return n
 
 
+@pytest.mark.slow  # (waits for three watchdog pings while a reap hangs)
 def test_the_watchdog_pings_on_while_a_reap_is_blocked_in_a_dead_clients_close(short_tmp):
     """The reaper ends a session whose process is gone; its close blocks (a failpoint where
     a dead client's in-flight step would hold it). The watchdog used to share the reaper's

@@ -70,8 +70,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("materialize", [False, True], ids=["empty", "materialized"])
-@pytest.mark.parametrize("case", list(CASES))
+# (the default suite: each case without materialize, where resident weights were zeroed; the rest slow)
+@pytest.mark.parametrize("case, materialize", [
+    pytest.param(c, m, id=f"{c}-{'materialized' if m else 'empty'}", marks=pytest.mark.slow if m else ())
+    for c in CASES for m in (False, True)])
 def test_close_keeps_every_trained_value(small_daemon, case, materialize):
     ours, engine, ref, offloaded = trained(small_daemon, **CASES[case])
     names = {id(p): n for n, p in ours.named_parameters()}
@@ -89,6 +91,7 @@ def test_close_keeps_every_trained_value(small_daemon, case, materialize):
     check(ours, ref, offloaded, materialize)  # (nothing of the daemon's is read any more)
 
 
+@pytest.mark.slow  # (two daemons' worth of steps: the default suite has the plain cases)
 @pytest.mark.parametrize("materialize", [False, True], ids=["empty", "materialized"])
 def test_a_step_the_daemon_refused_in_flight_at_close_leaves_the_committed_weights(small_daemon, materialize):
     """close() between backward and step(), the steps in flight refused (NaN gradients): the
@@ -102,6 +105,7 @@ def test_a_step_the_daemon_refused_in_flight_at_close_leaves_the_committed_weigh
     check(ours, ref, offloaded, materialize)
 
 
+@pytest.mark.slow  # (a daemon killed per case)
 @pytest.mark.parametrize("offload", [False, True], ids=["resident", "offloaded"])
 def test_a_step_lost_with_the_daemon_empties_its_group_and_close_says_so(short_tmp, offload):
     """The daemon dies while steps are in flight: what they wrote into the parameters is

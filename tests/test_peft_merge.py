@@ -130,8 +130,12 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("granularity", GRANULARITIES)
-@pytest.mark.parametrize("variant", list(VARIANTS))
+FAST = {("lora", "module"), ("dora", "block"), ("dora", "module")}  # (the default suite's; the rest slow)
+
+
+@pytest.mark.parametrize("variant, granularity", [
+    pytest.param(v, g, id=f"{g}-{v}", marks=() if (v, g) in FAST else pytest.mark.slow)
+    for v in VARIANTS for g in GRANULARITIES])
 def test_export_merged_is_what_peft_merges(attach, tmp_path, variant, granularity):
     """PEFT's merge of each LoRA option at each granularity, bitwise (the same merge() code on
     the same fp32 values). DoRA: its magnitude vector rescales each row; lora_bias: the base
@@ -143,6 +147,7 @@ def test_export_merged_is_what_peft_merges(attach, tmp_path, variant, granularit
     assert_merged(engine, ref, tmp_path / "merged", load=granularity == "module")
 
 
+@pytest.mark.slow  # (four exports of two adapters; the default suite merges DoRA at both granularities)
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("both", [False, True], ids=["one-active", "both-active"])
 def test_two_adapters(attach, tmp_path, both, granularity):
@@ -170,6 +175,7 @@ def test_a_tied_head_saved_as_a_copy_is_untied(attach, tmp_path):
     assert engine.model.base_model.model.config.tie_word_embeddings is True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("kind", ["loha", "lokr"])
 def test_loha_and_lokr(attach, tmp_path, kind, granularity):
@@ -229,7 +235,8 @@ def test_save_adapter_at_module_granularity(attach, tmp_path):
             assert torch.equal(got[name], t), (adapter, name)
 
 
-@pytest.mark.parametrize("variant", ["dora", "embedding", "loha"])
+@pytest.mark.parametrize("variant", ["dora", pytest.param("embedding", marks=pytest.mark.slow),
+                                     pytest.param("loha", marks=pytest.mark.slow)])
 def test_a_tuner_layer_that_reads_its_base_weight_trains_bitwise_at_module_granularity(attach, variant):
     """DoRA (its weight norm), an embedding's LoRA and LoHa read the base layer's weight
     outside the base layer's own forward: at granularity="module" a tuner layer is one

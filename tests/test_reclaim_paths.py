@@ -120,7 +120,8 @@ def test_a_session_closed_between_its_lookup_and_the_pool_keeps_nothing(method, 
         assert f"session {client.id} is closing or closed" in err.details()
 
 
-@pytest.mark.parametrize("step", ["optimizer", "namespace", "transient"])
+@pytest.mark.parametrize("step", ["optimizer", pytest.param("namespace", marks=pytest.mark.slow),
+                                  pytest.param("transient", marks=pytest.mark.slow)])
 def test_a_step_of_a_close_that_fails_still_gives_the_memory_back_and_is_counted(step):
     """Each step of a close fails in turn (a failpoint raising in it): the steps after it
     run, the session's pinned memory and reservation are released, the failure is logged
@@ -149,6 +150,7 @@ def test_a_step_of_a_close_that_fails_still_gives_the_memory_back_and_is_counted
         assert f"session {client.id}: closing it, " in d.log() and f"failpoint session.close.{step}" in d.log()
 
 
+@pytest.mark.slow  # (a close paused 5 s at a failpoint)
 def test_a_closing_session_is_listed_until_its_memory_is_back():
     """A client dies (its session socket ends); the close pauses after its optimizer step.
     Meanwhile the session is refused (its token) but listed, in ListSessions, Status and

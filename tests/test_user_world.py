@@ -132,6 +132,7 @@ def test_a_user_not_in_the_daemons_group_is_refused(host):
     assert f"add user {OUTSIDER.name} to group {DAEMON.name}" in got, got
 
 
+@pytest.mark.slow  # (test_a_member_checkpoints_into_its_home_and_resumes trains as the member too)
 def test_a_member_trains_a_tiny_gpt2_and_what_it_writes_is_its_own(host):
     _, out, _ = host.run_as(TRAINER, TRAIN, args=[host.socket])
     losses = last_json(out)["losses"]

@@ -129,7 +129,8 @@ def all_the_users(host, path: Path) -> None:
         assert (uid, gid) == (TRAINER.uid, TRAINER.gid), f"{path.name}/{name} is {uid}:{gid}'s"
 
 
-@pytest.mark.parametrize("granularity", ["block", pytest.param("module", marks=pytest.mark.slow)])
+@pytest.mark.slow  # (two Trainer runs as another uid: about 25 s a granularity; test_user_world.py's checkpoint test is the default suite's)
+@pytest.mark.parametrize("granularity", ["block", "module"])
 def test_a_trainer_saves_rotates_and_resumes_in_the_users_output_dir(host, granularity):
     """FuyouTrainer with ordinary arguments (save_steps=2, save_total_limit=2,
     load_best_model_at_end) under the host's daemon: it saves in the user's output_dir (it
