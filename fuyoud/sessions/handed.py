@@ -76,7 +76,7 @@ class HandedFiles:
 
     def __init__(self):
         self._sets: dict[str, Handed] = {}
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # (the socket's thread puts, a request's takes; nothing waits)
         self._closed = False
 
     def _count(self) -> int:
@@ -95,7 +95,7 @@ class HandedFiles:
                            "descriptors (one short name per descriptor, at most "
                            f"{MAX_FDS_PER_MESSAGE} a message)")
                 raise InvalidArgument("bad hand-over message")
-            with self._cond:
+            with self._lock:
                 if self._closed:
                     raise FailedPrecondition("session closed")
                 handed = self._sets.get(key)
@@ -108,13 +108,11 @@ class HandedFiles:
                 if self._count() + len(fds) > MAX_FDS:
                     handed.error = (f"the session handed more than {MAX_FDS} descriptors not yet used; hand fewer "
                                     "at a time")
-                    self._cond.notify_all()
                     raise ResourceExhausted(handed.error)
                 handed.names.extend(names)
                 handed.fds.extend(fds)
                 fds = []
                 handed.complete = bool(last)
-                self._cond.notify_all()
                 return handed.complete
         finally:
             for fd in fds:  # (refused: none of them is kept)
@@ -124,13 +122,12 @@ class HandedFiles:
                     pass
 
     def _fail(self, key: str, error: str) -> None:
-        with self._cond:
+        with self._lock:
             handed = self._sets.get(key)
             if handed is None and len(self._sets) < MAX_KEYS and not self._closed:
                 handed = self._sets[key] = Handed(key)
             if handed is not None:
                 handed.error = error
-                self._cond.notify_all()
 
     def take(self, key: str) -> Handed:
         """What was handed under ``key``, whole (the caller owns it: use it as a context
@@ -138,7 +135,7 @@ class HandedFiles:
         daemon's answer to its hand-over before it asks)."""
         if not isinstance(key, str) or not KEY_RE.match(key):
             raise InvalidArgument(f"bad hand-over key {shown(key, 32)}")
-        with self._cond:
+        with self._lock:
             handed = self._sets.get(key)
             if handed is None or not (handed.complete or handed.error):
                 raise FailedPrecondition(f"no files were handed under {shown(key)} on this session's socket (a "
@@ -151,9 +148,8 @@ class HandedFiles:
 
     def close(self) -> None:
         """The session is over: every descriptor not taken is closed."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             for handed in self._sets.values():
                 handed.close()
             self._sets.clear()
-            self._cond.notify_all()
