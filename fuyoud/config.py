@@ -11,18 +11,61 @@ import dataclasses
 import grp
 import os
 import pwd
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fuyou_proto.contract import PAGE
-from fuyoud.units import parse_size
+from fuyoud.units import format_size, parse_size
 
 
 
 class ConfigError(ValueError):
     """A config file or value that fuyoud refuses; the message names the key."""
+
+
+AUTO_SHARE = 0.75  # what a [limits] "auto" gives one user of a shared host (fuyoud/sessions/user_limits.py)
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+@dataclass(frozen=True)
+class Share:
+    """A [limits] size: ``nbytes``, or ``fraction`` of a whole, or "auto" (both None)."""
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, value: object) -> "Share":
+        """"auto", "NN%" (0-100, not 0) or a size ("48GiB", a number of bytes, not 0);
+        ValueError otherwise."""
+        if value == "auto":
+            return cls()
+        if isinstance(value, str) and (m := _PERCENT.match(value)):
+            percent = float(m[1])
+            if not 0 < percent <= 100:
+                raise ValueError(f"{value!r}: a percentage above 0 and at most 100")
+            return cls(fraction=percent / 100)
+        nbytes = parse_size(value)
+        if nbytes <= 0:
+            raise ValueError(f"{value!r}: a positive size, a percentage or \"auto\"")
+        return cls(nbytes=nbytes)
+
+    def of(self, whole: int, shared: bool) -> int:
+        """The bytes this allows of ``whole``; 0: no limit."""
+        if self.nbytes is not None:
+            return self.nbytes
+        fraction = self.fraction if self.fraction is not None else (AUTO_SHARE if shared else None)
+        return 0 if fraction is None or fraction >= 1 else int(whole * fraction)
+
+    def setting(self, key: str, shared: bool) -> str:
+        """How a refusal names this setting."""
+        if self.nbytes is not None:
+            return f"[limits] {key} = {format_size(self.nbytes)}"
+        if self.fraction is not None:
+            return f"[limits] {key} = {self.fraction * 100:g}%"
+        return f"[limits] {key} = \"auto\": {AUTO_SHARE * 100:g}% on this shared host"
 
 
 def _default_state_dir() -> Path:
@@ -216,6 +259,26 @@ class OptimizerSection:
 
 
 @dataclass
+class LimitsSection:
+    """[limits]: what one user (uid) may take of the daemon, over all its sessions and
+    jobs together (fuyoud/sessions/user_limits.py). A shared host is one where more than
+    one user besides root and the daemon's own may open a session (``allow_uids``, the
+    allowed group's members).
+
+      ``user_sessions``: sessions one uid holds at once.
+      ``user_pinned``: pinned memory one uid's sessions hold together (reservations or
+      segments): a size, a percentage of ``[memory] pinned_budget`` ("50%"), or "auto":
+      75% of it on a shared host, no limit on a host with one training user.
+      ``user_ssd``: bytes one uid's namespaces hold on the SSD array: a size, a
+      percentage of the array's capacity (its data files and what "auto" files may
+      still grow by), or "auto" (as ``user_pinned``).
+    """
+    user_sessions: int = 64
+    user_pinned: str = "auto"
+    user_ssd: str = "auto"
+
+
+@dataclass
 class MetricsSection:
     """[metrics]: the Prometheus endpoint.
 
@@ -233,6 +296,7 @@ class Config:
     storage: StorageSection = field(default_factory=StorageSection)
     io: IOSection = field(default_factory=IOSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    limits: LimitsSection = field(default_factory=LimitsSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
 
     @property
@@ -261,7 +325,8 @@ _CHOICES = {
     "daemon.log_level": {"debug", "info", "warning", "error"},
     "daemon.log_format": {"auto", "logfmt", "journald"},
 }
-_POSITIVE = {"daemon.grpc_workers", "io.queue_depth", "io.threads", "optimizer.buffers"}
+_SHARES = {"limits.user_pinned", "limits.user_ssd"}  # a size, a percentage or "auto" (user_limits.Share)
+_POSITIVE = {"limits.user_sessions", "daemon.grpc_workers", "io.queue_depth", "io.threads", "optimizer.buffers"}
 _PAGE_MULTIPLES = {
     "memory.segment_size", "memory.staging_size", "storage.stripe_size", "io.chunk_size",
     "storage.capacity_per_device",
@@ -269,6 +334,12 @@ _PAGE_MULTIPLES = {
 
 
 def _convert(key: str, annotation: Any, value: Any) -> Any:
+    if key in _SHARES:
+        try:
+            Share.parse(value)
+        except ValueError as exc:
+            raise ConfigError(f"[{key}]: {exc}; want a size (\"48GiB\"), a percentage (\"50%\") or \"auto\"") from None
+        return str(value)
     if key in _AUTO_ZERO and value == "auto":
         return 0
     if key in _SIZE_KEYS:

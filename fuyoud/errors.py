@@ -52,6 +52,11 @@ class QuotaExceeded(ResourceExhausted):
     kind = "quota"
 
 
+class UserLimitExceeded(ResourceExhausted):
+    """One user's sessions together would pass a [limits] limit (sessions/user_limits.py)."""
+    kind = "user_limit"
+
+
 class DataLoss(FuyouError):
     """The SSD failed a transfer (errno) or returned fewer bytes than asked."""
     code, kind = grpc.StatusCode.DATA_LOSS, "io_error"

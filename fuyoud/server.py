@@ -60,6 +60,8 @@ from fuyoud.sessions import namespaces, peers
 from fuyoud.sessions.limits import LIMITS
 from fuyoud.sessions.listener import SessionListener
 from fuyoud.sessions.registry import REASONS, Session, SessionRegistry
+from fuyoud.sessions.user_limits import LIMITS as USER_LIMITS
+from fuyoud.sessions.user_limits import UserLimits, tenant
 from fuyoud.storage.device import Device
 from fuyoud.storage.index import IndexDB
 from fuyoud.storage.store import Store
@@ -123,6 +125,7 @@ class Daemon:
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
         self.admission = Admission()
+        self.user_limits = UserLimits.from_config(config, lambda limit: self.metrics.user_limit_refusals.labels(limit).inc())
         with ExitStack() as undo:  # (a failure below gives back what was taken, in reverse order)
             self.engine, self.engine_reason = (engine, "given") if engine is not None else choose_engine(config.io)
             undo.callback(_quietly, "closing the I/O engine", self.engine.close)
@@ -135,11 +138,14 @@ class Daemon:
             failpoints.hit("daemon.init")
             buffers = StateBuffers(config.optimizer.buffers, config.optimizer.buffer_budget,
                                    config.optimizer.session_buffers)
-            self.optimizer = Optimizer(self.store, buffers, config.optimizer.state_cache, Threads("optimizer"))
+            self.optimizer = Optimizer(self.store, buffers, config.optimizer.state_cache, Threads("optimizer"),
+                                       tenant=self._tenant)
             self.sessions = SessionRegistry(self._session_closed, self.store.index_db.namespace_owner,
-                                            self.store.index_db.claim_namespace, config.daemon.admits)
+                                            self.store.index_db.claim_namespace, config.daemon.admits,
+                                            self.user_limits)
             self.pool = Pool(config.memory.pinned_budget, config.session_budget, config.memory.segment_size,
-                             lock=config.memory.lock, pages=self.huge_pages.choose, describe=self.sessions.describe)
+                             lock=config.memory.lock, pages=self.huge_pages.choose, describe=self.sessions.describe,
+                             limits=self.user_limits)
             self.checkpointer = Checkpointer(self.store, self.optimizer, self.sessions, config.checkpoint_dirs,
                                              store_outlives)
             undo.pop_all()
@@ -149,6 +155,8 @@ class Daemon:
             self.metrics.session_close_errors.labels(name)
         for limit in LIMITS:
             self.metrics.session_connections_refused.labels(limit)
+        for limit in USER_LIMITS:
+            self.metrics.user_limit_refusals.labels(limit)
         self._grpc: grpc.Server | None = None
         self._health = health.HealthServicer()
         self._listener: SessionListener | None = None
@@ -166,11 +174,24 @@ class Daemon:
             index = IndexDB(cfg.daemon.state_dir / "index.sqlite")
             return Store(devices, index, self.engine, self.staging, cfg.io.chunk_size,
                          cfg.storage.stripe_size, observer=self.metrics.observe_io,
-                         namespace_quota=cfg.storage.namespace_quota)
+                         namespace_quota=cfg.storage.namespace_quota, limits=self.user_limits,
+                         user_of=self._user_of, tenant=self._tenant)
         except BaseException:
             for dev in devices:
                 dev.close()
             raise
+
+    def _user_of(self, namespace: str) -> int | None:
+        """The uid a namespace's bytes count against: its session's, else its recorded owner's."""
+        sessions = getattr(self, "sessions", None)  # (None while the store recovers, before sessions exist)
+        uid = sessions.uid_holding(namespace) if sessions is not None else None
+        return uid if uid is not None else self.store.index_db.namespace_owner(namespace)
+
+    def _tenant(self, namespace: str | None) -> tuple:
+        """Whom a turn on the array or the optimizer is for: the namespace's (user, job)."""
+        sessions = getattr(self, "sessions", None)
+        uid = sessions.uid_holding(namespace) if sessions is not None and namespace is not None else None
+        return tenant(uid, namespace or "")
 
     def _session_closed(self, session: Session, reason: str) -> None:
         """Give back what a session held. Each step runs whatever failed before it (a

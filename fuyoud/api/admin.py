@@ -45,10 +45,17 @@ class FuyouAdminServicer(ServicerBase, rpc.FuyouAdminServicer):
         return [self.session_info(s, usage.by_session, usage.reserved_by_session)
                 for s in sorted(visible, key=lambda s: s.id)]
 
+    def _callers_session(self, context: grpc.ServicerContext) -> Session | None:
+        token = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)
+        return next((s for s in self.sessions.all() if token is not None and
+                     hmac.compare_digest(s.token.encode(), token.encode())), None)
+
     @handler
     def Status(self, request, context):
         d = self.snapshot()
         usage = d.store
+        caller = self._callers_session(context)
+        user_budget, user_others = self.pool.user_usage(caller.uid, caller.id) if caller is not None else (0, 0)
         return pb.StatusReply(
             version=d.version, io_engine=d.io_engine, io_engine_reason=d.io_engine_reason,
             devices=[pb.DeviceStatus(index=i, path=p, capacity_bytes=c, used_bytes=u, available_bytes=a)
@@ -62,7 +69,8 @@ class FuyouAdminServicer(ServicerBase, rpc.FuyouAdminServicer):
             bytes_read=usage.bytes_read, bytes_written=usage.bytes_written, draining=d.draining,
             read_bytes_per_second=d.read_bytes_per_second, write_bytes_per_second=d.write_bytes_per_second,
             uptime_seconds=int(time.time() - d.started), session_list=self._visible_sessions(context),
-            store_outlives_daemon=d.store_outlives_daemon)
+            store_outlives_daemon=d.store_outlives_daemon, user_pinned_budget_bytes=user_budget,
+            user_pinned_others_bytes=user_others)
 
     @handler
     def ListSessions(self, request, context):

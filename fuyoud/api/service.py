@@ -99,7 +99,7 @@ class FuyouServicer(CheckpointMethods, rpc.FuyouServicer):
     def Allocate(self, request, context):
         session = self._session(context)
         failpoints.hit("allocate.looked_up")
-        ref, new_segment = self.pool.allocate(session.id, request.size)
+        ref, new_segment = self.pool.allocate(session.id, request.size, user=session.uid)
         if new_segment is not None:
             # The client must hold the segment before it can use the handle. (A duplicate of
             # its fd: a release racing in closes the segment's own, whose number could then
@@ -115,7 +115,7 @@ class FuyouServicer(CheckpointMethods, rpc.FuyouServicer):
     def Reserve(self, request, context):
         session = self._session(context)
         failpoints.hit("reserve.looked_up")
-        reserved = self.pool.reserve(session.id, request.bytes)
+        reserved = self.pool.reserve(session.id, request.bytes, user=session.uid)
         return pb.ReserveReply(reserved_bytes=reserved, held_bytes=self.pool.usage().by_session.get(session.id, 0))
 
     @_handler

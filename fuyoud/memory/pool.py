@@ -36,6 +36,7 @@ from fuyou_proto.contract import PAGE, segment_bytes
 from fuyoud.errors import InvalidArgument, OutOfMemoryBudget, Unauthenticated
 from fuyoud.memory.allocator import ExtentAllocator, OutOfSpace
 from fuyoud.memory.segment import Segment
+from fuyoud.sessions.user_limits import PINNED, UserLimits
 from fuyoud.units import align_up, format_size
 
 SHOWN_HOLDERS = 4  # other sessions a refusal names (the largest holders)
@@ -79,8 +80,10 @@ class Pool:
     def __init__(self, budget: int, session_budget: int, segment_size: int, lock: bool | str,
                  pages: Callable[[int], str] = lambda size: "none",
                  segment_factory: Callable[..., Segment] = Segment,
-                 describe: Callable[[int, int], str] = lambda holder, asker: f"session {holder}"):
+                 describe: Callable[[int, int], str] = lambda holder, asker: f"session {holder}",
+                 limits: UserLimits | None = None):
         self.budget = budget
+        self.limits = limits  # what one uid's sessions may hold together ([limits] user_pinned); None: no limit
         self.session_budget = session_budget
         self.segment_size = segment_size
         self.lock_pages = lock
@@ -93,6 +96,7 @@ class Pool:
         self._reserved: dict[int, int] = {}  # session -> bytes its plan reserved
         self._creating: dict[int, int] = defaultdict(int)  # session -> bytes of segments being created
         self._released: set[int] = set()  # sessions released: nothing more is allocated or reserved for them
+        self._user: dict[int, int] = {}  # session -> its uid (given with its first reservation or allocation)
         self._segment_ids = itertools.count(1)
         self._generations = itertools.count(1)
         self._pinned = 0  # segment bytes, those being created included
@@ -113,9 +117,43 @@ class Pool:
         """What every other session holds (non-zero only)."""
         return {s: h for s in self._holders() if s != session_id and (h := self._held(s))}
 
-    def _refuse_released(self, session_id: int, what: str) -> None:  # (the lock held)
+    def _refuse_released(self, session_id: int, what: str, user: int | None = None) -> None:  # (the lock held)
         if session_id in self._released:
             raise Unauthenticated(f"session {session_id} is closing or closed: nothing more can be {what} for it")
+        if user is not None:
+            self._user[session_id] = user
+
+    def _users_others(self, session_id: int, uid: int | None) -> dict[int, int]:  # (the lock held)
+        """What the other sessions of ``uid`` hold (non-zero only)."""
+        return {} if uid is None else {s: h for s, h in self._others(session_id).items() if self._user.get(s) == uid}
+
+    def user_usage(self, uid: int, session_id: int = 0) -> tuple[int, int]:
+        """(the most ``uid``'s sessions may hold together, 0: no limit; what those other
+        than ``session_id`` hold): what a client plans within (Status)."""
+        with self._mutex:
+            limit = self.limits.pinned if self.limits is not None else 0
+            return limit, sum(self._users_others(session_id, uid).values())
+
+    def _check_user(self, session_id: int, need: int, what: str) -> None:  # (the lock held)
+        """Refuse what would take the session's uid past [limits] user_pinned: ``need`` is
+        what the session would hold."""
+        uid = self._user.get(session_id)
+        if self.limits is None or not self.limits.pinned or uid is None:
+            return
+        others = self._users_others(session_id, uid)
+        held = sum(others.values())
+        if held + need <= self.limits.pinned:
+            return
+        top = sorted(others.items(), key=lambda kv: -kv[1])
+        names = "; ".join(f"session {sid} {format_size(h)}" for sid, h in top[:SHOWN_HOLDERS]) + (
+            f"; {len(top) - SHOWN_HOLDERS} more sessions" if len(top) > SHOWN_HOLDERS else "")
+        holds = (f"would hold {format_size(held + need)} of pinned memory with this session's {what} "
+                 f"(it would hold {format_size(need)})"
+                 + (f", its other sessions holding {format_size(held)} ({names})" if others else ""))
+        raise self.limits.refuse(PINNED, uid, holds,
+                                 "end its other sessions or plan this one for less (a client plans within what "
+                                 "Status says its user may still take)" if others else
+                                 "plan this session for less, or have the operator raise the limit")
 
     def segment_fd(self, session_id: int, segment: Segment) -> int:
         """A duplicate of a new segment's fd, for sending to its client (the caller closes
@@ -128,14 +166,14 @@ class Pool:
             return os.dup(segment.fd)
 
     # -- reservations ---------------------------------------------------------------------------
-    def reserve(self, session_id: int, nbytes: int) -> int:
+    def reserve(self, session_id: int, nbytes: int, user: int | None = None) -> int:
         """Hold ``nbytes`` of the budget for a session (replacing its reservation; 0 gives
         it up): its allocations within them are never refused for room the others took.
         OutOfMemoryBudget, with what the others hold, when the budget cannot."""
         if nbytes < 0:
             raise InvalidArgument(f"a reservation must be >= 0 bytes, got {nbytes}")
         with self._mutex:
-            self._refuse_released(session_id, "reserved")
+            self._refuse_released(session_id, "reserved", user)
             if nbytes > self.session_budget:
                 raise OutOfMemoryBudget(
                     f"a reservation of {format_size(nbytes)} exceeds the session pinned-memory budget of "
@@ -144,6 +182,8 @@ class Pool:
             if nbytes > mine and sum(others.values()) + nbytes > self.budget:
                 raise OutOfMemoryBudget(self._no_room(session_id, f"reserve {format_size(nbytes)}", nbytes,
                                                       others))
+            if nbytes > mine:
+                self._check_user(session_id, nbytes, f"reservation of {format_size(nbytes)}")
             if nbytes:
                 self._reserved[session_id] = nbytes
             else:
@@ -173,7 +213,7 @@ class Pool:
                    else "this alone is more than the whole budget: raise [memory] pinned_budget"))
 
     # -- allocation -----------------------------------------------------------------
-    def allocate(self, session_id: int, nbytes: int) -> tuple[BufferRef, Segment | None]:
+    def allocate(self, session_id: int, nbytes: int, user: int | None = None) -> tuple[BufferRef, Segment | None]:
         """Allocate ``nbytes`` for a session. Returns the handle and, when a new segment
         had to be created for it, that segment (whose fd the caller sends to the client).
         A new segment is made outside the pool's lock (see the module's doc)."""
@@ -181,7 +221,7 @@ class Pool:
             raise InvalidArgument(f"buffer size must be positive, got {nbytes}")
         size = align_up(nbytes, PAGE)
         with self._mutex:
-            self._refuse_released(session_id, "allocated")
+            self._refuse_released(session_id, "allocated", user)
             for seg_id in sorted(self._by_session.get(session_id, ())):
                 ref = self._try_allocate(self._segments[seg_id], size)
                 if ref is not None:
@@ -228,6 +268,7 @@ class Pool:
             what = f"allocate {format_size(nbytes)}" + (
                 f" beyond the {format_size(reserved)} its plan reserved" if reserved else "")
             raise OutOfMemoryBudget(self._no_room(session_id, what, mine + seg_size, others))
+        self._check_user(session_id, mine + seg_size, f"new segment of {format_size(seg_size)}")
 
     def _try_allocate(self, state: _SegmentState, size: int) -> BufferRef | None:
         try:
@@ -259,6 +300,7 @@ class Pool:
             gone = [self._drop_segment(self._segments[seg_id]) for seg_id in list(self._by_session.get(session_id, ()))]
             self._by_session.pop(session_id, None)
             self._reserved.pop(session_id, None)
+            self._user.pop(session_id, None)
         failed = None
         for seg in gone:
             try:

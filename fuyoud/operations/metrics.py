@@ -60,6 +60,11 @@ class Metrics:
             "fuyoud_session_connections_refused",
             "Session-socket connections refused at accept, by the limit met: per_uid (the connections one user holds "
             "at once), total (all users'); the client is told why", ["limit"], registry=r)
+        self.user_limit_refusals = Counter(
+            "fuyoud_user_limit_refusals",
+            "Requests refused because one user's sessions together would pass a [limits] limit, by limit: sessions "
+            "(user_sessions, at the handshake), pinned (user_pinned, at Reserve and Allocate), ssd (user_ssd, at a "
+            "write or snapshot); the refusal names the limit and what that user holds", ["limit"], registry=r)
         self.reclaimed_bytes = Counter("fuyoud_reclaimed_pinned_bytes",
                                        "Pinned bytes given back when sessions ended", registry=r)
         self.optimizer_steps = Counter("fuyoud_optimizer_group_steps", "Optimizer steps of parameter groups",

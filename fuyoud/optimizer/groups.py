@@ -54,7 +54,7 @@ from typing import Iterator
 import torch
 
 from fuyoud import failpoints
-from fuyoud.concurrency.fairness import FairTurns
+from fuyoud.concurrency.fairness import FairTurns, Tenant
 from fuyoud.errors import DataLoss, FuyouError, InvalidArgument, NonFinite, NotFound
 from fuyoud.optimizer import chunks
 from fuyoud.optimizer import held as held_weights
@@ -91,7 +91,8 @@ def _tensor(view: memoryview, dtype: torch.dtype, numel: int) -> torch.Tensor:
 
 
 class Optimizer:
-    def __init__(self, store: Store, buffers: StateBuffers, cache: bool = True, threads: Threads | None = None):
+    def __init__(self, store: Store, buffers: StateBuffers, cache: bool = True, threads: Threads | None = None,
+                 tenant: Tenant | None = None):
         self.store = store
         self.buffers = buffers
         self.cache = cache  # keep states in spare buffers between steps
@@ -99,10 +100,11 @@ class Optimizer:
         buffers.evict = self._evict_one
         self._groups: dict[tuple[str, str], Group] = {}
         self._lock = threading.Lock()
-        # One kernel at a time (it is memory-bound and uses every core), the sessions served in
-        # turn while several wait (concurrency/fairness.py): a job with many groups in flight does not
-        # take the CPU from one with few.
-        self._compute = FairTurns(1)
+        # One kernel at a time (it is memory-bound and uses every core), the users and their jobs
+        # served in turn while several wait (concurrency/fairness.py; ``tenant``: a namespace's user
+        # and job): a job with many groups in flight does not take the CPU from one with few, nor
+        # a user with many jobs from one with one.
+        self._compute = FairTurns(1, tenant)
         self._scratch = lowp.Scratch()  # the reduced-precision kernels' temporaries (under _compute)
         self._order: dict[str, list[str]] = {}  # namespace -> step order of the last iteration
         self._current: dict[str, list[str]] = {}

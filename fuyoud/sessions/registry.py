@@ -32,6 +32,7 @@ from fuyoud.errors import (AlreadyExists, FailedPrecondition, NotFound, Permissi
 from fuyoud.sessions.handed import HandedFiles
 from fuyoud.sessions.names import check_namespace, shown
 from fuyoud.sessions.unnamed import refuse_unnamed, unnamed_namespace
+from fuyoud.sessions.user_limits import SESSIONS, UserLimits
 
 log = logging.getLogger(__name__)
 CLOSING_WAIT = 30.0  # seconds ``open`` waits for a closing session to give its namespace back
@@ -76,8 +77,9 @@ class SessionRegistry:
     def __init__(self, on_close: Callable[[Session, str], None],
                  namespace_owner: Callable[[str], int | None],
                  claim_namespace: Callable[[str, int], None],
-                 admits: Callable[[int], bool] = lambda uid: True):
+                 admits: Callable[[int], bool] = lambda uid: True, limits: UserLimits | None = None):
         self._on_close = on_close
+        self._limits = limits  # what one uid may hold ([limits]); None: no limit
         self._admits = admits
         self._namespace_owner = namespace_owner
         self._claim_namespace = claim_namespace
@@ -116,6 +118,7 @@ class SessionRegistry:
                     raise Unavailable(f"namespace {shown(namespace)} is held by session {ending.id} (pid "
                                       f"{ending.pid}), which is closing and has not given back what it held "
                                       f"after {CLOSING_WAIT:.0f} s: try again shortly")
+            self._check_user_sessions(uid)
             sid = next(self._ids)
             ephemeral = namespace is None
             if ephemeral:
@@ -136,6 +139,27 @@ class SessionRegistry:
             self._by_namespace[namespace] = session
         log.info("session %d opened: uid %d pid %d namespace %s", sid, uid, pid, namespace)
         return session
+
+    def _check_user_sessions(self, uid: int) -> None:  # (the lock held)
+        """At most [limits] user_sessions sessions of one uid, those closing included."""
+        if self._limits is None:
+            return
+        mine = sorted((s for s in [*self._by_token.values(), *self._closing.values()] if s.uid == uid),
+                      key=lambda s: s.id)
+        if len(mine) < self._limits.sessions:
+            return
+        closing = sum(s.closed for s in mine)
+        shown_ = ", ".join(f"{s.id} (namespace {s.namespace}, pid {s.pid}{', closing' if s.closed else ''})"
+                           for s in mine[:4]) + (f" and {len(mine) - 4} more" if len(mine) > 4 else "")
+        raise self._limits.refuse(
+            SESSIONS, uid, f"holds {len(mine)} sessions{f' ({closing} closing)' if closing else ''}: {shown_}",
+            "end sessions it no longer uses (each fuyou_client process holds one; `fuyouctl sessions` lists them)")
+
+    def uid_holding(self, namespace: str) -> int | None:
+        """The uid of the session (live or closing) that holds ``namespace``, if any."""
+        with self._lock:
+            s = self._by_namespace.get(namespace) or self._closing_holder(namespace)
+            return None if s is None else s.uid
 
     def claim_namespace(self, session: Session) -> None:
         """Record the session's uid as its namespace's owner, before its first persistent

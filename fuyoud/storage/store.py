@@ -14,8 +14,9 @@ import logging
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
+from fuyoud.concurrency.fairness import FairTurns, Tenant
 from fuyoud.errors import InvalidArgument, NotFound, QuotaExceeded, StorageFull
 from fuyoud.io.engine import IOEngine, Op
 from fuyoud.memory.allocator import OutOfSpace
@@ -25,7 +26,8 @@ from fuyoud.storage.device import Device
 from fuyoud.storage.extents import ExtentRefs
 from fuyoud.storage.index import IndexDB, ObjectMeta
 from fuyoud.storage.layout import Extent, Layout, extent_lengths
-from fuyoud.storage.transfer import Batch, IOObserver, ReadItem, Transfers
+from fuyoud.sessions.user_limits import SSD, UserLimits
+from fuyoud.storage.transfer import IO_SLOTS, Batch, IOObserver, ReadItem, Transfers
 from fuyoud.units import format_size
 
 __all__ = ["Store", "WriteItem", "ReadItem", "Entry", "StoreUsage"]
@@ -71,9 +73,15 @@ class DeviceUsage(NamedTuple):
 class Store:
     def __init__(self, devices: Sequence[Device], index: IndexDB, engine: IOEngine,
                  staging: StagingPool, chunk_size: int = 1 << 20, stripe_size: int = 4 << 20,
-                 observer: IOObserver | None = None, namespace_quota: int = 0):
+                 observer: IOObserver | None = None, namespace_quota: int = 0,
+                 limits: UserLimits | None = None, user_of: Callable[[str], int | None] = lambda namespace: None,
+                 tenant: Tenant | None = None):
+        """``limits``' user_ssd bounds what the namespaces of one uid (``user_of``: a
+        namespace's uid, None for none known) hold together; ``tenant`` keys the array's
+        fair turns (concurrency/fairness.py)."""
         self.devices = list(devices)
-        self.io = Transfers(self.devices, engine, staging, chunk_size, observer)
+        self.io = Transfers(self.devices, engine, staging, chunk_size, observer, FairTurns(IO_SLOTS, tenant))
+        self.limits, self._user_of = limits, user_of
         self.stripe_size = stripe_size
         self.index_db = index
         self._lock = threading.Lock()
@@ -144,6 +152,40 @@ class Store:
                 f"{namespace}/{name} ({format_size(size)}); its quota is {format_size(self.namespace_quota)} "
                 "([storage] namespace_quota): delete objects first")
 
+    def _check_user_quota(self, namespace: str, name: str, size: int) -> None:  # with self._lock held
+        """The namespaces of one uid hold at most [limits] user_ssd bytes on the array
+        together (counted as ``_check_quota`` counts one namespace)."""
+        if self.limits is None or not self.limits.limits_ssd:
+            return
+        uid = self._user_of(namespace)
+        if uid is None:
+            return
+        limit = self.limits.ssd(sum(d.allocator.used_bytes + d.available() for d in self.devices))
+        users: dict[str, int | None] = {namespace: uid}
+
+        def mine(ns: str) -> bool:
+            if ns not in users:
+                users[ns] = self._user_of(ns)
+            return users[ns] == uid
+
+        held: dict[str, int] = defaultdict(int)
+        for key, e in self._objects.items():
+            if key != (namespace, name) and mine(key[0]):
+                held[key[0]] += e.meta.size
+        for ns, n in self._reserved.items():
+            if n and mine(ns):
+                held[ns] += n
+        total = sum(held.values())
+        if total + size <= limit:
+            return
+        top = sorted(held.items(), key=lambda kv: -kv[1])
+        names = "; ".join(f"{ns} {format_size(n)}" for ns, n in top[:4]) + (
+            f"; {len(top) - 4} more namespaces" if len(top) > 4 else "")
+        raise self.limits.refuse(
+            SSD, uid, f"would hold {format_size(total + size)} on the SSD array with {namespace}/{name} "
+            f"({format_size(size)}): its namespaces hold {format_size(total)} ({names or 'nothing'})",
+            "delete checkpoints or namespaces it no longer needs (fuyouctl namespaces lists them)")
+
     def _unreserve(self, metas: Iterable[ObjectMeta]) -> None:
         with self._lock:
             for m in metas:
@@ -155,6 +197,7 @@ class Store:
         with self._lock:
             if self.namespace_quota:
                 self._check_quota(namespace, name, size)
+            self._check_user_quota(namespace, name, size)
             n = len(self.devices)
             lengths = extent_lengths(size, self.stripe_size, n)
             # Start with the emptiest device so that small objects spread out too.
@@ -251,6 +294,8 @@ class Store:
                 raise InvalidArgument("a link target appears twice")
             if self.namespace_quota and metas:  # a snapshot counts in full, though it shares extents
                 self._check_quota(namespace, "", sum(m.size for m in metas))
+            if metas:
+                self._check_user_quota(namespace, "", sum(m.size for m in metas))
             self.index_db.commit(metas)
             for m in metas:
                 self._extents.share(m.layout)

@@ -310,7 +310,7 @@ class DeviceStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., path: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., available_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "io_engine", "io_engine_reason", "devices", "pinned_budget_bytes", "pinned_used_bytes", "sessions", "objects", "pid", "metrics_url", "session_socket", "bytes_read", "bytes_written", "draining", "read_bytes_per_second", "write_bytes_per_second", "uptime_seconds", "session_list", "session_budget_bytes", "segment_bytes", "optimizer_buffer_budget_bytes", "optimizer_buffers", "pinned_reserved_bytes", "store_outlives_daemon")
+    __slots__ = ("version", "io_engine", "io_engine_reason", "devices", "pinned_budget_bytes", "pinned_used_bytes", "sessions", "objects", "pid", "metrics_url", "session_socket", "bytes_read", "bytes_written", "draining", "read_bytes_per_second", "write_bytes_per_second", "uptime_seconds", "session_list", "session_budget_bytes", "segment_bytes", "optimizer_buffer_budget_bytes", "optimizer_buffers", "pinned_reserved_bytes", "store_outlives_daemon", "user_pinned_budget_bytes", "user_pinned_others_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     IO_ENGINE_FIELD_NUMBER: _ClassVar[int]
     IO_ENGINE_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +335,8 @@ class StatusReply(_message.Message):
     OPTIMIZER_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     PINNED_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     STORE_OUTLIVES_DAEMON_FIELD_NUMBER: _ClassVar[int]
+    USER_PINNED_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USER_PINNED_OTHERS_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     io_engine: str
     io_engine_reason: str
@@ -359,7 +361,9 @@ class StatusReply(_message.Message):
     optimizer_buffers: int
     pinned_reserved_bytes: int
     store_outlives_daemon: bool
-    def __init__(self, version: _Optional[str] = ..., io_engine: _Optional[str] = ..., io_engine_reason: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., pinned_budget_bytes: _Optional[int] = ..., pinned_used_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., objects: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_url: _Optional[str] = ..., session_socket: _Optional[str] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., draining: _Optional[bool] = ..., read_bytes_per_second: _Optional[float] = ..., write_bytes_per_second: _Optional[float] = ..., uptime_seconds: _Optional[int] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., session_budget_bytes: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., optimizer_buffer_budget_bytes: _Optional[int] = ..., optimizer_buffers: _Optional[int] = ..., pinned_reserved_bytes: _Optional[int] = ..., store_outlives_daemon: _Optional[bool] = ...) -> None: ...
+    user_pinned_budget_bytes: int
+    user_pinned_others_bytes: int
+    def __init__(self, version: _Optional[str] = ..., io_engine: _Optional[str] = ..., io_engine_reason: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., pinned_budget_bytes: _Optional[int] = ..., pinned_used_bytes: _Optional[int] = ..., sessions: _Optional[int] = ..., objects: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_url: _Optional[str] = ..., session_socket: _Optional[str] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., draining: _Optional[bool] = ..., read_bytes_per_second: _Optional[float] = ..., write_bytes_per_second: _Optional[float] = ..., uptime_seconds: _Optional[int] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., session_budget_bytes: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., optimizer_buffer_budget_bytes: _Optional[int] = ..., optimizer_buffers: _Optional[int] = ..., pinned_reserved_bytes: _Optional[int] = ..., store_outlives_daemon: _Optional[bool] = ..., user_pinned_budget_bytes: _Optional[int] = ..., user_pinned_others_bytes: _Optional[int] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
     __slots__ = ("iterations", "iteration_seconds", "exposed_optimizer_seconds", "activation_bytes_to_host", "activation_bytes_to_ssd")

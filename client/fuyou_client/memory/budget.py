@@ -102,13 +102,17 @@ class Limits:
 def limits_of(session, sharers: int = 1) -> Limits:
     """The limits of a session of a running daemon, now (its Status; daemons older than
     the session budget's field: their whole pinned budget). The daemon's budget for all
-    sessions bounds it too, and ``sharers``: the processes of one job that share this
+    sessions bounds it too, and what its user may still take over all its sessions
+    ([limits] user_pinned), and ``sharers``: the processes of one job that share this
     daemon (data parallelism's ranks of one host) each take at most an equal part of it,
     so that the first to plan does not hold what the others' plans need."""
     st = session.status()
     budget = st.session_budget_bytes or st.pinned_budget_bytes
     if sharers > 1:
         budget = min(budget, st.pinned_budget_bytes // sharers)
+    if st.user_pinned_budget_bytes:  # (what its user may hold over all its sessions, [limits] user_pinned)
+        budget = min(budget, st.user_pinned_budget_bytes // sharers,
+                     max(0, st.user_pinned_budget_bytes - st.user_pinned_others_bytes))
     held = session.pinned_bytes
     others = max(0, st.pinned_used_bytes + st.pinned_reserved_bytes - held)  # (their plans' reservations too)
     return Limits(min(budget, max(0, st.pinned_budget_bytes - others)), held, st.segment_bytes or 64 << 20,
