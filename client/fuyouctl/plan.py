@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from fuyoud.config import load
+from fuyoud.sessions.user_limits import UserLimits
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,10 +17,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """The planner, for this host as fuyoud is configured here (its data directories,
-    measured; its pinned and buffer budgets) unless the host is described."""
+    measured; its pinned and buffer budgets, one user's share of the pinned one) unless
+    the host is described."""
     from fuyou_client.sizing import cli
 
     describes = args.ram is not None or args.ssd is not None
     cfg = load(args.config)
-    defaults = {} if describes else {"pinned_budget": cfg.session_budget, "buffer_budget": cfg.optimizer.buffer_budget}
+    user = UserLimits.from_config(cfg).pinned  # (what one user may hold, [limits] user_pinned; 0: no limit)
+    pinned = min(cfg.session_budget, user) if user else cfg.session_budget
+    defaults = {} if describes else {"pinned_budget": pinned, "buffer_budget": cfg.optimizer.buffer_budget}
     return cli.run(args, data_dirs=cfg.data_dirs, defaults=defaults)
