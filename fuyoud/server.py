@@ -41,7 +41,7 @@ from fuyoud.api.handler import Admission, AdminAuth, Services
 from fuyoud.api.malformed import MalformedRequests
 from fuyoud.api.service import FuyouServicer
 from fuyoud.checkpoints.checkpointer import Checkpointer, recover
-from fuyoud.concurrency.threads import Threads
+from fuyoud.concurrency.threads import Threads, named
 from fuyoud.config import Config
 from fuyoud.errors import FailedPrecondition, InvalidArgument
 from fuyoud.io.engine import IOEngine
@@ -241,7 +241,7 @@ class Daemon:
             except OSError as exc:
                 log.warning("cannot create checkpoint directory %s: %s", d, exc)
         malformed = MalformedRequests(lambda method: self.metrics.errors.labels(InvalidArgument.kind).inc())
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="grpc"),
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, **named("grpc")),
                              interceptors=[malformed], options=[("grpc.so_reuseport", 0)])
         services = Services(self.store, self.pool, self.optimizer, self.sessions, self.metrics, self.checkpointer,
                             AdminAuth(self.admin_token, self.admin_token_path), self.snapshot, self.set_draining,

@@ -10,6 +10,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
+from fuyoud.concurrency.threads import named
 from .engine import IOEngine, IORequest, IOResult, Op
 
 
@@ -40,7 +41,7 @@ class ThreadPoolEngine(IOEngine):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.workers = workers
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fuyou-io")
+        self._pool = ThreadPoolExecutor(max_workers=workers, **named("fuyou-io"))
 
     def execute(self, requests: Sequence[IORequest]) -> list[IOResult]:
         futures = [self._pool.submit(_transfer, r) for r in requests]

@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from fuyoud.concurrency.threads import named
 from fuyoud.errors import ResourceExhausted
 from fuyoud.memory.hugepages import HUGE
 from fuyoud.optimizer.chunk_io import BatchedWrite, BlockWriter, Source, StreamReader
@@ -243,9 +244,9 @@ def step(store: Store, bufs: list[memoryview], plan: ChunkPlan, namespace: str, 
     pending: list[BatchedWrite] = []
     failure: list[BaseException] = []  # the first error of the reader or writer
     failed = threading.Event()
-    reads = ThreadPoolExecutor(1, thread_name_prefix="optim-read")
-    writes = ThreadPoolExecutor(1, thread_name_prefix="optim-write")
-    write_io = ThreadPoolExecutor(1, thread_name_prefix="optim-write-io")  # (checksums meanwhile)
+    reads = ThreadPoolExecutor(1, **named("optim-read"))
+    writes = ThreadPoolExecutor(1, **named("optim-write"))
+    write_io = ThreadPoolExecutor(1, **named("optim-write-io"))  # (checksums meanwhile)
     source: Source | None = None
     bad_caches: set[int] = set()  # chunks whose cache blocks failed their check
 
