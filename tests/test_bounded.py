@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,3 +201,21 @@ def test_the_watchdog_pings_on_while_a_reap_is_blocked_in_a_dead_clients_close(s
             except ProcessLookupError:
                 pass
         listener.close()
+
+
+def test_the_daemons_threads_carry_their_names_in_the_kernel(short_tmp):
+    """A count of the daemon's threads by name (/proc/<pid>/task/*/comm) says which pool a
+    thread is of: the session socket's, gRPC's, the I/O engine's, housekeeping's."""
+    import collections
+
+    d = fuyou_client.start_daemon(short_tmp / "state", config=merge(SMALL, {"io": {"engine": "threadpool"}}))
+    try:
+        with fuyou_client.connect(d.socket) as s:
+            s.swap_out("x", s.allocate(1 << 20))
+            pid = s.status().pid
+        names = collections.Counter(Path(f"/proc/{pid}/task/{t}/comm").read_text().strip()
+                                     for t in os.listdir(f"/proc/{pid}/task"))
+    finally:
+        assert d.stop() == 0, d.log()
+    for name in ("session-conn", "session-accept", "grpc", "fuyou-io", "housekeeping", "reaper"):
+        assert names[name] >= 1, (name, names)
