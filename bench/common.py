@@ -116,3 +116,12 @@ class BareLoop:
         del self.tensor, self.requests
         self.view.release()
         self.map.close()
+
+
+def write_result(path: Path | None, result: dict) -> None:
+    """Write a benchmark's result to ``path`` (its folder made) as indented JSON; no path, nothing."""
+    import json
+
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1) + "\n")

@@ -6,34 +6,39 @@ One private fuyoud on a shared host (``allow_uids``: two users besides root, so 
 "auto": one user may hold 75% of the pinned budget and of the array, and 64 sessions), a
 1 GiB pinned budget in 8 MiB segments, two 1 GiB data files, sockets of group nogroup.
 
-The victim, a training process of root (uid 0): a ``GPT2LMHeadModel`` (4 layers, width
-256, vocabulary 4096, no dropout, one torch thread), ``attach`` with the defaults, ``--steps``
-steps; it records each step's time, its losses, its memory plan and any error.
+The victim, root's training process: a ``GPT2LMHeadModel`` (4 layers, width 256, vocabulary
+4096, no dropout, one torch thread), ``attach`` with the defaults (its memory plan reserved
+in the daemon), ``--steps`` steps; it records step times, losses, plan and errors.
 
-The attacker is uid ``nobody``, another user (a process group of its own, killed with
-SIGKILL at the end: it dies holding everything). It opens sessions until refused, has
-them reserve all they may (the whole budget asked, halved on each refusal), gives 32 MiB
-back for its children, then until stopped floods: Status and ListObjects from two
-threads; two threads that swap 8 MiB buffers out under new names until the array or
-``user_ssd`` refuses, then overwrite them, and ask for 64 MiB more pinned memory now and
-then; and a forked child at a time (also ``nobody``) that connects, calls Allocate,
-SwapOut and Reserve in a loop and is SIGKILLed 0-50 ms after its first call began; all counted.
+The attacker, uid ``nobody`` (a process group of its own, SIGKILLed at the end: it dies
+holding everything), opens sessions until refused, has them reserve all they may (asking
+the budget, halved on each refusal), gives 32 MiB back for its children, then floods:
+Status and ListObjects from two threads; two threads that swap 8 MiB out under new names
+until refused (the array or ``user_ssd``), then overwrite them, and ask for 64 MiB more
+now and then; a forked child at a time that connects, calls Allocate, SwapOut and Reserve
+in a loop and is SIGKILLed 0-50 ms after its first call began; all counted.
 
-In each of ``--rounds`` interleaved rounds: the victim alone, then the victim beside the
-attacker (started once the attacker ramped up; the attacker floods at least
-``--seconds`` and until the victim ends). Reported per round and as medians: the
-victim's median step time alone and together (first step, a warm-up, left out) and their
-ratio (with two users its fair share is a ratio <= 2), its worst step, whether its losses
-are bitwise those alone and its plan the one alone, its errors; the attacker's counts.
-The daemon's pinned memory, threads, descriptors, SSD bytes, objects and sessions before
-the first round, after the first victim alone and after each round (the attacker's
-sessions reclaimed); its refusal counters (metrics endpoint).
+Each of ``--rounds`` rounds runs the victim alone, then together: the victim attaches (its
+plan reserved), the attacker ramps up (at most 75% of the budget and what the victim's plan
+left), then the victim runs its steps; the attacker floods ``--seconds`` at least. A plan
+admitted is a plan held: the victim's plan together is its plan alone and nothing it planned
+is refused. Reported: the victim's median step alone and together (the first left out),
+their ratio (two users: a fair share is <= 2), its worst step, whether losses and plan are
+those alone, its errors; what the attacker got (sessions, pinned memory reserved, SSD bytes
+at the flood's end) and its refusals by limit ("pinned_budget": none left). First a warm-up
+starts the pools the daemon grows once and keeps (32 threads of root call Status, Allocate,
+SwapOut, SwapIn, StepGroup for 2 s: gRPC's 16 workers, each with an io_uring ring and an
+OpenMP pool whose threads are named "grpc" too); then the daemon's memory, SSD bytes,
+objects, sessions, threads by name (iou-wrk-*, io_uring's transient workers, only counted)
+and descriptors by kind before the rounds and after each (``above_before``: each name or
+kind above its count before); its refusal counters (metrics endpoint).
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -47,19 +52,24 @@ import tempfile
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+SELF = str(Path(__file__).resolve())
 MiB = 1 << 20
 NOBODY = 65534
+BUDGET, ARRAY = 1 << 30, 2 << 30  # (the daemon's pinned budget; its two data files)
 KINDS = ("user_sessions", "user_pinned", "user_ssd")
+PLAN = ("prefetch", "keep", "weight_slots", "slot_bytes", "grad_buffers", "grad_bytes", "staging_buffers",
+        "staging_bytes", "host_budget", "total")
+HELD = ("pinned_used_bytes", "pinned_reserved_bytes", "ssd_used_bytes", "objects", "sessions")
 
 
 def kind(exc: BaseException) -> str:
-    """What refused a call: the [limits] key its message names, else its class."""
+    """What refused a call: the [limits] key its message names, the pinned budget, else its class."""
     msg = str(exc)
-    return next((k for k in KINDS if f"[limits] {k}" in msg),
+    return next((k for k in KINDS if f"[limits] {k}" in msg), "pinned_budget" if "pinned-memory budget" in msg else
                 "connections" if "session-socket connections" in msg else type(exc).__name__)
 
 
@@ -85,15 +95,15 @@ def victim(args) -> int:
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
         engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=1e-4, weight_decay=0.1), socket=args.socket)
         plan = engine.memory_plan()
-        out["plan"] = {k: getattr(plan, k) for k in ("prefetch", "keep", "weight_slots", "slot_bytes", "grad_buffers",
-                                                   "grad_bytes", "staging_buffers", "staging_bytes", "host_budget",
-                                                   "total")}
-        out.update(plan_text=plan.describe(), session_pinned_bytes=engine.session.pinned_bytes,
-                   session_budget_bytes=plan.limits.session_budget)
-        out["plan"]["shrunk"] = list(plan.shrunk)
+        out["plan"] = {k: getattr(plan, k) for k in PLAN} | {"shrunk": list(plan.shrunk)}
+        out.update(plan_text=plan.describe(), session_budget_bytes=plan.limits.session_budget,
+                   reserved_bytes=plan.limits.held + plan.total)
+        if args.attached:  # (together: its plan held in the daemon, it waits until the attacker ramped up)
+            Path(args.attached).write_text("attached")
+            while not Path(args.go).exists():  # (the benchmark kills it if the attacker does not ramp up)
+                time.sleep(0.05)
         gen = torch.Generator().manual_seed(1000)
-        batches = [torch.randint(0, 4096, (4, 128), generator=gen) for _ in range(args.steps)]
-        for x in batches:
+        for x in [torch.randint(0, 4096, (4, 128), generator=gen) for _ in range(args.steps)]:
             t0 = time.perf_counter()
             loss = model(x, labels=x).loss
             loss.backward()
@@ -120,19 +130,10 @@ def child(socket_path: str, w: int) -> None:
         os.write(w, b"S" if kind(exc) == "user_sessions" else b"r")
         os._exit(0)
     os.write(w, b"c")
-    i = 0
-    while True:
-        i += 1
-        try:
-            op = rng.randrange(3)
-            if op == 0:
-                s.swap_out(f"k{i % 4}", s.allocate(8 * MiB))
-            elif op == 1:
-                s.reserve(rng.choice((8, 16, 64)) * MiB)
-            else:
-                s.allocate(rng.choice((1, 8, 16)) * MiB)
-        except Exception:
-            pass
+    for i in itertools.count():
+        with contextlib.suppress(Exception):
+            (lambda: s.swap_out(f"k{i % 4}", s.allocate(8 * MiB)), lambda: s.reserve(rng.choice((8, 16, 64)) * MiB),
+             lambda: s.allocate(rng.choice((1, 8, 16)) * MiB))[rng.randrange(3)]()
 
 
 def forker(args) -> int:
@@ -140,11 +141,8 @@ def forker(args) -> int:
     Imports fuyou_client once and makes no channel itself, so its children fork clean."""
     import fuyou_client  # noqa: F401
 
-    rng = random.Random(args.seed)
-    counts = collections.Counter()
-    out, stop = Path(args.out), Path(args.stop)
+    rng, counts, out, stop = random.Random(args.seed), collections.Counter(), Path(args.out), Path(args.stop)
     assert sys.stdin.readline().strip() == "go"
-    last = 0.0
     while not stop.exists():
         r, w = os.pipe()
         pid = os.fork()
@@ -158,18 +156,12 @@ def forker(args) -> int:
         said = os.read(r, 1) if select.select([r], [], [], 10.0)[0] else b""
         if said == b"c":
             time.sleep(rng.uniform(0, 0.05))
-            counts["children_killed_mid_call"] += 1
-        elif said == b"S":
-            counts["children_refused:user_sessions"] += 1
-        else:
-            counts[f"children_refused:{'other' if said else 'no answer'}"] += 1
+        counts[{b"c": "children_killed_mid_call", b"S": "children_refused:user_sessions",
+                b"": "children_refused:no answer"}.get(said, "children_refused:other")] += 1
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         os.close(r)
-        if time.monotonic() - last > 0.5:
-            write_json(out, dict(counts))
-            last = time.monotonic()
-    write_json(out, dict(counts))
+        write_json(out, dict(counts))
     return 0
 
 
@@ -178,8 +170,7 @@ def attacker(args) -> int:
     from fuyou_client import errors
 
     work = Path(args.out).parent
-    stop, ready = work / "stop", work / "ready"
-    counts, messages, lock = collections.Counter(), {}, threading.Lock()
+    stop, counts, messages, lock, done = work / "stop", collections.Counter(), {}, threading.Lock(), threading.Event()
 
     def note(key: str) -> None:
         with lock:
@@ -189,31 +180,31 @@ def attacker(args) -> int:
         note(f"refused:{kind(exc)}")
         messages.setdefault(kind(exc), str(exc)[:400])
 
-    fork = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--forker", "--socket", args.socket,
-                             "--out", str(work / "forker.json"), "--stop", str(stop), "--seed", str(args.seed),
-                             "--site", args.site], stdin=subprocess.PIPE, text=True)
-    sessions = []
-    while len(sessions) < 4096:
+    def attempt(call, key: str) -> bool:
+        """``call()``, counted under ``key``, or its refusal by what refused it; whether it went."""
         try:
-            sessions.append(fuyou_client.connect(args.socket))
+            call()
         except errors.FuyouClientError as exc:
             refused(exc)
-            break
-    counts["sessions_admitted"] = len(sessions)
+            return False
+        note(key)
+        return True
+
+    fork = subprocess.Popen([sys.executable, SELF, "--forker", "--socket", args.socket,
+                             "--out", str(work / "forker.json"), "--stop", str(stop), "--seed", str(args.seed),
+                             "--site", args.site], stdin=subprocess.PIPE, text=True)
+    sessions, reserved = [], []
+    while len(sessions) < 4096 and attempt(lambda: sessions.append(fuyou_client.connect(args.socket)),
+                                           "sessions_admitted"):
+        pass
     st = sessions[0].status()
     budget, seg = st.pinned_budget_bytes, st.segment_bytes
-    reserved = []
     for s in sessions:
-        ask, got = budget, 0
-        while ask >= seg and not got:
-            try:
-                got = s.reserve(ask)
-            except errors.FuyouClientError as exc:
-                refused(exc)
-                ask //= 2
-        if not got:
+        ask = budget
+        while ask >= seg and not attempt(lambda: reserved.append((s, s.reserve(ask))), "reservations"):
+            ask //= 2
+        if ask < seg:
             break
-        reserved.append((s, got))
     counts["reserved_bytes"] = sum(g for _, g in reserved)
     slack = 4 * seg  # (room for the forked children's calls within the user's share)
     s0, g0 = max(reserved, key=lambda sg: sg[1])
@@ -221,53 +212,36 @@ def attacker(args) -> int:
     counts["reserved_bytes_flooding"] = counts["reserved_bytes"] - slack
     for s in sessions[-4:]:  # (room for the children's sessions)
         s.close()
-    sessions = sessions[:-4]
-    done = threading.Event()
+    del sessions[-4:]
 
     def control(s) -> None:
         while not done.is_set():
-            try:
-                s.status() if counts["control_requests"] % 4 else s.objects()
-                note("control_requests")
-            except errors.FuyouClientError as exc:
-                refused(exc)
+            attempt(s.status if counts["control_requests"] % 4 else s.objects, "control_requests")
 
     def data(t: int, s, spare) -> None:
         buf, written, full, i = s.allocate(8 * MiB), [], False, 0
         while not done.is_set():
             i += 1
             name = written[i % len(written)] if full and written else f"t{t}.{i}"
-            try:
-                s.swap_out(name, buf)
-                note("swap_outs")
-                if not full:
-                    written.append(name)
-            except errors.FuyouClientError as exc:
-                refused(exc)
+            if not attempt(lambda: s.swap_out(name, buf), "swap_outs"):
                 full = True  # (the array or user_ssd: overwrite what was written from now on)
+            elif not full:
+                written.append(name)
             if i % 10 == 0:
-                try:
-                    spare.allocate(64 * MiB)
-                    note("extra_allocations")
-                except errors.FuyouClientError as exc:
-                    refused(exc)
+                attempt(lambda: spare.allocate(64 * MiB), "extra_allocations")
 
-    threads = [threading.Thread(target=control, args=(sessions[k],), daemon=True) for k in (2, 3)]
-    threads += [threading.Thread(target=data, args=(t, reserved[t % len(reserved)][0], sessions[-1 - t]), daemon=True)
-                for t in range(2)]
-    for t in threads:
-        t.start()
-    fork.stdin.write("go\n")
-    fork.stdin.flush()
-    ready.write_text("ready")
+    for target, a in [(control, (sessions[2],)), (control, (sessions[3],))] + [
+            (data, (t, reserved[t % len(reserved)][0], sessions[-1 - t])) for t in range(2)]:
+        threading.Thread(target=target, args=a, daemon=True).start()
+    print("go", file=fork.stdin, flush=True)
+    (work / "ready").write_text("ready")
     deadline = time.monotonic() + args.deadline
-    while not stop.exists() and time.monotonic() < deadline:
+    while not done.is_set():
+        if stop.exists() or time.monotonic() > deadline:
+            done.set()
         with lock:
-            write_json(Path(args.out), {"counts": dict(counts), "messages": dict(messages)})
-        time.sleep(0.5)
-    done.set()
-    with lock:
-        write_json(Path(args.out), {"counts": dict(counts), "messages": dict(messages), "final": True})
+            write_json(Path(args.out), {"counts": dict(counts), "messages": dict(messages), "final": done.is_set()})
+        done.wait(0.5)
     (work / "final").touch()
     if stop.exists():
         time.sleep(3600)  # (the benchmark kills this process group: the attacker dies holding everything)
@@ -286,21 +260,47 @@ def read(path: str, link: bool = False) -> str:
 
 
 def snapshot(daemon) -> dict:
-    st = daemon.status()
-    proc = f"/proc/{daemon.pid}"
+    """The daemon's memory, SSD bytes, objects, sessions, threads by name, descriptors by kind."""
+    st, proc = daemon.status(), f"/proc/{daemon.pid}"
     names = collections.Counter(read(f"{proc}/task/{t}/comm") for t in os.listdir(f"{proc}/task"))
     kinds = collections.Counter(read(f"{proc}/fd/{fd}", link=True) for fd in os.listdir(f"{proc}/fd"))
     return {"pinned_used_bytes": st.pinned_used_bytes, "pinned_reserved_bytes": st.pinned_reserved_bytes,
-            "threads": sum(names.values()), "descriptors": sum(kinds.values()),  # (iou-wrk: io_uring's, come and go)
-            "threads_but_io_uring": sum(n for k, n in names.items() if not k.startswith("iou-wrk")),
             "ssd_used_bytes": sum(d.used_bytes for d in st.devices), "objects": st.objects, "sessions": st.sessions,
-            "thread_names": dict(names), "descriptor_kinds": dict(kinds)}
+            "threads": {k: n for k, n in sorted(names.items()) if not k.startswith(("iou-wrk", "gone"))},
+            "io_uring_workers": sum(n for k, n in names.items() if k.startswith("iou-wrk")),
+            "descriptors": {k: n for k, n in sorted(kinds.items()) if k != "gone"}}
+
+
+def above(after: dict, before: dict) -> dict:
+    """Each thread name and descriptor kind ``after`` holds more of than ``before``: [before, after]."""
+    return {f"{part}:{k}": [before[part].get(k, 0), n] for part in ("threads", "descriptors")
+            for k, n in after[part].items() if n > before[part].get(k, 0)}
+
+
+def warm_up(daemon, threads: int = 32, sessions: int = 4, seconds: float = 2.0) -> None:
+    """Start the pools the daemon grows once and keeps (see the module's doc): ``threads``
+    threads call at once for ``seconds`` through ``sessions`` sessions, which then end."""
+    import fuyou_client
+
+    conns, end = [fuyou_client.connect(daemon.socket) for _ in range(sessions)], time.monotonic() + seconds
+
+    def work(t: int) -> None:
+        s = conns[t % sessions]
+        buf = s.allocate(MiB)
+        s.create_group(f"warm{t}", buf, fuyou_client.AdamW(lr=1e-4))
+        while time.monotonic() < end:  # (gRPC's workers, their io_uring rings, their OpenMP pools)
+            s.status(), s.swap_out(f"warm{t}", buf), s.swap_in(f"warm{t}", buf), s.step_group(f"warm{t}", buf, 1e-4)
+        s.delete(f"optim/warm{t}", missing_ok=True)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(work, range(threads)))
+    for s in conns:
+        s.close()
 
 
 def attacker_python() -> tuple[str, str]:
-    """The interpreter uid nobody runs: this one if it may, else (a virtual environment
-    whose interpreter lies under a home only root may enter) the system's python of the
-    same version with this environment's packages."""
+    """The interpreter uid nobody runs: this one if it may, else (a virtual environment under a
+    home only root may enter) the system's python of its version with this one's packages."""
     try:
         subprocess.run([sys.executable, "-c", "import fuyou_client"], user=NOBODY, group=NOBODY, extra_groups=[],
                        cwd="/", check=True, capture_output=True)
@@ -313,61 +313,68 @@ def attacker_python() -> tuple[str, str]:
         return other, sysconfig.get_paths()["purelib"]
 
 
-def run_victim(args, daemon, out: Path) -> dict:
-    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--victim", "--socket", daemon.socket,
-                        "--steps", str(args.steps), "--out", str(out)], timeout=900)
-    if p.returncode != 0:
+def start_victim(args, daemon, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, SELF, "--victim", "--socket", daemon.socket,
+                             "--steps", str(args.steps), "--out", str(out), *extra])
+
+
+def victim_result(p: subprocess.Popen, out: Path) -> dict:
+    if p.wait(timeout=900) != 0:
         return {"steps": [], "losses": [], "errors": [f"the victim exited {p.returncode}"]}
     return json.loads(out.read_text())
 
 
+def wait_for(path: Path, proc: subprocess.Popen, what: str, timeout: float = 300.0) -> float:
+    """Seconds until ``path`` exists; SystemExit(``what``) if ``proc`` ends or ``timeout`` passes first."""
+    t0 = time.monotonic()
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() - t0 > timeout:
+            raise SystemExit(f"{what} (exit {proc.poll()})")
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
 def together(args, daemon, work: Path, r: int) -> tuple[dict, dict]:
-    att = work / f"attacker-{r}"
+    """The victim attaches (its plan reserved), the attacker ramps up, then the victim's steps."""
+    att, out = work / f"attacker-{r}", work / f"together-{r}.json"
     att.mkdir()
     os.chown(att, NOBODY, NOBODY)
-    python, site = args.attacker_python
-    cmd = [python, str(Path(__file__).resolve()), "--attacker", "--socket", daemon.socket, "--site", site,
-           "--out", str(att / "attacker.json"), "--seed", str(r), "--deadline", str(args.seconds + 900)]
-    proc = subprocess.Popen(cmd, user=NOBODY, group=NOBODY, extra_groups=[], process_group=0, cwd="/",
-                            stdin=subprocess.DEVNULL)
+    vic = start_victim(args, daemon, out, "--attached", str(work / f"attached-{r}"), "--go", str(att / "ready"))
+    proc = None
     try:
-        t0 = time.monotonic()
-        while not (att / "ready").exists():
-            if proc.poll() is not None or time.monotonic() - t0 > 300:
-                raise SystemExit(f"the attacker did not ramp up (exit {proc.poll()})")
-            time.sleep(0.1)
-        ramp = time.monotonic() - t0
-        go = time.monotonic()
-        v = run_victim(args, daemon, work / f"together-{r}.json")
+        wait_for(work / f"attached-{r}", vic, "the victim did not attach")
+        proc = subprocess.Popen([args.attacker_python[0], SELF, "--attacker", "--socket", daemon.socket, "--site",
+                                 args.attacker_python[1], "--out", str(att / "attacker.json"), "--seed", str(r),
+                                 "--deadline", str(int(args.seconds) + 900)], user=NOBODY, group=NOBODY,
+                                extra_groups=[], process_group=0, cwd="/", stdin=subprocess.DEVNULL)
+        ramp, go = wait_for(att / "ready", proc, "the attacker did not ramp up"), time.monotonic()
+        v = victim_result(vic, out)
         time.sleep(max(0.0, args.seconds - (time.monotonic() - go)))
-        flood = time.monotonic() - go
+        flood, held = time.monotonic() - go, snapshot(daemon)  # (the victim gone: what the attacker holds)
         (att / "stop").touch()
-        t1 = time.monotonic()
-        while not (att / "final").exists() and time.monotonic() - t1 < 15:
-            time.sleep(0.1)
+        with contextlib.suppress(SystemExit):
+            wait_for(att / "final", proc, "", timeout=15)
         time.sleep(0.6)  # (the forker's last counts)
     finally:
-        with contextlib.suppress(ProcessLookupError):
+        vic.kill()  # (only a victim left waiting: it ended otherwise)
+        vic.wait()
+        with contextlib.suppress(ProcessLookupError, AttributeError):
             os.killpg(proc.pid, signal.SIGKILL)  # the attacker, its forker, its children: mid-call, holding it all
-        proc.wait()
+            proc.wait()
     a = json.loads((att / "attacker.json").read_text())
     try:
         a["counts"].update(json.loads((att / "forker.json").read_text()))
     except (OSError, ValueError):
         a["counts"]["forker_counts_missing"] = 1
-    a.update(ramp_seconds=ramp, flood_seconds=flood)
+    a.update(ramp_seconds=ramp, flood_seconds=flood, got={
+        "sessions": a["counts"]["sessions_admitted"], "pinned_reserved_bytes": a["counts"]["reserved_bytes"],
+        "ssd_used_bytes": held["ssd_used_bytes"], "sessions_at_flood_end": held["sessions"],
+        "pinned_reserved_bytes_at_flood_end": held["pinned_reserved_bytes"]})
     return v, a
 
 
-def buffers(plan: dict | None) -> dict | None:
-    """A plan's shared buffers, less the host arena (what a plan gives up first to fit)."""
-    return None if plan is None else {k: v for k, v in plan.items() if k not in ("host_budget", "total", "shrunk")}
-
-
-def measure(args, daemon, work: Path, r: int, snaps: dict) -> dict:
-    alone = run_victim(args, daemon, work / f"alone-{r}.json")
-    if r == 0:
-        snaps["warm"] = snapshot(daemon)
+def measure(args, daemon, work: Path, r: int) -> dict:
+    alone = victim_result(start_victim(args, daemon, work / f"alone-{r}.json"), work / f"alone-{r}.json")
     tog, att = together(args, daemon, work, r)
     a, t = alone["steps"][1:] or [float("nan")], tog["steps"][1:] or [float("nan")]
     a_med, t_med = statistics.median(a), statistics.median(t)
@@ -375,24 +382,21 @@ def measure(args, daemon, work: Path, r: int, snaps: dict) -> dict:
             "worst_step_alone_s": max(a), "worst_step_together_s": max(t),
             "losses_bitwise_as_alone": bool(alone["losses"]) and alone["losses"] == tog["losses"],
             "plan_as_alone": alone.get("plan") is not None and alone.get("plan") == tog.get("plan"),
-            "buffers_as_alone": alone.get("plan") is not None and buffers(alone["plan"]) == buffers(tog.get("plan")),
-            "errors_alone": alone["errors"], "errors_together": tog["errors"],
-            "plan_alone": alone.get("plan"), "plan_together": tog.get("plan"), "plan_text": tog.get("plan_text"),
-            "session_budget_bytes_alone": alone.get("session_budget_bytes"),
-            "session_budget_bytes_together": tog.get("session_budget_bytes"),
-            "losses": tog["losses"], "steps_alone_s": alone["steps"], "steps_together_s": tog["steps"],
-            "attacker": att}
+            **{f"{k}_{w}": v.get(k) for w, v in (("alone", alone), ("together", tog))
+               for k in ("plan", "reserved_bytes", "session_budget_bytes", "errors", "steps")},
+            "plan_text": tog.get("plan_text"), "losses": tog["losses"], "attacker": att}
 
 
-def settle(daemon, base: dict, timeout: float = 120.0) -> float:
-    """Wait until the daemon reclaimed the dead attacker's sessions (and their memory and
-    objects); the seconds it took."""
-    t0 = time.monotonic()
-    keys = ("sessions", "pinned_used_bytes", "pinned_reserved_bytes", "objects", "ssd_used_bytes")
+def settle(daemon, base: dict, timeout: float = 120.0, grace: float = 10.0) -> float:
+    """Seconds until the daemon reclaimed the dead attacker's sessions (their memory and
+    objects) and, up to ``grace`` seconds more, their threads and descriptors ended."""
+    t0, back = time.monotonic(), 0.0
     while time.monotonic() - t0 < timeout:
         s = snapshot(daemon)
-        if all(s[k] <= base[k] for k in keys):
-            break
+        if all(s[k] <= base[k] for k in HELD):
+            back = back or time.monotonic()
+            if not above(s, base) or time.monotonic() - back > grace:
+                break
         time.sleep(0.2)
     return time.monotonic() - t0
 
@@ -404,21 +408,41 @@ def metrics(daemon) -> dict:
         ("fuyoud_user_limit_refusals_total{", "fuyoud_session_connections_refused_total{")))}
 
 
+def summarize(rounds: list[dict], snaps: dict) -> dict:
+    """Medians and totals over the rounds; what the attacker got at most; resources."""
+    refusals = sum((collections.Counter({k: v for k, v in r["attacker"]["counts"].items() if "refused" in k})
+                    for r in rounds), collections.Counter())
+    got = {k: max(r["attacker"]["got"][k] for r in rounds) for k in rounds[0]["attacker"]["got"]}
+    got.update(pinned_share_of_budget=got["pinned_reserved_bytes"] / BUDGET,
+               ssd_share_of_array=got["ssd_used_bytes"] / ARRAY)
+    med = lambda key: statistics.median(r[key] for r in rounds)  # noqa: E731
+    return {"alone_step_s": med("alone_step_s"), "together_step_s": med("together_step_s"),
+            "ratio": med("ratio"), "fair_share_ratio": 2, "within_fair_share": med("ratio") <= 2,
+            "worst_step_together_s": max(r["worst_step_together_s"] for r in rounds),
+            "losses_bitwise_as_alone": all(r["losses_bitwise_as_alone"] for r in rounds),
+            "losses_same_every_round": len({tuple(r["losses"]) for r in rounds}) == 1,
+            "plan_as_alone": all(r["plan_as_alone"] for r in rounds),
+            "victim_reserved_bytes": max(r["reserved_bytes_together"] or 0 for r in rounds),
+            "victim_errors": [e for r in rounds for e in r["errors_alone"] + r["errors_together"]],
+            "attacker_got": got, "attacker_refusals": dict(refusals),
+            "attacker_refused_by": sorted({k.split(":", 1)[1] for k in refusals} & {*KINDS, "pinned_budget"}),
+            "reclaim_seconds_max": max(r["reclaim_seconds"] for r in rounds), "resources": snaps,
+            "resources_back": {k: snaps["after"][k] == snaps["before"][k] for k in HELD},
+            "above_before": above(snaps["after"], snaps["before"])}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--seconds", type=float, default=20.0, help="the least the attacker floods per together-run")
     ap.add_argument("--dir", type=Path, help="parent of the run's directory (default: the temporary directory)")
+    ap.add_argument("--seconds", type=float, default=20.0, help="the least the attacker floods per together-run")
+    for opt, default in (("--rounds", 2), ("--steps", 8), ("--seed", 0), ("--deadline", 900)):
+        ap.add_argument(opt, type=int, default=default, help=argparse.SUPPRESS if opt in ("--seed", "--deadline")
+                        else None)
     for flag in ("--victim", "--attacker", "--forker"):
         ap.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--socket", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
-    ap.add_argument("--stop", help=argparse.SUPPRESS)
-    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--deadline", type=float, default=900.0, help=argparse.SUPPRESS)
-    ap.add_argument("--site", default="", help=argparse.SUPPRESS)
+    for opt in ("--socket", "--out", "--stop", "--attached", "--go", "--site"):
+        ap.add_argument(opt, default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.site:  # (an interpreter outside the project's virtual environment: its packages)
         import site
@@ -428,16 +452,15 @@ def main(argv=None) -> int:
             return fn(args)
     if os.geteuid() != 0:
         raise SystemExit("bench/hostile.py runs as root: the attacker is uid nobody, another user")
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(Path(SELF).parent))
     import fuyou_client
-    from common import host_info
+    from common import host_info, write_result
 
     args.attacker_python = attacker_python()
-
     root = Path(tempfile.mkdtemp(prefix="fy-hostile-", dir=args.dir))
     os.chmod(root, 0o755)  # (the attacker, uid nobody, reaches the sockets and its own directory)
-    (root / "run").mkdir(mode=0o755)
-    (root / "work").mkdir(mode=0o755)
+    for sub in ("run", "work"):
+        (root / sub).mkdir(mode=0o755)
     daemon = fuyou_client.start_daemon(root / "state", config={
         "daemon": {"runtime_dir": str(root / "run"), "allow_uids": [NOBODY, 64299], "socket_group": "nogroup"},
         "memory": {"pinned_budget": "1GiB", "segment_size": "8MiB"},
@@ -445,51 +468,28 @@ def main(argv=None) -> int:
         "metrics": {"listen": "127.0.0.1:0"}})
     t_start = time.monotonic()
     try:
-        snaps = {"before": snapshot(daemon)}
-        rounds = []
+        snaps, rounds = {"cold": snapshot(daemon)}, []
+        warm_up(daemon)
+        settle(daemon, snaps["cold"], grace=2.0)
+        snaps["before"] = snapshot(daemon)
         for r in range(args.rounds):
-            got = measure(args, daemon, root / "work", r, snaps)
-            got["reclaim_seconds"] = settle(daemon, snaps["before"])
-            snaps[f"after_round_{r}"] = snapshot(daemon)  # (round 0's: every worker pool started)
-            rounds.append(got)
-            print(f"round {r}: victim {got['alone_step_s']:.3f} s alone, {got['together_step_s']:.3f} s together "
-                  f"(ratio {got['ratio']:.2f}, fair share <= 2); losses bitwise {got['losses_bitwise_as_alone']}; "
-                  f"errors {got['errors_together']}; attacker {got['attacker']['counts']}", flush=True)
+            rounds.append(measure(args, daemon, root / "work", r))
+            rounds[-1]["reclaim_seconds"] = settle(daemon, snaps["before"])
+            snaps[f"after_round_{r}"] = snapshot(daemon)
+            print(f"round {r}:", {k: rounds[-1][k] for k in ("alone_step_s", "together_step_s", "ratio",
+                                                           "plan_as_alone", "losses_bitwise_as_alone")}, flush=True)
         snaps["after"] = snapshot(daemon)
-        back = {k: snaps["after"][k] <= v for k, v in snaps["before"].items() if not k.endswith(("names", "kinds"))}
-        back_warm = {f"{k}_{w}": snaps["after"][k] <= snaps[w][k] for w in ("warm", "after_round_0")
-                     for k in ("threads", "threads_but_io_uring", "descriptors")}
-        refusals = sum((collections.Counter({k: v for k, v in r["attacker"]["counts"].items() if "refused" in k})
-                        for r in rounds), collections.Counter())
-
-        med = lambda key: statistics.median(r[key] for r in rounds)  # noqa: E731
-        summary = {"alone_step_s": med("alone_step_s"), "together_step_s": med("together_step_s"),
-                   "ratio": med("ratio"), "fair_share_ratio": 2, "within_fair_share": med("ratio") <= 2,
-                   "worst_step_together_s": max(r["worst_step_together_s"] for r in rounds),
-                   "losses_bitwise_as_alone": all(r["losses_bitwise_as_alone"] for r in rounds),
-                   "losses_same_every_round": len({tuple(r["losses"]) for r in rounds}) == 1,
-                   "plan_as_alone": all(r["plan_as_alone"] for r in rounds),
-                   "buffers_as_alone": all(r["buffers_as_alone"] for r in rounds),
-                   "victim_errors": [e for r in rounds for e in r["errors_alone"] + r["errors_together"]],
-                   "attacker_refusals": dict(refusals),
-                   "attacker_refused_by": sorted({k.split(":", 1)[1] for k in refusals if k.split(":", 1)[1] in KINDS}),
-                   "reclaim_seconds_max": max(r["reclaim_seconds"] for r in rounds),
-                   "resources": snaps, "resources_back": back, "threads_descriptors_back_to": back_warm}
-        result = {
-            "command": "python bench/hostile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "host": host_info(root),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "args": {k: getattr(args, k) for k in ("rounds", "steps", "seconds")},
-            "attacker_python": {"interpreter": args.attacker_python[0], "site": args.attacker_python[1]},
-            "config": {"pinned_budget": "1GiB", "segment_size": "8MiB", "data_files": "2 x 1GiB",
-                       "allow_uids": [NOBODY, 64299], "limits": "defaults (auto: 75%, 64 sessions)"},
-            "summary": summary, "metrics": metrics(daemon), "rounds": rounds,
-        }
-        result["wall_seconds"] = time.monotonic() - t_start
+        summary = summarize(rounds, snaps)
+        result = {"command": "python bench/hostile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "host": host_info(root), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "args": {k: getattr(args, k) for k in ("rounds", "steps", "seconds")},
+                  "attacker_python": {"interpreter": args.attacker_python[0], "site": args.attacker_python[1]},
+                  "config": {"pinned_budget": "1GiB", "segment_size": "8MiB", "data_files": "2 x 1GiB",
+                             "allow_uids": [NOBODY, 64299], "limits": "defaults (auto: 75%, 64 sessions)"},
+                  "summary": summary, "metrics": metrics(daemon), "rounds": rounds,
+                  "wall_seconds": time.monotonic() - t_start}
         print(json.dumps({k: v for k, v in summary.items() if k != "resources"}, indent=1))
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=1) + "\n")
+        write_result(args.json, result)
     finally:
         daemon.stop()
         shutil.rmtree(root, ignore_errors=True)
