@@ -70,7 +70,8 @@ def test_several_jobs_survive_every_kind_of_fault_bitwise(tmp_path):
     each time it was computed, the final optimizer state and weights), each life resumed
     from the newest checkpoint acknowledged, a damaged checkpoint refused naming it and the
     previous one used, every death explained by a fault, the array's usage after the end's
-    restart the reference's, and nothing once everything is deleted."""
+    restart the reference's, no extent held by no object or snapshot before or after a
+    restart, and nothing once everything is deleted."""
     r = soak.soak(jobs=3, steps=300, every=10, faults=len(soak.KINDS), seeds=[0], directory=tmp_path,
                   budget_s=900, restart_s=0.5)
     run = r["runs"][0]
@@ -93,11 +94,6 @@ def test_several_jobs_survive_every_kind_of_fault_bitwise(tmp_path):
     errors = {e for f in run["faults"] for _, e, _ in f["errors"]}
     assert "InternalError" not in errors, [(f["kind"], f["detail"], e) for f in run["faults"] for e in f["errors"]
                                            if e[1] == "InternalError"]
-    # Within a daemon's life too, no extent outlives every object and snapshot holding it.
-    # Until issue 43's fix of copy checkpoints' pins (branch issue-43d, "A copy checkpoint
-    # pins only what it copies") is merged, deleted snapshots keep their extents until the
-    # next restart: then this is expected to fail, and should become a plain assert.
-    if r["unreferenced_bytes_before_restart_max"]:
-        pytest.xfail(f"{r['unreferenced_bytes_before_restart_max']} bytes of the array held by no object or "
-                     f"snapshot before the final restart (used {r['used_bytes_before_restart_max']}): deleted "
-                     "snapshots' extents pinned by copy checkpoints until a restart")
+    # Within a daemon's life too, no extent outlives every object and snapshot holding it
+    # (a copy checkpoint pins only what it copies: 047c9cb).
+    assert r["unreferenced_bytes_before_restart_max"] == 0, (r["used_bytes_before_restart_max"], run["array"])
