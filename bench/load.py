@@ -14,7 +14,9 @@ refused (its namespace quota), then floods the daemon with 4 concurrent 8 MiB
 swap-outs at a time for ``--seconds``, verifying what it reads back too. With the
 greedy client, the modest ones go on until its flood is over, and each counts the round
 trips it began and finished during the flood (``modest_ops_during_flood``): a starved
-client finishes none there, however many it did before.
+client finishes none there, however many it did before. The flood lasts a phase, so
+those counts compare with each client's round trips in the phase alone before it
+(``modest_during_flood_over_alone``).
 
 Reported per phase: operations and verified bytes per second of the modest clients,
 their round-trip latency p50/p99 (swap out + swap in), optimizer step latency, and the
@@ -195,6 +197,11 @@ def run(clients: int, seconds: float, rounds: int, directory: Path | None) -> di
         "greedy_over_alone_throughput": med["greedy"]["modest_verified_bytes_per_s"]
         / med["alone"]["modest_verified_bytes_per_s"],
         "greedy_over_alone_rtt_p99": med["greedy"]["rtt_p99_s"] / med["alone"]["rtt_p99_s"],
+        # (each modest client's round trips during the flood over its own in the phase alone
+        # before it, per round: both counted over a phase's length, so the counts compare)
+        "modest_during_flood_over_alone": [[d / a if a else 0.0 for d, a in zip(g["modest_ops_during_flood"] or [],
+                                                                               al["modest_ops"])]
+                                           for al, g in zip(phases["alone"], phases["greedy"])],
     }
 
 
