@@ -2,9 +2,10 @@
 client is refused by its memory budget and SSD quota and does not starve the others:
 each of them begins and finishes verified round trips while the greedy one floods the
 daemon, at least a fifth as many as in a phase alone (counted, not timed: a starved client
-finishes none or next to none during the flood, however many it did before it). bench/load.py runs it for minutes and reports throughput and latency.
-Four clients in the default suite, for 1.5 s per phase; eight for 3 s (each a spawned
-Python process, in two phases) with `-m slow`."""
+finishes none or next to none during the flood, however many it did before it).
+bench/load.py runs it for minutes and reports throughput and latency. Four clients in
+the default suite, for 1.5 s per phase; eight for 3 s (each a spawned Python process, in
+two phases) with `-m slow`."""
 from __future__ import annotations
 
 import sys
