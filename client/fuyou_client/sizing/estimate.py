@@ -18,7 +18,8 @@ and traffic, and (with a GPU) the step's time and what binds it.
 * **Time**: the discrete-event model (iteration.py) with the GPU's and host's rates, the
   GPU's in the model's compute dtype (``Settings.compute``: bf16 or fp16; its bytes are 2
   per element either way). Two rates of FLOPs: model TFLOPS (6 x parameters x tokens per
-  second, the work the model needs) and hardware TFLOPS (what the GPU executed,
+  second, the work the model needs; a mixture of experts' active parameters, those a
+  token passes through) and hardware TFLOPS (what the GPU executed,
   recomputation included: iteration.executed_flops).
 """
 from __future__ import annotations
@@ -383,7 +384,7 @@ def _time(est: Estimate, host: Host) -> None:
         extra = spill / r.ssd_write / GB + spill / r.ssd_read / GB
         t["seconds"]["SSD: spilled inputs"] = extra
         t["iteration_seconds"] += extra
-        t["model_tflops"] = 6 * est.shape.params * est.settings.tokens / t["iteration_seconds"] / 1e12
+        t["model_tflops"] = 6 * est.shape.active_params * est.settings.tokens / t["iteration_seconds"] / 1e12
         t["hardware_tflops"] = t["hardware_flops"] / t["iteration_seconds"] / 1e12
         t["gpu_busy"] = t["seconds"]["gpu compute"] / t["iteration_seconds"]
     seconds = t["iteration_seconds"]

@@ -421,11 +421,11 @@ def simulate(shape: ModelShape, s: Schedule, r: Rates) -> dict:
     """Where each second of one iteration goes, and the bytes on each link."""
     t = Timeline()
     res = (_loop if s.schedule == "loop" else _block_major)(shape, s, r, t)
-    n = shape.params
+    n = shape.active_params  # (a mixture of experts: those a token passes through)
     seconds, gpu_end = res["end"], t.free["gpu"]
     pcie = {k: v for k, v in t.bytes.items() if k.startswith(("h2d", "d2h"))}
     ssd = sum(v for k, v in t.bytes.items() if k.startswith("ssd"))
-    out = {"params": n, "tokens": s.tokens, "iteration_seconds": seconds,
+    out = {"params": shape.params, "active_params": n, "tokens": s.tokens, "iteration_seconds": seconds,
            "model_tflops": 6 * n * s.tokens / seconds / 1e12, "hardware_flops": executed_flops(shape, s),
            "hardware_tflops": executed_flops(shape, s) / seconds / 1e12, "gpu_busy": t.busy["gpu"] / seconds,
            "seconds": {"gpu compute": t.busy["gpu"],

@@ -172,7 +172,7 @@ def widths(shape) -> tuple[int, int, int]:
     kv = getattr(shape, "kv_width", None) or q
     mlp = getattr(shape, "mlp_width", None)
     if not mlp:
-        ffn = shape.block_matmul_params - (2 * w * q + 2 * w * kv)
+        ffn = getattr(shape, "active_matmul_params", shape.block_matmul_params) - (2 * w * q + 2 * w * kv)
         mlp = max(1, round(ffn / ((3 if layout(shape) == "llama" else 2) * w)))
     return q, kv, mlp
 

@@ -79,7 +79,7 @@ def text(plan) -> str:
         balance = e.time["balance_tokens"]
         spilled = sum(v for k, v in e.ssd.items() if k.startswith("spilled"))
         lines += [f"time    {e.seconds:.1f} s per step, {e.tokens_per_second:,.0f} tokens/s, "
-                  f"{e.time['model_tflops']:.1f} model TFLOPS (6 x parameters x tokens / s), "
+                  f"{e.time['model_tflops']:.1f} model TFLOPS (6 x {'active ' if e.shape.experts else ''}parameters x tokens / s), "
                   f"{e.time['hardware_tflops']:.1f} hardware TFLOPS (what the GPU executes, recomputation included), "
                   f"GPU busy {e.time['gpu_busy']:.2f}",
                   f"binds   {e.binds} (share of the step each resource is busy: {use}); "

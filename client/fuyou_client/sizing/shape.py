@@ -9,13 +9,23 @@ field by field; a field a family needs and the config lacks is an error naming i
 Parameter counts follow each family's modules (untied heads add ``vocab x width``); FLOPs
 count every matmul of a block (2 per multiply-add) and attention over the whole ``S x S``
 (as ``torch.utils.flop_counter`` counts it), backward twice forward.
+
+Any other family transformers knows (the mixtures of experts among them: Qwen-MoE, OLMoE,
+DeepSeek-V3, GLM-4-MoE, Llama 4, gpt-oss) is built from its config on the meta device
+(no memory, no download) and counted on its modules. A mixture of experts' FLOPs count
+what a token passes through: the dense parameters and ``experts_per_token`` of its routed
+experts (sizing/experts.py); its parameters, state and bytes moved count every expert.
+Blocks of unequal size (DeepSeek-V3's dense first blocks) are planned at the largest for
+buffers, and counted at their sum for totals (``params``).
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from fuyou_client.sizing import experts as moe
 
 
 class ShapeError(ValueError):
@@ -87,24 +97,47 @@ class ModelShape:
     kv_width: int | None = None  # key-value heads x head_dim (GQA's narrower); None: unknown
     mlp_width: int | None = None  # the MLP's hidden width; None: unknown (kernels.widths solves it)
     activation: str | None = None  # the MLP's activation as the config names it (ACT2FN's name)
+    blocks_params: int | None = None  # every block's parameters together; None: layers x block_params
+    # A mixture of experts: routed experts per block and per token; the matrix parameters a
+    # token multiplies and all it passes through, per block on average (None: every one).
+    experts: int = 0
+    experts_per_token: int = 0
+    block_active_matmul: float | None = None
+    block_active_params: float | None = None
 
     @property
     def params(self) -> int:
-        return self.layers * self.block_params + self.rest_params
+        return (self.blocks_params if self.blocks_params is not None else self.layers * self.block_params) + \
+            self.rest_params
+
+    @property
+    def active_params(self) -> float:
+        """The parameters one token passes through (all of them but a mixture of experts')."""
+        if self.block_active_params is None:
+            return self.params
+        return self.layers * self.block_active_params + self.rest_params
+
+    @property
+    def active_matmul_params(self) -> float:
+        """A block's matrix parameters a token multiplies (on average over the blocks)."""
+        return self.block_active_matmul if self.block_active_matmul is not None else self.block_matmul_params
 
     def flops(self, seq: int, micro: int) -> dict:
         """Hardware FLOPs of one micro-batch of ``micro`` sequences of ``seq`` tokens: a
         block's forward and backward (``block_fwd``, ``block_bwd``), the tail's (final
         norm, head, loss: ``tail_fwd``, ``tail_bwd``)."""
         tokens = micro * seq
-        block = 2 * tokens * self.block_matmul_params + 4 * micro * seq * seq * self.attn_width
+        block = 2 * tokens * self.active_matmul_params + 4 * micro * seq * seq * self.attn_width
         tail = 2 * tokens * self.width * self.vocab
         return {"block_fwd": block, "block_bwd": 2 * block, "tail_fwd": tail, "tail_bwd": 2 * tail}
 
     def describe(self) -> str:
-        return (f"{self.params / 1e9:.2f}B parameters ({self.family}: {self.layers} blocks of "
-                f"{self.block_params / 1e6:.1f}M, {self.rest_params / 1e6:.1f}M outside them; width {self.width}, "
-                f"vocabulary {self.vocab})")
+        blocks = (f"{self.layers} blocks of {self.block_params / 1e6:.1f}M" if self.blocks_params is None else
+                  f"{self.layers} blocks of at most {self.block_params / 1e6:.1f}M")
+        routing = (f"; {self.experts} experts per block, {self.experts_per_token} per token: "
+                   f"{self.active_params / 1e9:.2f}B active" if self.experts else "")
+        return (f"{self.params / 1e9:.2f}B parameters ({self.family}: {blocks}, {self.rest_params / 1e6:.1f}M outside "
+                f"them; width {self.width}, vocabulary {self.vocab}{routing})")
 
 
 def _field(cfg: dict, family: str, name: str, source: str, default=None):
@@ -121,17 +154,21 @@ def _field(cfg: dict, family: str, name: str, source: str, default=None):
                      "which it does not have")
 
 
-def from_config(cfg: dict, source: str = "config") -> ModelShape:
-    """The shape of the model a Hugging Face config (as a dict) describes."""
+def from_config(cfg: dict, source: str = "config", build: bool = True) -> ModelShape:
+    """The shape of the model a Hugging Face config (as a dict) describes: read field by
+    field for the families above, else (``build``) counted on the model transformers
+    builds from it on the meta device."""
     if not isinstance(cfg, dict):
         raise ShapeError(f"{source}: expected a JSON object, not {type(cfg).__name__}")
     family = cfg.get("model_type")
     if family is None:
         raise ShapeError(f"{source}: no model_type field: the planner needs it to know the family "
-                         f"(it knows {', '.join(sorted(FAMILIES))}); or plan a model built on the meta device")
+                         f"(it knows {', '.join(sorted(FAMILIES))} and any other transformers builds); or plan a "
+                         "model built on the meta device")
     if family not in FAMILIES:
-        raise ShapeError(f"{source}: model_type {family!r} is not a family the planner knows ({', '.join(sorted(FAMILIES))}); "
-                         "build the model on the meta device and pass it to fuyou_client.plan() instead")
+        if build:
+            return _built(cfg, family, source)
+        raise ShapeError(f"{source}: model_type {family!r} is not read field by field")
     fam = FAMILIES[family]
     w = _field(cfg, family, "width", source)
     layers = _field(cfg, family, "layers", source)
@@ -190,6 +227,27 @@ def _atoms(family: str, fam: Family, w: int, q: int, kvw: int, mlp: int, vocab: 
     return block, rest
 
 
+def _built(cfg: dict, family: str, source: str) -> ModelShape:
+    """Counted on the causal LM transformers builds from ``cfg`` on the meta device."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise ShapeError(f"{source}: model_type {family!r} is not one the planner reads field by field "
+                         f"({', '.join(sorted(FAMILIES))}), and without transformers it cannot build it to count it: "
+                         "pip install \"fuyou[hf]\"") from None
+    fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")}
+    try:
+        config = transformers.AutoConfig.for_model(family, **fields)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ShapeError(f"{source}: model_type {family!r}: transformers {transformers.__version__} cannot build a "
+                         f"causal LM from this config ({str(exc).splitlines()[0][:200]}); the planner knows "
+                         f"{', '.join(sorted(FAMILIES))} field by field, or plan a model built on the meta device") from None
+    return replace(from_model(model), source=source)
+
+
 def from_path(path: str | os.PathLike) -> ModelShape:
     """From a ``config.json``, or a model directory that holds one."""
     p = Path(path)
@@ -207,10 +265,10 @@ def from_path(path: str | os.PathLike) -> ModelShape:
 def from_model(model) -> ModelShape:
     """Counted on a model (any device, the meta device included): the blocks attach finds
     (model/blocks.py) and everything else; dimensions from its Hugging Face config where it
-    has one, else from the blocks' largest linear layers."""
-    from torch import nn
-
-    from fuyou_client.model.blocks import find_blocks, mlp_layout
+    has one, else from the blocks' largest linear layers; a mixture of experts' routing from
+    its config (sizing/experts.py)."""
+    from fuyou_client.model.blocks import find_blocks
+    from fuyou_client.model.cuts import atom_sizes
 
     found = find_blocks(model)
     if found is None:
@@ -218,31 +276,58 @@ def from_model(model) -> ModelShape:
                          "the planner plans models made of blocks")
     blocks = list(found[1])
     total = sum(p.numel() for p in model.parameters())
-    block = max(sum(p.numel() for p in b.parameters()) for b in blocks)
-    in_blocks = sum(p.numel() for b in blocks for p in b.parameters())
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     matrices = max(sum(p.numel() for p in b.parameters() if p.dim() >= 2) for b in blocks)
     cfg = getattr(model, "config", None)
     cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    routing = moe.of_config(cfg)
+    if routing is not None and not any(moe.routed(n) for b in blocks for n, _ in b.named_parameters()):
+        routing = None  # (a config that names experts, a model without them)
+    width, vocab, attn, max_seq, kv, mlp, activation = _dims(model, blocks, cfg)
+    widest = max(range(len(blocks)), key=lambda i: sizes[i])
+    return ModelShape(cfg.get("model_type") or type(model).__name__, len(blocks), width, sizes[widest],
+                      total - sum(sizes), vocab, attn, matrices, max_seq, type(model).__name__,
+                      tuple(atom_sizes(model, blocks[widest], blocks)), tuple(atom_sizes(model, None, blocks)), kv,
+                      None if routing else mlp, activation,
+                      blocks_params=sum(sizes) if len(set(sizes)) > 1 else None,
+                      experts=routing.experts if routing else 0, experts_per_token=routing.per_token if routing else 0,
+                      block_active_matmul=sum(moe.active_matmul(b, routing) for b in blocks) / len(blocks) if routing
+                      else None,
+                      block_active_params=sum(moe.active(b, routing) for b in blocks) / len(blocks) if routing else None)
+
+
+_WIDTH_FIELDS = ("hidden_size", "n_embd", "d_model")
+
+
+def _dims(model, blocks: list, cfg: dict) -> tuple:
+    """(width, vocabulary, attention width, learned positions, key-value width, MLP width,
+    activation): from the config, read as its family is, else its generic fields, else the
+    modules."""
+    from torch import nn
+
+    from fuyou_client.model.blocks import mlp_layout
+
     try:
-        dims = from_config(cfg, type(model).__name__)
-        width, vocab, attn, max_seq = dims.width, dims.vocab, dims.attn_width, dims.max_seq
-        kv, mlp, activation = dims.kv_width, dims.mlp_width, dims.activation
+        d = from_config(cfg, type(model).__name__, build=False)
+        return d.width, d.vocab, d.attn_width, d.max_seq, d.kv_width, d.mlp_width, d.activation
     except ShapeError:
+        pass
+    emb = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    vocab = cfg.get("vocab_size") or max((m.num_embeddings for m in emb), default=0)
+    width = next((cfg[k] for k in _WIDTH_FIELDS if isinstance(cfg.get(k), int) and cfg[k] > 0), 0)
+    if not width:
         linears = [m for b in blocks[:1] for m in b.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
         width = min((min(m.weight.shape) for m in linears), default=0)
-        emb = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-        vocab = max((m.num_embeddings for m in emb), default=0)
-        attn, max_seq = width, None
-        if not width or not vocab:
-            raise ShapeError(f"{type(model).__name__}: its width and vocabulary cannot be read (no Hugging Face config, "
-                             "no linear layers or embedding)") from None
-        kv, mlp = None, mlp_layout(blocks[0], width)[1]
-        activation = None
-    from fuyou_client.model.cuts import atom_sizes
-    return ModelShape(cfg.get("model_type") or type(model).__name__, len(blocks), width, block, total - in_blocks,
-                      vocab, attn, matrices, max_seq, type(model).__name__,
-                      tuple(atom_sizes(model, blocks[0], blocks)), tuple(atom_sizes(model, None, blocks)), kv, mlp,
-                      activation)
+    if not width or not vocab:
+        raise ShapeError(f"{type(model).__name__}: its width and vocabulary cannot be read (no Hugging Face config, "
+                         "no linear layers or embedding)")
+    heads = cfg.get("num_attention_heads")
+    head_dim = cfg.get("head_dim") or (width // heads if heads else None)
+    attn = heads * head_dim if heads and head_dim else width
+    kv_heads = cfg.get("num_key_value_heads")
+    kv = kv_heads * head_dim if kv_heads and head_dim else None
+    act = cfg.get("hidden_act")
+    return width, vocab, attn, None, kv, mlp_layout(blocks[0], width)[1], str(act) if isinstance(act, str) else None
 
 
 def of(model_or_path) -> ModelShape:
