@@ -209,3 +209,32 @@ def test_two_jobs_get_equal_counted_shares_of_the_array_through_the_daemon(short
             s.close()
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_an_owner_with_one_request_in_flight_gets_its_share():
+    """One slot; A keeps eight requests waiting, B one at a time (each turn it gets, it asks
+    again). B, back in the queue after its turn, goes before A, served since: half the
+    turns each (in a plain round it went behind A each time: a third)."""
+    turns = FairTurns(1)
+    stop, counted, lock = threading.Event(), {"A": 0, "B": 0}, threading.Lock()
+    counting = threading.Event()
+
+    def worker(owner):
+        while not stop.is_set():
+            with turns.turn(owner):
+                if counting.is_set():
+                    with lock:
+                        counted[owner] += 1
+
+    threads = [threading.Thread(target=worker, args=("A",), daemon=True) for _ in range(8)]
+    threads.append(threading.Thread(target=worker, args=("B",), daemon=True))
+    for t in threads:
+        t.start()
+    wait_until(lambda: turns.granted["A"] > 50 and turns.granted["B"] > 5, "both served", poll=0.002)
+    counting.set()
+    wait_until(lambda: sum(counted.values()) >= 2000, "2000 turns counted", poll=0.002)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    share = counted["B"] / sum(counted.values())
+    assert 0.4 <= share <= 0.6, counted

@@ -4,9 +4,8 @@ tenants wait, each is served in turn.
 Tenants that share the daemon share two things no budget divides: the SSD array's
 bandwidth and the optimizer's CPU. A plain lock or queue serves whoever asks most often:
 a tenant with four transfers in flight got four times the array of one with one. Here a
-holder that lets go hands its slot to the next in a round of two levels: the users with
-waiters (in the order they began waiting; one turn each per round), and within a user
-its training jobs with waiters (likewise); FIFO within a job. So while several users
+holder that lets go hands its slot on in a round of two levels: to the waiting user served
+longest ago, and within it to its waiting job served longest ago; FIFO within a job. So while several users
 want more than there is, each holds an equal share of the slots whatever its number of
 requests, sessions or jobs, and a user's share is divided equally between its jobs; a
 tenant alone takes every slot, as before.
@@ -38,8 +37,14 @@ class FairTurns:
         self._lock = threading.Lock()
         self._busy = 0
         self._waiting: dict[tuple, deque[tuple[Hashable, threading.Event]]] = {}  # (user, job) -> FIFO
-        self._users: deque[Hashable] = deque()  # users with waiters, next first
-        self._jobs: dict[Hashable, deque[Hashable]] = {}  # a waiting user's jobs with waiters, next first
+        self._jobs: dict[Hashable, dict[Hashable, None]] = {}  # waiting users -> their jobs with waiters
+        # When each user and each (user, job) was last served (a count of turns): the next turn
+        # goes to the waiting user served longest ago, then its job served longest ago, so an
+        # owner with one request in flight, back in the queue after its turn, is not put behind
+        # one that never left it.
+        self._user_served: dict[Hashable, int] = {}
+        self._job_served: dict[tuple, int] = {}
+        self._turns = 0
         self.granted: Counter = Counter()  # turns served per owner (for tests and metrics)
 
     @contextmanager
@@ -53,43 +58,44 @@ class FairTurns:
     def acquire(self, owner: Hashable) -> None:
         key = self.tenant(owner)  # (outside the lock: the daemon's looks its sessions up)
         with self._lock:
-            if self._busy < self.slots and not self._users:
+            if self._busy < self.slots and not self._jobs:
                 self._busy += 1
-                self.granted[owner] += 1
+                self._serve(owner, key)
                 return
             event = threading.Event()
             queue = self._waiting.get(key)
             if queue is None:
                 queue = self._waiting[key] = deque()
-                user, job = key
-                jobs = self._jobs.get(user)
-                if jobs is None:
-                    jobs = self._jobs[user] = deque()
-                    self._users.append(user)
-                jobs.append(job)
+                self._jobs.setdefault(key[0], {})[key[1]] = None
             queue.append((owner, event))
         event.wait()
 
     def release(self) -> None:
         with self._lock:
-            if not self._users:
+            if not self._jobs:
                 self._busy -= 1
                 return
-            user = self._users.popleft()
+            user = min(self._jobs, key=lambda u: self._user_served.get(u, -1))
             jobs = self._jobs[user]
-            job = jobs.popleft()
+            job = min(jobs, key=lambda j: self._job_served.get((user, j), -1))
             queue = self._waiting[(user, job)]
             owner, event = queue.popleft()
-            if queue:
-                jobs.append(job)  # (its next turn after the user's other jobs')
-            else:
-                del self._waiting[(user, job)]
-            if jobs:
-                self._users.append(user)  # (its next turn after every other user's)
-            else:
-                del self._jobs[user]
-            self.granted[owner] += 1
+            if not queue:
+                del self._waiting[(user, job)], jobs[job]
+                if not jobs:
+                    del self._jobs[user]
+            self._serve(owner, (user, job))
         event.set()  # (the slot goes straight to it: nobody takes it in between)
+
+    def _serve(self, owner: Hashable, key: tuple) -> None:  # (the lock held)
+        self._turns += 1
+        self._user_served[key[0]] = self._job_served[key] = self._turns
+        self.granted[owner] += 1
+        for served, waiting in ((self._user_served, self._jobs), (self._job_served, self._waiting)):
+            if len(served) > 64 + 4 * len(waiting):  # (who left before every waiter was served is forgotten:
+                oldest = min((served.get(k, -1) for k in waiting), default=self._turns)  # it would go first anyway)
+                for k in [k for k, t in served.items() if t < oldest and k not in waiting]:
+                    del served[k]
 
     def waiting(self) -> dict[Hashable, int]:
         """Waiters per owner."""
