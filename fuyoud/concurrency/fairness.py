@@ -4,11 +4,11 @@ tenants wait, each is served in turn.
 Tenants that share the daemon share two things no budget divides: the SSD array's
 bandwidth and the optimizer's CPU. A plain lock or queue serves whoever asks most often:
 a tenant with four transfers in flight got four times the array of one with one. Here a
-holder that lets go hands its slot on in a round of two levels: to the waiting user served
-longest ago, and within it to its waiting job served longest ago; FIFO within a job. So while several users
-want more than there is, each holds an equal share of the slots whatever its number of
-requests, sessions or jobs, and a user's share is divided equally between its jobs; a
-tenant alone takes every slot, as before.
+holder that lets go hands its slot on in a round of two levels: to the waiting user
+served longest ago, and within it to its waiting job served longest ago; FIFO within a
+job. So while several users want more than there is, each holds an equal share of the
+slots whatever its number of requests, sessions or jobs, and a user's share is divided
+equally between its jobs; a tenant alone takes every slot, as before.
 
 Callers name the owner of a turn as they know it (a namespace); ``tenant`` maps it to
 (user, job) (the daemon's: the uid of the session holding that namespace and the job of
