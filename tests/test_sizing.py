@@ -133,6 +133,32 @@ def test_the_gpu_profiles_name_their_sources_and_a_run_measures_its_gpu():
         gpu_runs.known_gpu(run | {"gpu": "NVIDIA B200, 183359 MiB"})
 
 
+def _measured_runs_with_held_out_cases() -> list[Path]:
+    """Every committed bench/gpu.py result with an in-GPU case besides its ceiling (a run
+    committed later adds its cases here)."""
+    found = []
+    for path in sorted([*RESULTS.glob("gpu-*.json"), *RESULTS.glob("gpu-*/gpu-bench-*.json")]):
+        run = json.loads(path.read_text())
+        if isinstance(run, dict) and "args" in run and len(gpu_runs.in_gpu_runs(run)) > 1:
+            found.append(path)
+    return found
+
+
+@pytest.mark.parametrize("path", _measured_runs_with_held_out_cases(), ids=lambda p: p.name)
+def test_a_profile_measured_on_a_runs_ceiling_predicts_its_other_cases(path):
+    """--gpu-from measures the GPU on a run's ceiling (3 blocks, micro-batch 2); held out of
+    that measurement, the run's model in GPU memory (21 blocks, micro-batch 4-16) is
+    predicted within 10% of its measured time per micro-batch and busy time (the kernel
+    model's GEMM curve itself is fitted on these runs too: bench/kernel_fit.py)."""
+    run = json.loads(path.read_text())
+    measured = iteration.from_gpu_run(path)
+    for case in gpu_runs.in_gpu_runs(run)[1:]:
+        t = gpu_runs.in_gpu_time(measured.kernels, case)
+        assert t.seconds == pytest.approx(case["seconds"], rel=0.10), (case, t)
+        if case["busy"]:
+            assert t.busy == pytest.approx(case["busy"] * case["seconds"], rel=0.10), (case, t)
+
+
 CPU_RUNS = ["bigmodel-gpt2-2b-cpu.json", "bigmodel-llama7b-int8-cpu.json", "bigmodel-llama7b-int8-bb512-cpu.json",
             "bigmodel-llama7b-16layers-fp32-cpu.json", "bigmodel-llama7b-24layers-bf16-cpu.json"]
 
