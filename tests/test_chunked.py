@@ -470,3 +470,4 @@ def test_a_buffer_too_small_to_chunk_in_is_refused(short_tmp):
                 s.create_group(name, w, spec)
         s.create_group("fits", w, SGD(), numel=100_000)
         assert s.step_group("fits", w, 0.1).step == 1
+

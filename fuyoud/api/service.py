@@ -22,6 +22,7 @@ from fuyoud.memory.pool import BufferRef
 from fuyoud.optimizer.group import Group, itemsize, state_bytes
 from fuyoud.optimizer.layout import HEADER
 from fuyoud.optimizer.kernels import OptimizerSpec
+from fuyoud.optimizer.tensors import Piece
 from fuyoud.sessions.names import check_name as _check_name, shown
 from fuyoud.storage.index import ObjectMeta
 from fuyoud.storage.store import ReadItem, WriteItem
@@ -63,6 +64,25 @@ def _dtype(value: int, what: str, needed: bool = True) -> str:
         return dtype_name(value)
     except ValueError as exc:
         raise InvalidArgument(f"{what}: {exc}") from None
+
+
+def _pieces(values, group: Group) -> tuple[Piece, ...]:
+    """A StepGroup's ``tensors``: (numel, offset, tensor numel) triples that cover the
+    group's elements, each within its tensor; () for none."""
+    if not values:
+        return ()
+    if len(values) % 3 or len(values) > 3 * MAX_ITEMS:
+        raise InvalidArgument(f"tensors: {len(values)} numbers are not (numel, offset, tensor numel) triples "
+                              f"(at most {MAX_ITEMS})")
+    pieces = tuple(Piece(*values[i:i + 3]) for i in range(0, len(values), 3))
+    for p in pieces:
+        if not p.numel or p.offset + p.numel > p.tensor_numel:
+            raise InvalidArgument(f"tensors: {p.numel} elements from offset {p.offset} do not fit a tensor of "
+                                  f"{p.tensor_numel}")
+    if sum(p.numel for p in pieces) != group.numel:
+        raise InvalidArgument(f"tensors: the pieces hold {sum(p.numel for p in pieces)} elements, group "
+                              f"{group.name!r} {group.numel}")
+    return pieces
 
 
 def group_info(group: Group, chunked: bool) -> pb.GroupInfo:
@@ -238,7 +258,7 @@ class FuyouServicer(CheckpointMethods, rpc.FuyouServicer):
         if request.HasField("masters"):
             masters = pool.view(session.id, _ref(request.masters), request.masters_offset, group.numel * 4)
         result = opt.step(group, grads, grad_dtype, out, out_dtype, request.lr, scale, session.id, weights_object,
-                          hyper, masters)
+                          hyper, masters, _pieces(request.tensors, group))
         self.metrics.observe_step(result)
         return pb.StepGroupReply(step=result.step, read_seconds=result.read_s, compute_seconds=result.compute_s,
                                  write_seconds=result.write_s, prefetched=result.prefetched,

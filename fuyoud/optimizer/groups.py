@@ -49,7 +49,7 @@ import math
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -61,7 +61,9 @@ from fuyoud.optimizer import held as held_weights
 from fuyoud.optimizer import lowp
 from fuyoud.optimizer.buffers import StateBuffers
 from fuyoud.optimizer.group import DTYPES, Group, StepResult, state_bytes, state_name
+from fuyoud.optimizer import tensors
 from fuyoud.optimizer.kernels import OptimizerSpec, all_finite, step as run_kernel
+from fuyoud.optimizer.tensors import Piece
 from fuyoud.optimizer.layout import HEADER
 from fuyou_proto.contract import STATE_PREFIX, group_of
 from fuyoud.concurrency.threads import Threads
@@ -212,14 +214,16 @@ class Optimizer:
     # -- stepping -----------------------------------------------------------------------------
     def step(self, group: Group, grads: memoryview, grad_dtype: str, out: memoryview | None, out_dtype: str,
              lr: float, grad_scale: float, session_id: int, weights_object: str = "",
-             hyper: OptimizerSpec | None = None, masters: memoryview | None = None) -> StepResult:
+             hyper: OptimizerSpec | None = None, masters: memoryview | None = None,
+             pieces: Sequence[Piece] = ()) -> StepResult:
         """One step. The new weights go, in ``out_dtype``, to the client's ``out`` buffer
         and/or to the transient object ``weights_object`` (for clients that offload them).
         ``hyper``: this step's hyperparameters (a scheduler may change betas, eps, weight
         decay between steps), the group's from its commit on; its layout must be the
         group's. ``masters``: the group's fp32 master weights as the client holds them (read
         for its backward); a chunked step takes them from there instead of the SSD, a
-        whole-group step ignores them.
+        whole-group step ignores them. ``pieces``: the tensors behind the elements
+        (tensors.py: each element stepped as torch.optim steps its tensor).
 
         Nothing non-finite reaches the state: ``lr`` and ``grad_scale`` must be finite and
         non-negative (InvalidArgument, before anything is read), and a step whose new state
@@ -244,7 +248,7 @@ class Optimizer:
             client = held_weights.ClientMasters(_tensor(masters, torch.float32, group.numel), group.step) \
                 if masters is not None else None
             result = self._step_chunked(group, grad, out_t, DTYPES[out_dtype] if weights_object else None, lr,
-                                        grad_scale, session_id, weights_object, hyper, client)
+                                        grad_scale, session_id, weights_object, hyper, client, pieces)
             self._prefetch_next(group)  # (a group that fits, after this one)
             return result
         with group.lock:
@@ -261,7 +265,7 @@ class Optimizer:
                     if out_t is None and weights_object:
                         out_t = _tensor(buf[group.nbytes:], DTYPES[out_dtype], group.numel)
                     result = self._step_locked(group, buf[:group.nbytes], grad, out_t, lr, grad_scale, session_id,
-                                               t0, prefetched)
+                                               t0, prefetched, pieces)
                     if weights_object:
                         raw = memoryview(out_t.view(torch.uint8).numpy())
                         self.store.write([WriteItem(group.namespace, weights_object, raw, False, session_id)])
@@ -308,7 +312,8 @@ class Optimizer:
             return sum(g.nbytes for g in self._groups.values() if g.cached)
 
     def _step_locked(self, group: Group, state: memoryview, grad: torch.Tensor, out: torch.Tensor | None,
-                     lr: float, grad_scale: float, session_id: int, t0: float, prefetched: bool) -> StepResult:
+                     lr: float, grad_scale: float, session_id: int, t0: float, prefetched: bool,
+                     pieces: Sequence[Piece] = ()) -> StepResult:
         name = state_name(group.name)
         if not prefetched:
             self.store.read([ReadItem(group.namespace, name, state)])
@@ -322,7 +327,7 @@ class Optimizer:
             if grad_scale != 1.0:
                 g = g.clone() if g is grad else g
                 g.mul_(grad_scale)  # global-norm clipping: the client's clip coefficient
-            run_kernel(group.spec, group.step, slots, g, lr, self._scratch)
+            run_kernel(group.spec, group.step, slots, g, lr, self._scratch, pieces)
             if not self._finite(layout, state, slots):
                 raise self._non_finite(group, grad, g, lr, grad_scale)  # the buffer is dropped: nothing kept
         state[:HEADER] = group.spec.header(n, group.step + 1).ljust(HEADER, b"\0")
@@ -337,7 +342,8 @@ class Optimizer:
     def _step_chunked(self, group: Group, grad: torch.Tensor, out: torch.Tensor | None,
                       weights_dtype: torch.dtype | None, lr: float, grad_scale: float, session_id: int,
                       weights_object: str, hyper: OptimizerSpec | None,
-                      client: "held_weights.ClientMasters | None" = None) -> StepResult:
+                      client: "held_weights.ClientMasters | None" = None,
+                      pieces: Sequence[Piece] = ()) -> StepResult:
         """A step of a group larger than a buffer, chunk by chunk (chunks.py), in one
         buffer, or in up to three (one per stage: larger chunks, fewer and longer
         transfers) when that many are free without waiting and one stays free. Each
@@ -355,7 +361,7 @@ class Optimizer:
                 if grad_scale != 1.0:
                     g = g.clone() if g is part else g
                     g.mul_(grad_scale)
-                run_kernel(group.spec, group.step, slots, g, lr, self._scratch)
+                run_kernel(group.spec, group.step, slots, g, lr, self._scratch, tensors.within(pieces, a, b))
                 if not all(all_finite(s) for s in group.spec.layout(b - a).floating(slots)):
                     raise self._non_finite(group, part, g, lr, grad_scale)
                 if weights is not None:

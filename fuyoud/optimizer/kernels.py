@@ -5,8 +5,9 @@ The kernels are torch's own (`torch.optim.adamw.adamw(..., fused=True)` and
 `torch.optim.SGD(fused=True)`, with the same step counting, decoupled weight decay and
 bias correction (measured on the project's machine: fused AdamW reaches 97% of the
 memory-bandwidth floor, the foreach path 18%, the single-tensor path 11%). All of these
-optimizers are elementwise, so stepping a group's parameters as one flat tensor gives
-the same numbers as stepping them one by one. AdamW's moments may be kept in bf16 or
+optimizers are elementwise, but torch's kernels round a tensor's last few elements in
+another loop: a group's elements are stepped as the tensors they are where the client
+says which (tensors.py), as one flat tensor where it does not. AdamW's moments may be kept in bf16 or
 int8 (``state_dtype``: lowp.py), the master weights are always fp32.
 """
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 from torch.optim.adamw import adamw as _adamw
 
 from fuyoud.errors import InvalidArgument
-from fuyoud.optimizer import lowp
+from fuyoud.optimizer import lowp, tensors
 from fuyoud.optimizer.layout import Layout, Slot, slots_for
+from fuyoud.optimizer.tensors import Piece
 from fuyoud.sessions.names import shown
 from fuyou_proto.contract import STATE_DTYPES
 
@@ -106,26 +108,30 @@ class OptimizerSpec:
 
 
 def step(spec: OptimizerSpec, step_count: int, slots: list[torch.Tensor], grad: torch.Tensor, lr: float,
-         scratch: lowp.Scratch | None = None) -> None:
+         scratch: lowp.Scratch | None = None, pieces: Sequence[Piece] = ()) -> None:
     """One optimizer step in place. ``slots`` are the state's tensors in the layout's
     order (fp32 weights first), ``step_count`` the number of steps taken before this one;
-    reduced-precision state needs ``scratch`` (one per concurrent caller)."""
+    reduced-precision state needs ``scratch`` (one per concurrent caller). ``pieces``: the
+    tensors behind the elements (tensors.py), each element then stepped in the loop
+    torch.optim steps it in (fp32 state); none: one tensor."""
     if spec.kind == "adamw" and spec.state_dtype != "fp32":
         lowp.adamw_step(spec.state_dtype, step_count, slots, grad, lr, spec.beta1, spec.beta2, spec.eps,
                         spec.weight_decay, scratch if scratch is not None else lowp.Scratch())
         return
+    width = tensors.vector_width() if len(pieces) > 1 or (pieces and pieces[0] != (grad.numel(), 0, grad.numel())) \
+        else None
+    runs = tensors.lists(slots, grad, pieces, width) if width else tensors.Lists([[s] for s in slots], [grad])
     if spec.kind == "adamw":
-        weights, exp_avg, exp_avg_sq = slots
-        steps = torch.tensor(float(step_count))  # the functional API increments it, as AdamW does
-        _adamw([weights], [grad], [exp_avg], [exp_avg_sq], [], [steps], fused=True, amsgrad=False,
+        weights, exp_avg, exp_avg_sq = runs.slots
+        steps = [torch.tensor(float(step_count)) for _ in weights]  # (the functional API increments them)
+        _adamw(weights, runs.grads, exp_avg, exp_avg_sq, [], steps, fused=True, amsgrad=False,
                beta1=spec.beta1, beta2=spec.beta2, lr=lr, weight_decay=spec.weight_decay, eps=spec.eps,
                maximize=False)
-        return
-    weights = slots[0]
-    momentum = slots[1] if spec.momentum else None
-    torch._fused_sgd_([weights], [grad], [momentum] if momentum is not None else [],
-                      weight_decay=spec.weight_decay, momentum=spec.momentum, lr=lr, dampening=spec.dampening,
-                      nesterov=spec.nesterov, maximize=False, is_first_step=step_count == 0)
+    else:
+        torch._fused_sgd_(runs.slots[0], runs.grads, runs.slots[1] if spec.momentum else [],
+                          weight_decay=spec.weight_decay, momentum=spec.momentum, lr=lr, dampening=spec.dampening,
+                          nesterov=spec.nesterov, maximize=False, is_first_step=step_count == 0)
+    runs.done()
 
 
 def all_finite(t: torch.Tensor, parts: Sequence[torch.Tensor] | None = None) -> bool:

@@ -226,7 +226,7 @@ class GroupInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., state_bytes: _Optional[int] = ..., weights_offset: _Optional[int] = ..., chunked: _Optional[bool] = ...) -> None: ...
 
 class StepGroupRequest(_message.Message):
-    __slots__ = ("name", "grads", "grads_offset", "grad_dtype", "weights_out", "weights_out_offset", "out_dtype", "lr", "grad_scale", "weights_object", "hyper", "masters", "masters_offset")
+    __slots__ = ("name", "grads", "grads_offset", "grad_dtype", "weights_out", "weights_out_offset", "out_dtype", "lr", "grad_scale", "weights_object", "hyper", "masters", "masters_offset", "tensors")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     GRADS_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +240,7 @@ class StepGroupRequest(_message.Message):
     HYPER_FIELD_NUMBER: _ClassVar[int]
     MASTERS_FIELD_NUMBER: _ClassVar[int]
     MASTERS_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
     name: str
     grads: BufferRef
     grads_offset: int
@@ -253,7 +254,8 @@ class StepGroupRequest(_message.Message):
     hyper: OptimizerSpec
     masters: BufferRef
     masters_offset: int
-    def __init__(self, name: _Optional[str] = ..., grads: _Optional[_Union[BufferRef, _Mapping]] = ..., grads_offset: _Optional[int] = ..., grad_dtype: _Optional[_Union[DType, str]] = ..., weights_out: _Optional[_Union[BufferRef, _Mapping]] = ..., weights_out_offset: _Optional[int] = ..., out_dtype: _Optional[_Union[DType, str]] = ..., lr: _Optional[float] = ..., grad_scale: _Optional[float] = ..., weights_object: _Optional[str] = ..., hyper: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., masters: _Optional[_Union[BufferRef, _Mapping]] = ..., masters_offset: _Optional[int] = ...) -> None: ...
+    tensors: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., grads: _Optional[_Union[BufferRef, _Mapping]] = ..., grads_offset: _Optional[int] = ..., grad_dtype: _Optional[_Union[DType, str]] = ..., weights_out: _Optional[_Union[BufferRef, _Mapping]] = ..., weights_out_offset: _Optional[int] = ..., out_dtype: _Optional[_Union[DType, str]] = ..., lr: _Optional[float] = ..., grad_scale: _Optional[float] = ..., weights_object: _Optional[str] = ..., hyper: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., masters: _Optional[_Union[BufferRef, _Mapping]] = ..., masters_offset: _Optional[int] = ..., tensors: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FetchWeightsRequest(_message.Message):
     __slots__ = ("name", "out", "out_offset", "out_dtype")

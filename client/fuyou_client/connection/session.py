@@ -294,7 +294,7 @@ class Session:
         return GroupInfo.from_pb(_call(self._stub.GetGroup, pb.GetGroupRequest(name=name), self._metadata))
 
     def _step_request(self, name, grads, lr, grads_offset, grad_dtype, out, out_offset, out_dtype, grad_scale,
-                      weights_object, hyper, masters=None, masters_offset=0):
+                      weights_object, hyper, masters=None, masters_offset=0, tensors=()):
         req = pb.StepGroupRequest(name=name, grads=grads.ref, grads_offset=grads_offset,
                                   grad_dtype=dtype_value(DTYPE_NAMES[grad_dtype]), lr=lr, weights_object=weights_object,
                                   out_dtype=dtype_value(DTYPE_NAMES[out_dtype]))
@@ -308,6 +308,7 @@ class Session:
         if masters is not None:
             req.masters.CopyFrom(masters.ref)
             req.masters_offset = masters_offset
+        req.tensors.extend(tensors)
         return req
 
     def step_group(self, name: str, grads: SharedBuffer, lr: float, *, grads_offset: int = 0,
@@ -323,18 +324,21 @@ class Session:
                          grad_dtype=None, out: SharedBuffer | None = None, out_offset: int = 0, out_dtype=None,
                          grad_scale: float | None = None, weights_object: str = "",
                          hyper: AdamW | SGD | None = None, masters: SharedBuffer | None = None,
-                         masters_offset: int = 0) -> Future:
+                         masters_offset: int = 0, tensors: Sequence[int] = ()) -> Future:
         """Submit a group's step; the future's result is a StepInfo. ``weights_object``
         names a transient object that receives the new weights (``out_dtype``) too.
         ``hyper``: this step's hyperparameters (``lr`` aside), where they differ from the
         group's (a scheduler changed them); the same optimizer and state dtype.
         ``masters``: the group's fp32 master weights at its current step (from
         ``masters_offset``), as this client read them: a step in chunks takes them from
-        there instead of the SSD; leave them unchanged until the step is done."""
+        there instead of the SSD; leave them unchanged until the step is done. ``tensors``:
+        the parameters behind the group's elements, (numel, offset, tensor numel) triples
+        flat (GroupSpec.tensors), so that each is stepped as torch.optim steps it."""
         import torch
 
         req = self._step_request(name, grads, lr, grads_offset, grad_dtype or torch.float32, out, out_offset,
-                                 out_dtype or torch.float32, grad_scale, weights_object, hyper, masters, masters_offset)
+                                 out_dtype or torch.float32, grad_scale, weights_object, hyper, masters, masters_offset,
+                                 tensors)
         return wrap_future(self._stub.StepGroup.future(req, metadata=self._metadata), StepInfo.from_pb)
 
     def status(self) -> pb.StatusReply:

@@ -71,7 +71,24 @@ class GroupSpec:
     @cached_property
     def numel(self) -> int:
         """Trained elements in the group, counted once (offloaded parameters are empty later)."""
-        return sum(p.numel() for _, p in self.params)
+        return sum(self.tensor_numels)
+
+    @cached_property
+    def tensor_numels(self) -> tuple[int, ...]:
+        """Each trained parameter's elements, in the group's layout (counted with ``numel``)."""
+        return tuple(p.numel() for _, p in self.params)
+
+    def tensors(self, start: int, numel: int) -> tuple[int, ...]:
+        """The parameters behind the group's elements [start, start + numel), as the daemon's
+        StepGroup takes them: (numel, offset, tensor numel) triples, flat; () where the
+        range reaches past them (padding)."""
+        out, at = [], 0
+        for n in self.tensor_numels:
+            lo, hi = max(start, at), min(start + numel, at + n)
+            if lo < hi:
+                out += [hi - lo, lo - at, n]
+            at += n
+        return tuple(out) if sum(out[0::3]) == numel else ()
 
     @cached_property
     def frozen_numel(self) -> int:

@@ -118,7 +118,8 @@ class StepCoordinator:
                 part.name, grads, lr, grads_offset=at[id(part)] * gsize, grad_dtype=g.grad_dtype,
                 out=g.weights if out is None else out, out_offset=at[id(part)] * wsize, out_dtype=g.dtype,
                 grad_scale=scale, hyper=hyper, weights_object=step_weights_object(g.offload, g.dtype, part.name),
-                masters=masters if part.name in g.chunked else None, masters_offset=part.start * 4)
+                masters=masters if part.name in g.chunked else None, masters_offset=part.start * 4,
+                tensors=g.spec.tensors(part.start, part.numel) if pieces is None else ())
                 for part, lr, hyper in parts if id(part) in at],
                 combine=StepInfo.combine)
 
