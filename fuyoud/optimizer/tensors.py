@@ -43,7 +43,7 @@ def vector_width() -> int | None:
     as tensors of one element, and as tensors of 2, 4, ... 64: the shortest whose first
     element takes the long tensor's result is a whole vector)."""
     gen = torch.Generator().manual_seed(0)
-    n = 64 * 256
+    n = 64 * 64
     w, g = torch.randn(n, generator=gen) * 0.02, torch.randn(n, generator=gen) * 1e-3
 
     def stepped(length: int) -> torch.Tensor:
