@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import importlib
 import itertools
 import json
 import os
@@ -136,11 +137,20 @@ def child(socket_path: str, w: int) -> None:
              lambda: s.allocate(rng.choice((1, 8, 16)) * MiB))[rng.randrange(3)]()
 
 
+def become_nobody() -> None:
+    """Import what the attacker's calls will need, then drop from root to uid nobody (the
+    checkout and its environment may lie where nobody cannot read: a private clone)."""
+    import fuyou_client  # noqa: F401
+    for name in ("grpc._channel", "grpc._interceptor", "concurrent.futures.thread", "encodings.idna",
+                 "fuyou_client.connection.session", "fuyou_client.errors"):
+        importlib.import_module(name)
+    os.setgroups([]), os.setgid(NOBODY), os.setuid(NOBODY), os.chdir("/")
+
+
 def forker(args) -> int:
     """Fork a child, let it connect and begin calling, SIGKILL it 0-50 ms later; again.
     Imports fuyou_client once and makes no channel itself, so its children fork clean."""
-    import fuyou_client  # noqa: F401
-
+    become_nobody()
     rng, counts, out, stop = random.Random(args.seed), collections.Counter(), Path(args.out), Path(args.stop)
     assert sys.stdin.readline().strip() == "go"
     while not stop.exists():
@@ -166,6 +176,11 @@ def forker(args) -> int:
 
 
 def attacker(args) -> int:
+    fork = subprocess.Popen([sys.executable, SELF, "--forker", "--socket", args.socket,  # (as root: it drops itself)
+                             "--out", str(Path(args.out).parent / "forker.json"), "--stop",
+                             str(Path(args.out).parent / "stop"), "--seed", str(args.seed)], stdin=subprocess.PIPE,
+                            text=True)
+    become_nobody()
     import fuyou_client
     from fuyou_client import errors
 
@@ -190,9 +205,6 @@ def attacker(args) -> int:
         note(key)
         return True
 
-    fork = subprocess.Popen([sys.executable, SELF, "--forker", "--socket", args.socket,
-                             "--out", str(work / "forker.json"), "--stop", str(stop), "--seed", str(args.seed),
-                             "--site", args.site], stdin=subprocess.PIPE, text=True)
     sessions, reserved = [], []
     while len(sessions) < 4096 and attempt(lambda: sessions.append(fuyou_client.connect(args.socket)),
                                            "sessions_admitted"):
@@ -263,7 +275,13 @@ def snapshot(daemon) -> dict:
     """The daemon's memory, SSD bytes, objects, sessions, threads by name, descriptors by kind."""
     st, proc = daemon.status(), f"/proc/{daemon.pid}"
     names = collections.Counter(read(f"{proc}/task/{t}/comm") for t in os.listdir(f"{proc}/task"))
-    kinds = collections.Counter(read(f"{proc}/fd/{fd}", link=True) for fd in os.listdir(f"{proc}/fd"))
+    kinds, t0 = None, time.monotonic()
+    while True:  # (the connection of the Status call just made closes on the daemon's side meanwhile: settled)
+        time.sleep(0.2)
+        now = collections.Counter(read(f"{proc}/fd/{fd}", link=True) for fd in os.listdir(f"{proc}/fd"))
+        if now == kinds or time.monotonic() - t0 > 3:
+            break
+        kinds = now
     return {"pinned_used_bytes": st.pinned_used_bytes, "pinned_reserved_bytes": st.pinned_reserved_bytes,
             "ssd_used_bytes": sum(d.used_bytes for d in st.devices), "objects": st.objects, "sessions": st.sessions,
             "threads": {k: n for k, n in sorted(names.items()) if not k.startswith(("iou-wrk", "gone"))},
@@ -298,21 +316,6 @@ def warm_up(daemon, threads: int = 32, sessions: int = 4, seconds: float = 2.0) 
         s.close()
 
 
-def attacker_python() -> tuple[str, str]:
-    """The interpreter uid nobody runs: this one if it may, else (a virtual environment under a
-    home only root may enter) the system's python of its version with this one's packages."""
-    try:
-        subprocess.run([sys.executable, "-c", "import fuyou_client"], user=NOBODY, group=NOBODY, extra_groups=[],
-                       cwd="/", check=True, capture_output=True)
-        return sys.executable, ""
-    except (PermissionError, subprocess.CalledProcessError):
-        import sysconfig
-        other = shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}", path="/usr/bin:/usr/local/bin")
-        if other is None:
-            raise SystemExit(f"uid nobody cannot run {sys.executable} and there is no system python of its version")
-        return other, sysconfig.get_paths()["purelib"]
-
-
 def start_victim(args, daemon, out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, SELF, "--victim", "--socket", daemon.socket,
                              "--steps", str(args.steps), "--out", str(out), *extra])
@@ -343,10 +346,10 @@ def together(args, daemon, work: Path, r: int) -> tuple[dict, dict]:
     proc = None
     try:
         wait_for(work / f"attached-{r}", vic, "the victim did not attach")
-        proc = subprocess.Popen([args.attacker_python[0], SELF, "--attacker", "--socket", daemon.socket, "--site",
-                                 args.attacker_python[1], "--out", str(att / "attacker.json"), "--seed", str(r),
-                                 "--deadline", str(int(args.seconds) + 900)], user=NOBODY, group=NOBODY,
-                                extra_groups=[], process_group=0, cwd="/", stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen([sys.executable, SELF, "--attacker", "--socket", daemon.socket,  # (it drops itself)
+                                 "--out", str(att / "attacker.json"), "--seed", str(r),
+                                 "--deadline", str(int(args.seconds) + 900)], process_group=0, cwd="/",
+                                stdin=subprocess.DEVNULL)
         ramp, go = wait_for(att / "ready", proc, "the attacker did not ramp up"), time.monotonic()
         v = victim_result(vic, out)
         time.sleep(max(0.0, args.seconds - (time.monotonic() - go)))
@@ -441,12 +444,9 @@ def main(argv=None) -> int:
                         else None)
     for flag in ("--victim", "--attacker", "--forker"):
         ap.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
-    for opt in ("--socket", "--out", "--stop", "--attached", "--go", "--site"):
+    for opt in ("--socket", "--out", "--stop", "--attached", "--go"):
         ap.add_argument(opt, default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.site:  # (an interpreter outside the project's virtual environment: its packages)
-        import site
-        site.addsitedir(args.site)
     for flag, fn in (("victim", victim), ("attacker", attacker), ("forker", forker)):
         if getattr(args, flag):
             return fn(args)
@@ -456,7 +456,6 @@ def main(argv=None) -> int:
     import fuyou_client
     from common import host_info, write_result
 
-    args.attacker_python = attacker_python()
     root = Path(tempfile.mkdtemp(prefix="fy-hostile-", dir=args.dir))
     os.chmod(root, 0o755)  # (the attacker, uid nobody, reaches the sockets and its own directory)
     for sub in ("run", "work"):
@@ -483,7 +482,6 @@ def main(argv=None) -> int:
         result = {"command": "python bench/hostile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "host": host_info(root), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "args": {k: getattr(args, k) for k in ("rounds", "steps", "seconds")},
-                  "attacker_python": {"interpreter": args.attacker_python[0], "site": args.attacker_python[1]},
                   "config": {"pinned_budget": "1GiB", "segment_size": "8MiB", "data_files": "2 x 1GiB",
                              "allow_uids": [NOBODY, 64299], "limits": "defaults (auto: 75%, 64 sessions)"},
                   "summary": summary, "metrics": metrics(daemon), "rounds": rounds,

@@ -27,17 +27,7 @@ def _why_not() -> str | None:
         grp.getgrnam("nogroup")
     except KeyError:
         return "no uid 65534 (nobody) or no group nogroup on this host"
-    ours = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    for python in (sys.executable, shutil.which(ours, path="/usr/bin:/usr/local/bin")):
-        if python is None:
-            continue
-        try:
-            subprocess.run([python, "-c", "pass"], user=65534, group=65534, extra_groups=[], cwd="/",
-                           check=True, capture_output=True, timeout=60)
-            return None
-        except (PermissionError, subprocess.CalledProcessError):
-            pass
-    return f"uid 65534 can run neither {sys.executable} nor a system {ours}"
+    return None  # (the attacker starts as root, imports, then drops to nobody: any checkout will do)
 
 
 @pytest.mark.slow
