@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from userworld import TRAINER, host_daemon, needs_user_world, owners
+from userworld import TRAINER, host_daemon, needs_readable_packages, needs_user_world, owners
 
-pytestmark = needs_user_world
+pytestmark = [needs_user_world, needs_readable_packages]
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 

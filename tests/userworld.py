@@ -424,3 +424,28 @@ def skip_reason() -> str | None:
 
 
 needs_user_world = pytest.mark.skipif(skip_reason() is not None, reason=f"no user's world here: {skip_reason()}")
+
+
+def _unreadable_to_others() -> str | None:
+    """Where this checkout's Python packages cannot be read by another uid (a clone under a
+    0700 home, or the checkout hidden), the first such directory, else None."""
+    if os.environ.get(HIDE_ENV) == "1":
+        return f"{CHECKOUT} ({HIDE_ENV}=1)"
+    import transformers
+
+    for path in (Path(transformers.__file__).resolve().parent, CHECKOUT):
+        for d in [path, *path.parents]:
+            mode = d.stat().st_mode
+            if not mode & stat.S_IXOTH or (d == path and not mode & stat.S_IROTH):
+                return str(d)
+    return None
+
+
+# Trainers' runs (transformers, TRL, PEFT): besides their modules, imported before the drop,
+# they read package data and metadata as they go (TRL's model card template, accelerate's
+# is_peft_available): the packages must be readable by the training user, as a user's own
+# environment is. Where this checkout's are not, these tests skip saying so.
+needs_readable_packages = pytest.mark.skipif(
+    _unreadable_to_others() is not None,
+    reason=f"the training user cannot read this checkout's packages ({_unreadable_to_others()} is closed to other "
+           "uids): Trainer, TRL and PEFT read package data and metadata as they run")
