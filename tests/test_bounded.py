@@ -203,6 +203,7 @@ def test_the_watchdog_pings_on_while_a_reap_is_blocked_in_a_dead_clients_close(s
         listener.close()
 
 
+@pytest.mark.slow  # (a daemon of its own: about 5 s)
 def test_the_daemons_threads_carry_their_names_in_the_kernel(short_tmp):
     """A count of the daemon's threads by name (/proc/<pid>/task/*/comm) says which pool a
     thread is of: the session socket's, gRPC's, the I/O engine's, housekeeping's."""

@@ -74,8 +74,9 @@ FAMILIES = {
 }
 EXACT = [f for f in FAMILIES if f != "gpt-oss-4x4"]  # (that one below, with the reason)
 # the cheapest mode of each family in the default tier (3 s offloaded, under 1 s resident)
-CASES = [pytest.param(f, False, id=f"{f}-resident") for f in EXACT] + [
-    pytest.param(f, True, id=f"{f}-offloaded", marks=pytest.mark.slow) for f in EXACT]
+DEFAULT_TIER = ("qwen3-moe", "deepseek-v3", "gpt-oss")  # (the rest in the slow tier: the default suite's 10 minutes)
+CASES = [pytest.param(f, False, id=f"{f}-resident", marks=() if f in DEFAULT_TIER else pytest.mark.slow)
+         for f in EXACT] + [pytest.param(f, True, id=f"{f}-offloaded", marks=pytest.mark.slow) for f in EXACT]
 
 
 def build(family: str):

@@ -104,8 +104,8 @@ def test_the_real_shapes_read_right(name):
     assert shape.params == pytest.approx(total, rel=0.005) and shape.active_params == pytest.approx(active, rel=0.03)
 
 
-@pytest.mark.parametrize("gpu", [g if g == "rtx4090" else pytest.param(g, marks=pytest.mark.slow)
-                                 for g in sorted(fuyou_client.sizing.PROFILES)])  # (the 24 GB card in the default tier)
+@pytest.mark.slow  # (plans with their timelines, five GPUs: about a minute)
+@pytest.mark.parametrize("gpu", sorted(fuyou_client.sizing.PROFILES))
 def test_no_plan_predicts_more_than_the_gpus_peak(gpu):
     """For every family (dense and mixtures of experts at their real widths) on every GPU
     profile: the model TFLOPS and the hardware TFLOPS a plan predicts are at most the

@@ -144,7 +144,8 @@ def _measured_runs_with_held_out_cases() -> list[Path]:
     return found
 
 
-@pytest.mark.parametrize("path", _measured_runs_with_held_out_cases(), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p if i == 0 else pytest.param(p, marks=pytest.mark.slow)  # (one in the default tier)
+                                  for i, p in enumerate(_measured_runs_with_held_out_cases())], ids=lambda p: p.name)
 def test_a_profile_measured_on_a_runs_ceiling_predicts_its_other_cases(path):
     """--gpu-from measures the GPU on a run's ceiling (3 blocks, micro-batch 2); held out of
     that measurement, the run's model in GPU memory (21 blocks, micro-batch 4-16) is
