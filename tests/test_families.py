@@ -16,15 +16,12 @@ router bias have 4 elements, trains bitwise too (before, it drifted by an ulp a 
 from __future__ import annotations
 
 import copy
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
 import fuyou_client
-from conftest import SMALL, merge
+from conftest import SMALL, merge, private_daemon
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,12 +84,8 @@ def build(family: str):
 
 @pytest.fixture(scope="module")
 def daemon():
-    root = Path(tempfile.mkdtemp(prefix="fy-fam-", dir="/tmp"))
-    d = fuyou_client.start_daemon(root / "state", config=merge(SMALL, {"storage": {"capacity_per_device": "1GiB"}}))
-    yield d
-    code = d.stop()
-    shutil.rmtree(root, ignore_errors=True)
-    assert code == 0, d.log()
+    with private_daemon(merge(SMALL, {"storage": {"capacity_per_device": "1GiB"}}), "fy-fam-") as d:
+        yield d
 
 
 def per_tensor(engine, ours, ref):

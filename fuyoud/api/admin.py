@@ -35,26 +35,22 @@ class FuyouAdminServicer(ServicerBase, rpc.FuyouAdminServicer):
     def _visible_sessions(self, context: grpc.ServicerContext) -> list[pb.SessionInfo]:
         """Every session for the operator, the caller's own for a session, else none;
         those closing too, until their memory is back (it counts against the budget)."""
-        if self._is_admin(context):
-            visible = self.sessions.listed()
-        else:
-            token = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)
-            visible = [s for s in self.sessions.listed() if token is not None and
-                       hmac.compare_digest(s.token.encode(), token.encode())]
+        visible = self.sessions.listed() if self._is_admin(context) else self._callers(context, self.sessions.listed())
         usage = self.pool.usage()
         return [self.session_info(s, usage.by_session, usage.reserved_by_session)
                 for s in sorted(visible, key=lambda s: s.id)]
 
-    def _callers_session(self, context: grpc.ServicerContext) -> Session | None:
+    @staticmethod
+    def _callers(context: grpc.ServicerContext, sessions: list[Session]) -> list[Session]:
+        """Of ``sessions``, the one whose token the call carries (none without one)."""
         token = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)
-        return next((s for s in self.sessions.all() if token is not None and
-                     hmac.compare_digest(s.token.encode(), token.encode())), None)
+        return [s for s in sessions if token is not None and hmac.compare_digest(s.token.encode(), token.encode())]
 
     @handler
     def Status(self, request, context):
         d = self.snapshot()
         usage = d.store
-        caller = self._callers_session(context)
+        caller = next(iter(self._callers(context, self.sessions.all())), None)
         user_budget, user_others = self.pool.user_usage(caller.uid, caller.id) if caller is not None else (0, 0)
         return pb.StatusReply(
             version=d.version, io_engine=d.io_engine, io_engine_reason=d.io_engine_reason,
