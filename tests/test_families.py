@@ -69,7 +69,10 @@ FAMILIES = {
     "gpt-oss-4x4": ("GptOssConfig", "GptOssForCausalLM",
                     dict(GPT_OSS, num_local_experts=4, num_attention_heads=4)),
 }
-EXACT = [f for f in FAMILIES if f != "gpt-oss-4x4"]  # (that one below, with the reason)
+# an expert's down-projection bias of 60 elements: not a multiple of torch's vector width
+# (test_expert_parts.py; the grouped GEMM wants rows of 16 bytes, so the weights are)
+FAMILIES["gpt-oss-60"] = ("GptOssConfig", "GptOssForCausalLM", dict(GPT_OSS, hidden_size=60))
+EXACT = [f for f in FAMILIES if f not in ("gpt-oss-4x4", "gpt-oss-60")]  # (that one below, with the reason)
 # the cheapest mode of each family in the default tier (3 s offloaded, under 1 s resident)
 DEFAULT_TIER = ("qwen3-moe", "deepseek-v3", "gpt-oss")  # (the rest in the slow tier: the default suite's 10 minutes)
 CASES = [pytest.param(f, False, id=f"{f}-resident", marks=() if f in DEFAULT_TIER else pytest.mark.slow)
@@ -93,7 +96,7 @@ def per_tensor(engine, ours, ref):
     return torch.optim.AdamW(ref.parameters(), **HYPER, fused=True).step
 
 
-def train_pair(family, daemon, offload, steps=3, accumulation=2, clip=CLIP, reference=per_tensor):
+def train_pair(family, daemon, offload, steps=3, accumulation=2, clip=CLIP, reference=per_tensor, **options):
     """The family's model attached, and its deepcopy under torch's fused AdamW (clipped with
     ``clip_grad_norm_``), trained on the same micro-batches: (ours, ref, our losses, the
     reference's losses, the gradient norms Fuyou clipped with)."""
@@ -101,7 +104,7 @@ def train_pair(family, daemon, offload, steps=3, accumulation=2, clip=CLIP, refe
     ours = build(family)
     ref = copy.deepcopy(ours)
     engine = fuyou_client.attach(ours, fuyou_client.AdamW(**HYPER), socket=daemon.socket, offload=offload,
-                                 max_grad_norm=clip, accumulation_steps=accumulation)
+                                 max_grad_norm=clip, accumulation_steps=accumulation, **options)
     ref_step = reference(engine, ours, ref)
     gen = torch.Generator().manual_seed(1)
     losses, ref_losses, norms = [], [], []

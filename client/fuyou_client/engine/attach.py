@@ -24,6 +24,7 @@ from fuyou_client.engine.engine import Engine
 from fuyou_client.engine.hooks import GRADIENT_CHECKPOINTING, hf_checkpointing
 from fuyou_client.engine.options import AttachOptions
 from fuyou_client.model import block_list, prepare, split
+from fuyou_client.model.experts import ExpertsNotCut, cut_experts, uncut_experts
 from fuyou_client.model import resolve as resolve_groups
 from fuyou_client.optim import SGD, AdamW
 
@@ -95,10 +96,13 @@ def _attached(model: nn.Module, optimizer, opts: AttachOptions, plan, frozen: bo
     try:
         par.check_options(opts)
         materializer = prepare(model, opts.weights, opts.resume is not None)  # (a meta model: CPU stand-ins now)
+        if opts.granularity == "expert":
+            _cut_experts(model, opts, materializer, par)
         prepared = _prepare(model, optimizer, opts, materializer, par, frozen)
     except BaseException as exc:  # noqa: BLE001 - agreed below (one process: raised there)
         if materializer is not None:
             materializer.undo()
+        uncut_experts(model)
         error = exc
     par.agree(error, "attach")
     torch_groups, groups, device = prepared
@@ -114,10 +118,14 @@ def _attached(model: nn.Module, optimizer, opts: AttachOptions, plan, frozen: bo
     par.agree(error, "connecting to fuyoud")
     try:
         state = par.restore(session, model, groups, opts)
+        def recut():  # (granularity="auto", where neither whole blocks nor their modules fit)
+            _cut_experts(model, opts, materializer, par, state is not None)
+            return _prepare(model, optimizer, opts, materializer, par, frozen)[:2]
         engine = build(model, session, torch_groups, groups, opts, device, owns, state is not None, materializer,
-                       par)
+                       par, recut)
     except BaseException as exc:  # noqa: BLE001 - agreed below
         _undo(owns, session, device, materializer)
+        uncut_experts(model)
         par.agree(exc, "attach")
     try:
         engine.peers = par.joined(session)
@@ -134,6 +142,28 @@ def _attached(model: nn.Module, optimizer, opts: AttachOptions, plan, frozen: bo
         if materializer is not None:
             materializer.undo()
         raise
+
+
+def _cut_experts(model: nn.Module, opts: AttachOptions, materializer, par, resume: bool = False) -> None:
+    """The model's fused experts cut into parts (model/experts.py), or ExpertsNotCut saying
+    why they cannot be here."""
+    why = None
+    if not opts.offload:
+        why = "granularity='expert' is what comes to the device at a time with offload; offload=False keeps all"
+    elif materializer is not None:
+        why = ("the model is on the meta device, and making expert parts real from a checkpoint or the model's "
+               "init is not built yet: build the model with its values (from_pretrained on the CPU), or "
+               "granularity='module'")
+    elif par.strategy_kind is not None:
+        why = "several processes (data parallelism, an optimizer host) step whole blocks only"
+    elif resume or opts.resume is not None:
+        why = "resuming a checkpoint whose experts were cut is not built yet (the optimizer state is per group)"
+    elif opts.param_groups is not None:
+        why = ("param_groups name the fused expert parameters, which the cut replaces: leave param_groups to "
+               "attach (no_decay= names what takes no weight decay), or granularity='module'")
+    if why is not None:
+        raise ExpertsNotCut(f"the experts cannot be cut: {why}")
+    cut_experts(model)
 
 
 def _prepare(model: nn.Module, optimizer, opts: AttachOptions, materializer, par, frozen: bool = False):

@@ -31,6 +31,7 @@ from fuyou_client.gradients import HostAccumulated, Pooled, Resident
 from fuyou_client.groups import LayerGroup, Scratch, create
 from fuyou_client.groups.placement import hands_over, placement, weights_rewritten
 from fuyou_client.model import GroupSpec, TorchGroups, cut, mlp_layout
+from fuyou_client.model.experts import ExpertsNotCut, cuttable
 from fuyou_client.offload import Offloader
 from fuyou_client.steps import StepCoordinator
 
@@ -38,10 +39,13 @@ log = logging.getLogger("fuyou_client.engine")
 
 
 def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: list[GroupSpec],
-          options: AttachOptions, device: Device, owns_session: bool, resume: bool, materializer, parallel):
+          options: AttachOptions, device: Device, owns_session: bool, resume: bool, materializer, parallel,
+          recut=None):
     """The Engine of ``model``: its groups' state created in the daemon (or, ``resume``,
     restored there already), its parameters pointed at shared or device memory, every
-    part wired. ``parallel``: the parallelism seam (parallel/seam.py)."""
+    part wired. ``parallel``: the parallelism seam (parallel/seam.py). ``recut()``: the
+    model's fused experts cut into parts (model/experts.py), its (specs, torch groups)
+    made again: granularity "auto"'s last try."""
     from fuyou_client.engine.engine import Engine  # (the API this module builds)
 
     options = options.for_device(device.shares_host_memory)
@@ -51,8 +55,15 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
     # anything is allocated; the plan is then reserved in the daemon (held against the
     # other sessions).
     sharers = parallel.daemon_sharers(session)  # (a collective: once, on every rank, whatever the plans do)
-    specs, layout, plan = hold_plan(session, lambda: plan_granularity(model, session, specs, torch_groups, options,
-                                                                      device, parallel, resume, sharers))
+    made = {"specs": specs, "torch_groups": torch_groups}
+
+    def recut_once():
+        made["specs"], made["torch_groups"] = recut()
+        return made["specs"], made["torch_groups"]
+    specs, layout, plan = hold_plan(session, lambda: plan_granularity(
+        model, session, made["specs"], made["torch_groups"], options, device, parallel, resume, sharers,
+        recut_once if recut is not None else None))
+    torch_groups = made["torch_groups"]
     (log.warning if plan.shrunk else log.info)("%s", plan.describe())
     options = dataclasses.replace(options, prefetch=plan.prefetch, host_budget=plan.host_budget)
     if parallel.holds_state:  # (an optimizer-host worker keeps no state: its optimizer ranks check theirs)
@@ -193,22 +204,27 @@ def hold_plan(session, make_plan):
 
 
 def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_groups: TorchGroups,
-                     options: AttachOptions, device: Device, parallel, resume: bool = False, sharers: int = 1):
+                     options: AttachOptions, device: Device, parallel, resume: bool = False, sharers: int = 1,
+                     recut=None):
     """(specs, layout, memory plan): the layer groups by whole blocks, or cut into sub-blocks
-    (model/cuts.py) where ``granularity`` asks or ("auto") where whole blocks do not fit the
-    pinned or the device plan (``resume``: as the checkpoint's groups are); the memory plan
-    holds the device plan (``plan.device``). Raises memory.DoesNotFit or
+    (model/cuts.py), or those with a mixture of experts' fused experts cut into parts too
+    (model/experts.py), where ``granularity`` asks or ("auto") where the coarser cut does
+    not fit the pinned or the device plan (``resume``: as the checkpoint's groups are);
+    the memory plan holds the device plan (``plan.device``). Raises memory.DoesNotFit or
     memory.DeviceDoesNotFit, naming the bytes, before any allocation. ``sharers``: the
-    job's processes sharing the daemon (memory.limits_of)."""
+    job's processes sharing the daemon (memory.limits_of). ``recut()``: the experts cut,
+    (specs, torch groups) again ("auto"'s last try; None: not tried)."""
     wanted = options.granularity if options.offload else "block"
     if parallel.strategy_kind is not None:  # (data parallelism, an optimizer host's worker)
-        if wanted == "module":
-            raise ValueError('granularity="module" with several processes (data parallelism, an optimizer host) is '
+        if wanted in ("module", "expert"):
+            raise ValueError(f'granularity="{wanted}" with several processes (data parallelism, an optimizer host) is '
                              'not built yet: attach with granularity="block" (or "auto", which keeps whole blocks there)')
         wanted = "block"
     elif resume:
         wanted = restored_granularity(session, specs, wanted)
     tries = ["block", "module"] if wanted == "auto" else [wanted]
+    if wanted == "auto" and recut is not None and cuttable(model):
+        tries.append("expert")
     limits = memory.limits_of(session, sharers)
     budget, available = options.device_memory, device.memory_available()
     if budget is None and available is not None:
@@ -222,12 +238,17 @@ def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_gr
                          "daemon's pinned budget plans it); leave device_memory out")
     error, last = None, None
     for granularity in tries:
-        cut_specs = cut(specs, model, torch_groups.index) if granularity == "module" else specs
+        if granularity == "expert" and recut is not None and wanted == "auto":
+            try:
+                specs, torch_groups = recut()
+            except ExpertsNotCut:  # (the coarser cuts' refusal is the one raised)
+                continue
+        cut_specs = cut(specs, model, torch_groups.index) if granularity != "block" else specs
         pool_grads = bool(options.offload) and options.accumulation_steps == 1 and options.max_grad_norm is None
         layout = [(spec, *where) for spec in cut_specs
                   if (where := placement(spec, options.offload, pool_grads, options.grad_accumulation,
                                          parallel.strategy_kind)) is not None]
-        shapes = group_shapes(layout, torch_groups, limits, parallel, cut=granularity == "module")
+        shapes = group_shapes(layout, torch_groups, limits, parallel, cut=granularity != "block")
         work = model_work(model, cut_specs, options)
         reserve = device.memory_reserve() if options.device_memory is None else 0
 

@@ -39,6 +39,7 @@ from fuyou_client.engine import closing
 from fuyou_client.engine.hooks import hf_checkpointing
 from fuyou_client.engine.torch_optimizer import TorchOptimizer
 from fuyou_client.errors import DeviceOutOfMemory, ResourceExhausted
+from fuyou_client.model.experts import uncut_experts
 from fuyou_client.optim import StepInfo
 from fuyou_proto.units import format_size
 
@@ -452,6 +453,8 @@ class Engine:
                     self.session.reserve(0)
             self.session.use_device(None)
             self.device.close()
+        if materialize and not lost:
+            uncut_experts(self.model)  # (expert parts joined: the model's own fused parameters again)
         if lost:
             raise closing.lost_weights(lost)
 

@@ -28,7 +28,7 @@ def check_optimizer_ranks(ranks) -> None:
                          "share of the layer groups")
 
 
-GRANULARITIES = ("auto", "block", "module")
+GRANULARITIES = ("auto", "block", "module", "expert")
 
 
 @dataclass(frozen=True)
@@ -121,8 +121,10 @@ class AttachOptions:
       whole block's weights; its gradients leave together), "module" (a block's large
       modules one at a time, each fetched ahead of its use and dropped after it, each
       one's gradients leaving once final; the rest's embeddings and head too:
-      model/cuts.py) or "auto" (the default: whole blocks where the pinned and device
-      plans hold them, else modules). With several processes (data parallelism, an
+      model/cuts.py), "expert" (modules, and a mixture of experts' fused experts cut into
+      parts of consecutive experts, each fetched around its use: model/experts.py) or
+      "auto" (the default: whole blocks where the pinned and device plans hold them, else
+      modules, else expert parts). With several processes (data parallelism, an
       optimizer host), whole blocks only.
 
     Several processes: data parallelism (docs/guide/distributed.md). When

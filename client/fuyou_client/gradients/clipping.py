@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fuyou_client.errors import NonFinite
+from fuyou_client.model.experts import fused_names
 
 
 def total_norm(model: nn.Module, groups) -> tuple[list, list, torch.Tensor]:
@@ -25,8 +26,33 @@ def total_norm(model: nn.Module, groups) -> tuple[list, list, torch.Tensor]:
     if elsewhere:
         grads = [elsewhere.get(id(p), p.grad) for p in params]
     params, grads = [p for p, t in zip(params, grads) if t is not None], [t for t in grads if t is not None]
-    norms = torch._foreach_norm(grads, 2.0)
+    params, grads = _joined(model, params, grads)
+    plain = iter(torch._foreach_norm([t for t in grads if not isinstance(t, list)], 2.0))
+    norms = [torch._foreach_norm([torch.cat(t)], 2.0)[0] if isinstance(t, list) else next(plain) for t in grads]
     return params, norms, torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
+
+
+def _joined(model: nn.Module, params: list, grads: list) -> tuple[list, list]:
+    """Expert parts' gradients (model/experts.py) joined into their fused tensor's, where
+    its first part is (as the uncut model lists it), so that its norm is torch's of the
+    whole tensor, bit for bit (the caller joins each, one fused tensor's gradient copied at
+    a time): a fused tensor's gradients come as the list of its parts'."""
+    rows = fused_names(model)
+    if not rows:
+        return params, grads
+    out_params, out_grads, pieces = [], [], {}
+    for p, g in zip(params, grads):
+        r = rows.get(id(p))
+        if r is None:
+            out_params.append(p)
+            out_grads.append(g)
+        elif r.name not in pieces:
+            pieces[r.name] = [g]
+            out_params.append(p)
+            out_grads.append(pieces[r.name])
+        else:
+            pieces[r.name].append(g)
+    return out_params, out_grads
 
 
 def coefficient_of(total: torch.Tensor, max_norm: float) -> float:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+ROWS_OF = "_fuyou_rows_of"  # a parameter's attribute: (offset, numel) of the tensor it is rows of
 
 
 def flat_parts(flat: torch.Tensor, shapes: list[torch.Size]) -> tuple[torch.Tensor, ...]:
@@ -81,12 +82,15 @@ class GroupSpec:
     def tensors(self, start: int, numel: int) -> tuple[int, ...]:
         """The parameters behind the group's elements [start, start + numel), as the daemon's
         StepGroup takes them: (numel, offset, tensor numel) triples, flat; () where the
-        range reaches past them (padding)."""
+        range reaches past them (padding). An expert part's parameter (model/experts.py) is
+        the rows of a fused tensor: its offset and numel are that tensor's (``ROWS_OF``), as
+        torch steps it."""
         out, at = [], 0
-        for n in self.tensor_numels:
+        for (_, p), n in zip(self.params, self.tensor_numels):
             lo, hi = max(start, at), min(start + numel, at + n)
+            base, total = getattr(p, ROWS_OF, (0, n))
             if lo < hi:
-                out += [hi - lo, lo - at, n]
+                out += [hi - lo, base + lo - at, total]
             at += n
         return tuple(out) if sum(out[0::3]) == numel else ()
 

@@ -1,0 +1,112 @@
+"""A mixture of experts' fused experts cut into parts (model/experts.py): the cut model
+computes and trains bitwise as the uncut one, keeps the model's own names, and comes back
+whole.
+
+The families are test_families.py's tiny random models (4 experts; gpt-oss 16, with
+biases and its interleaved, clamped gate), cut into 3 parts (unequal: 1+1+2 and 5+5+6
+experts) so that a part boundary falls inside the top-2 of many tokens.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fuyou_client
+from fuyou_client.model.experts import ExpertPart, ExpertsNotCut, cut_experts, fused_names, uncut_experts
+from test_families import build, daemon, train_pair  # noqa: F401 - daemon: the fixture
+
+transformers = pytest.importorskip("transformers")
+
+CUT = ("qwen3-moe", "deepseek-v3", "gpt-oss", "olmoe", "qwen2-moe", "glm4-moe", "qwen3-next")
+DEFAULT_TIER = ("qwen3-moe", "gpt-oss")
+
+
+def _family(f):
+    return pytest.param(f, id=f, marks=() if f in DEFAULT_TIER else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("family", [_family(f) for f in CUT])
+def test_cut_experts_compute_bitwise_as_the_fused_ones(family):
+    torch.manual_seed(0)
+    whole = build(family)
+    cut = copy.deepcopy(whole)
+    names = cut_experts(cut, 3)
+    assert names and all(isinstance(m, ExpertPart) for n in names for m in cut.get_submodule(n).parts)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss, ref = cut(x, labels=x).loss, whole(x, labels=x).loss
+    loss.backward()
+    ref.backward()
+    assert loss.item() == ref.item()
+    rows, grads = fused_names(cut), dict(whole.named_parameters())
+    assert rows
+    for name, p in cut.named_parameters():
+        r = rows.get(id(p))
+        expected = grads[r.name].grad[r.start:r.stop] if r else grads[name].grad
+        assert torch.equal(p.grad, expected), name
+    # the model's own names and values, either way
+    mine, theirs = cut.state_dict(), whole.state_dict()
+    assert list(mine) == list(theirs)
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_fused_tensors_load_into_the_parts_and_come_back_whole():
+    torch.manual_seed(0)
+    source, target = build("gpt-oss"), build("gpt-oss")
+    cut_experts(target, 3)
+    target.load_state_dict(source.state_dict())
+    uncut_experts(target)
+    assert not any(isinstance(m, ExpertPart) for m in target.modules())
+    names = [n for n, _ in source.named_parameters()]
+    assert [n for n, _ in target.named_parameters()] == names
+    assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), target.state_dict().values()))
+
+
+def test_experts_computed_otherwise_than_grouped_mm_are_not_cut():
+    model = build("qwen3-moe")
+    model.set_experts_implementation("eager")
+    with pytest.raises(ExpertsNotCut, match="'eager'.*grouped_mm"):
+        cut_experts(model)
+    assert not any(isinstance(m, ExpertPart) for m in model.modules())  # (nothing changed)
+
+
+@pytest.mark.parametrize("family", [_family(f) for f in ("qwen3-moe", "gpt-oss", "deepseek-v3", "gpt-oss-60")])
+def test_cut_experts_train_bitwise_as_torch_adamw(daemon, family):
+    """Offloaded with each part a sub-block of its own: clipped, accumulated, 3 steps, every
+    loss and parameter as torch's fused AdamW on the uncut model; whole again after close.
+    gpt-oss-60: an expert's down-projection bias is 60 elements, so a part starts inside
+    torch's vector loop of the fused tensor and fuyoud steps each element in the lane torch
+    does (the part's offset in the fused tensor, model/blocks.py ROWS_OF)."""
+    ours, ref, losses, ref_losses, norms = train_pair(family, daemon, True, granularity="expert")
+    assert losses == ref_losses
+    assert not any(isinstance(m, ExpertPart) for m in ours.modules())  # (close joined the parts)
+    mine, theirs = ours.state_dict(), ref.state_dict()
+    assert list(mine) == list(theirs)
+    for k in theirs:
+        assert torch.equal(mine[k], theirs[k]), k
+
+
+def test_an_engine_fetches_each_part_around_its_use(daemon):
+    torch.manual_seed(0)
+    model = build("gpt-oss")
+    engine = fuyou_client.attach(model, socket=daemon.socket, offload=True, granularity="expert")
+    try:
+        names = {og.name: og for og in engine.offloader.groups}
+        parts = [og for og in names.values() if any(isinstance(m, ExpertPart) for m in og.uses)]
+        assert len(parts) == 2 * 16  # 2 blocks of 16 experts, 16 parts each
+        x = torch.randint(0, 256, (2, 16))
+        model(x, labels=x).loss.backward()
+        engine.step()
+    finally:
+        engine.close()
+    assert not any(isinstance(m, ExpertPart) for m in model.modules())
+
+
+def test_a_meta_model_is_refused_by_name(daemon):
+    config = build("qwen3-moe").config
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(config)
+    with pytest.raises(ExpertsNotCut, match="meta device"):
+        fuyou_client.attach(model, socket=daemon.socket, offload=True, granularity="expert", weights="init")
+    assert not any(isinstance(m, ExpertPart) for m in model.modules())
