@@ -110,3 +110,38 @@ def test_a_meta_model_is_refused_by_name(daemon):
     with pytest.raises(ExpertsNotCut, match="meta device"):
         fuyou_client.attach(model, socket=daemon.socket, offload=True, granularity="expert", weights="init")
     assert not any(isinstance(m, ExpertPart) for m in model.modules())
+
+
+def test_auto_cuts_the_experts_where_their_module_does_not_fit_the_device(daemon):
+    """A stand-in device capped below one block's fused experts: "auto" tries whole blocks,
+    then modules (the experts module alone is past the cap), then expert parts, and trains
+    bitwise as whole blocks on an uncapped one, within the cap; the plan says so."""
+    from discrete_device import LateCopyDevice
+    torch.manual_seed(0)
+    experts = sum(p.numel() * p.element_size() for p in build("gpt-oss").model.layers[0].mlp.experts.parameters())
+    runs = []
+    for device, options in ((LateCopyDevice(seed=3, capacity=experts - 1), {}),
+                            (LateCopyDevice(seed=4), {"granularity": "block"})):
+        torch.manual_seed(0)
+        model = build("gpt-oss")
+        engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=3e-3, weight_decay=0.1), socket=daemon.socket,
+                                     device=device, max_grad_norm=0.05, grad_accumulation="host", **options)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(2):
+            x = torch.randint(0, 256, (1, 8), generator=gen)
+            loss = model(x, labels=x).loss
+            loss.backward()
+            losses.append(loss.item())
+            engine.step()
+            engine.zero_grad()
+        plan = engine.memory_plan().device
+        engine.close()
+        runs.append((model, losses, plan, device))
+    (cut, cut_losses, cut_plan, capped), (whole, whole_losses, whole_plan, _) = runs
+    assert cut_plan.granularity == "expert" and whole_plan.granularity == "block"
+    assert "by expert" in cut_plan.describe()
+    assert capped.peak <= cut_plan.total(8, activations=False) <= experts - 1  # (what the engine allocated)
+    assert cut_losses == whole_losses
+    for (name, a), b in zip(cut.state_dict().items(), whole.state_dict().values()):
+        assert torch.equal(a, b), name

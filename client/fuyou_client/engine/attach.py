@@ -120,7 +120,8 @@ def _attached(model: nn.Module, optimizer, opts: AttachOptions, plan, frozen: bo
         state = par.restore(session, model, groups, opts)
         def recut():  # (granularity="auto", where neither whole blocks nor their modules fit)
             _cut_experts(model, opts, materializer, par, state is not None)
-            return _prepare(model, optimizer, opts, materializer, par, frozen)[:2]
+            cut_torch_groups, cut_groups, _ = _prepare(model, optimizer, opts, materializer, par, frozen)
+            return cut_groups, cut_torch_groups
         engine = build(model, session, torch_groups, groups, opts, device, owns, state is not None, materializer,
                        par, recut)
     except BaseException as exc:  # noqa: BLE001 - agreed below
