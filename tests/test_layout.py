@@ -51,7 +51,9 @@ FOREIGN_PRIVATE = {"_modules", "_parameters", "_buffers", "_non_persistent_buffe
                    "_C",  # (torch._C: _cuda_clearCublasWorkspaces, devices.py)
                    # PEFT's (integrations/peft.py runs PEFT's own merge on each layer: its refusals
                    # checked first, a DoRA layer's weight-norm cache put back as it was after)
-                   "_check_merge_allowed", "_caches"}
+                   "_check_merge_allowed", "_caches",
+                   # transformers' experts' own gate (model/experts.py: a part gates as its module does)
+                   "_apply_gate"}
 LONG_FUNCTION = 80
 LONG_FILE = 500
 # Long files another change is splitting (issue 41: the block-major schedule).

@@ -42,10 +42,8 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
           options: AttachOptions, device: Device, owns_session: bool, resume: bool, materializer, parallel,
           recut=None):
     """The Engine of ``model``: its groups' state created in the daemon (or, ``resume``,
-    restored there already), its parameters pointed at shared or device memory, every
-    part wired. ``parallel``: the parallelism seam (parallel/seam.py). ``recut()``: the
-    model's fused experts cut into parts (model/experts.py), its (specs, torch groups)
-    made again: granularity "auto"'s last try."""
+    restored there already), its parameters pointed at shared or device memory, every part
+    wired. ``parallel``: the seam (parallel/seam.py); ``recut``: "auto"'s expert parts (_planned)."""
     from fuyou_client.engine.engine import Engine  # (the API this module builds)
 
     options = options.for_device(device.shares_host_memory)
@@ -55,15 +53,8 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
     # anything is allocated; the plan is then reserved in the daemon (held against the
     # other sessions).
     sharers = parallel.daemon_sharers(session)  # (a collective: once, on every rank, whatever the plans do)
-    made = {"specs": specs, "torch_groups": torch_groups}
-
-    def recut_once():
-        made["specs"], made["torch_groups"] = recut()
-        return made["specs"], made["torch_groups"]
-    specs, layout, plan = hold_plan(session, lambda: plan_granularity(
-        model, session, made["specs"], made["torch_groups"], options, device, parallel, resume, sharers,
-        recut_once if recut is not None else None))
-    torch_groups = made["torch_groups"]
+    specs, layout, plan, torch_groups = _planned(model, session, specs, torch_groups, options, device, parallel,
+                                                 resume, sharers, recut)
     (log.warning if plan.shrunk else log.info)("%s", plan.describe())
     options = dataclasses.replace(options, prefetch=plan.prefetch, host_budget=plan.host_budget)
     if parallel.holds_state:  # (an optimizer-host worker keeps no state: its optimizer ranks check theirs)
@@ -170,6 +161,20 @@ def _create_groups(session, device, layout, torch_groups, strategies, resume, ma
                 p.grad = grad
         raise
     return groups
+
+
+def _planned(model, session, specs, torch_groups, options, device, parallel, resume, sharers, recut):
+    """(specs, layout, memory plan, torch groups), the plan held (hold_plan): the specs and
+    torch groups are the model's cut into expert parts where "auto" came to that."""
+    made = {"specs": specs, "torch_groups": torch_groups}
+
+    def recut_once():
+        made["specs"], made["torch_groups"] = recut()
+        return made["specs"], made["torch_groups"]
+    specs, layout, plan = hold_plan(session, lambda: plan_granularity(
+        model, session, made["specs"], made["torch_groups"], options, device, parallel, resume, sharers,
+        recut_once if recut is not None else None))
+    return specs, layout, plan, made["torch_groups"]
 
 
 def hold_plan(session, make_plan):

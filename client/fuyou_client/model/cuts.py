@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from fuyou_client.model.blocks import GroupSpec, lay_out
+from fuyou_client.model.experts import fused_experts, part_bounds
 
 LARGE = 32  # an atom of at least 1/LARGE of its group's bytes is a sub-block of its own
 
@@ -132,9 +133,11 @@ def _large(atoms: list[_Atom], block: bool = True) -> list[_Atom]:
     return [atoms[i] for i in large_atoms([a.nbytes for a in atoms], block)]
 
 
-def atom_sizes(model: nn.Module, block: nn.Module | None, blocks: list[nn.Module]) -> list[tuple[int, bool]]:
+def atom_sizes(model: nn.Module, block: nn.Module | None, blocks: list[nn.Module],
+               experts: bool = False) -> list[tuple[int, bool]]:
     """The parameter counts of a block's atoms (``block``), or of the rest's (None), in
-    order, each with whether it holds an embedding: what the planner cuts (sizing/shape.py)."""
+    order, each with whether it holds an embedding: what the planner cuts (sizing/shape.py).
+    ``experts``: a fused experts module's atom as the parts model/experts.py cuts it into."""
     if block is not None:
         spec = GroupSpec("block", params=list(block.named_parameters()))
         atoms = _atoms(block, spec, set())
@@ -142,7 +145,16 @@ def atom_sizes(model: nn.Module, block: nn.Module | None, blocks: list[nn.Module
         inside = {id(p) for b in blocks for p in b.parameters()}
         spec = GroupSpec("rest", params=[(n, p) for n, p in model.named_parameters() if id(p) not in inside])
         atoms = _atoms(model, spec, {id(b) for b in blocks})
-    return [(sum(p.numel() for _, p in a.params), any(isinstance(m, nn.Embedding) for m in a.modules)) for a in atoms]
+    fused = {id(m): m for _, m in fused_experts(block)} if experts and block is not None else {}
+    out = []
+    for a in atoms:
+        n = sum(p.numel() for _, p in a.params)
+        owner = next((fused[id(m)] for m in a.modules if id(m) in fused), None)
+        if owner is not None and len(a.modules) == 1:
+            out += [(n * (b - f) // owner.num_experts, False) for f, b in part_bounds(owner.num_experts)]
+        else:
+            out.append((n, any(isinstance(m, nn.Embedding) for m in a.modules)))
+    return out
 
 
 def cut(groups: list[GroupSpec], model: nn.Module, index: dict[int, int] | None = None) -> list[GroupSpec]:

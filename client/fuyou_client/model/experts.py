@@ -166,6 +166,14 @@ class Rows:
     experts: int  # the fused parameter's first dimension
 
 
+def part_bounds(experts: int, parts: int = PARTS) -> list[tuple[int, int]]:
+    """The parts' expert ranges [first, stop): ``parts`` of them (fewer with fewer experts),
+    as equal as they can be. The planner cuts by this rule too (model/cuts.py atom_sizes)."""
+    count = min(parts, experts)
+    bounds = [experts * k // count for k in range(count + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
 def cut_experts(model: nn.Module, parts: int = PARTS) -> list[str]:
     """Cut every fused experts module of ``model`` into ``parts`` parts (fewer where it has
     fewer experts; sizes as equal as they can be), in place; the names of those cut.
@@ -176,18 +184,15 @@ def cut_experts(model: nn.Module, parts: int = PARTS) -> list[str]:
         if reason is not None:
             raise ExpertsNotCut(f"the experts of {name!r} cannot be cut: {reason}")
     for _, m in found:
-        n = m.num_experts
-        count = min(parts, n)
-        bounds = [n * k // count for k in range(count + 1)]
         names = [k for k, p in m._parameters.items() if p is not None]
-        part_modules = nn.ModuleList(ExpertPart(m, a, b - a) for a, b in zip(bounds, bounds[1:]))
+        part_modules = nn.ModuleList(ExpertPart(m, a, b - a) for a, b in part_bounds(m.num_experts, parts))
         for k in names:
             del m._parameters[k]
         m.parts = part_modules
         m.fused_names = names
         m.forward = types.MethodType(parts_forward, m)
-        m._fuyou_hooks = (m.register_state_dict_post_hook(_fuse_state),
-                          m._register_load_state_dict_pre_hook(_split_state, with_module=True))
+        m.fuyou_hooks = (m.register_state_dict_post_hook(_fuse_state),
+                          m.register_load_state_dict_pre_hook(_split_state))
     return [n for n, _ in found]
 
 
@@ -204,9 +209,9 @@ def uncut_experts(model: nn.Module) -> None:
             values = [getattr(part, name) for part in m.parts]
             joined = torch.cat([v.detach() for v in values])
             m.register_parameter(name, nn.Parameter(joined, requires_grad=values[0].requires_grad))
-        for h in m._fuyou_hooks:
+        for h in m.fuyou_hooks:
             h.remove()
-        del m.parts, m.fused_names, m._fuyou_hooks
+        del m.parts, m.fused_names, m.fuyou_hooks
         m.__dict__.pop("forward", None)
 
 

@@ -63,7 +63,7 @@ class Settings:
     prefetch: int | None = None  # None: the memory plan's
     host_budget: int | None = None  # the host arena; None: the memory plan's default
     activations: str = "recompute"
-    granularity: str = "block"  # what comes to the GPU at a time: "block", or "module" (model/cuts.py)
+    granularity: str = "block"  # what comes to the GPU at a time: "block", "module" (model/cuts.py) or "expert"
     compute: str = "bf16"  # the model's dtype on a GPU (attach computes in it): "bf16" or "fp16"
     swap_blocks: int = 0  # block-major: blocks whose activations are swapped instead of recomputed
 
@@ -187,6 +187,14 @@ def chunked(numel: int, s: Settings, host: Host) -> bool:
     return stepped_in_chunks(state_bytes(s.state_dtype, numel), numel, host.buffer_budget, host.buffers)
 
 
+def cut_atoms(shape: ModelShape, s: Settings) -> tuple:
+    """A block's atoms as ``s.granularity`` cuts it: its modules ("module"), with its fused
+    experts in parts ("expert"); () for whole blocks or where they are unknown."""
+    if s.granularity == "expert":
+        return shape.expert_atoms or shape.block_atoms
+    return shape.block_atoms if s.granularity == "module" else ()
+
+
 def groups(shape: ModelShape, s: Settings, host: Host) -> list[memory_plan.GroupShape]:
     """The layer groups attach would plan (engine/build.py group_shapes), from the shape
     alone: one per block and the rest, or with ``granularity="module"`` each block's own
@@ -201,12 +209,12 @@ def groups(shape: ModelShape, s: Settings, host: Host) -> list[memory_plan.Group
         return memory_plan.GroupShape(name, numel, c, chunked=chunked(numel, s, host), offload=off, strategy=kind,
                                       held=bool(off) and cut and "." not in name and name != "rest",
                                       unit=name.split(".")[0] if cut and "." in name else "")
-    cut = s.granularity == "module" and bool(offload) and bool(shape.block_atoms)
+    cut = s.granularity != "block" and bool(offload) and bool(cut_atoms(shape, s))
     if not cut:
         blocks = [[("", shape.block_params)]]
         rest = [group("rest", shape.rest_params, False, "resident")]
     else:
-        sizes = [n for n, _ in shape.block_atoms]
+        sizes = [n for n, _ in cut_atoms(shape, s)]
         large = large_atoms(sizes)
         blocks = [[("", sum(n for i, n in enumerate(sizes) if i not in large))]
                   + [(f".m{k}", sizes[i]) for k, i in enumerate(large, 1)]]
@@ -264,10 +272,12 @@ def ssd_traffic(shape: ModelShape, s: Settings, host: Host, handoff: bool, arena
     spill = max(0, kept_inputs(shape, s, c) - inputs_arena)
     acts_spill = max(0, swapped_activations(shape, s, c) - acts_arena)
     rest_read = 0
-    if s.granularity == "module" and on_ssd:
-        # a block's large modules one by one; where the slots do not hold a whole block's, train_step
-        # reads them again for each micro-batch's forward (backward's come from the state read-ahead)
-        parts = len(large_atoms([a for a, _ in shape.block_atoms])) if shape.block_atoms else 1
+    if s.granularity != "block" and on_ssd:
+        # a block's large modules (or expert parts) one by one; where the slots do not hold a whole
+        # block's, train_step reads them again for each micro-batch's forward (backward's come from the
+        # state read-ahead)
+        atoms = cut_atoms(shape, s)
+        parts = len(large_atoms([a for a, _ in atoms])) if atoms else 1
         again = s.micro_batches if s.schedule == "block-major" and slots < parts + 2 else k
         forward, backward = L * n * c * again, 0
         # the rest's sub-blocks, once each; the embeddings' again for a tied head (used at both ends)
@@ -364,9 +374,9 @@ def _schedule(shape: ModelShape, s: Settings, host: Host, plan=None) -> Schedule
     buffers where given; gradients on the GPU in the compute dtype (the parameters')."""
     weights = "ssd" if s.offload is True else "host" if s.offload == "host" else "resident"
     c = _compute_bytes(host)
-    parts = len(large_atoms([n for n, _ in shape.block_atoms])) \
-        if s.granularity == "module" and s.offload and shape.block_atoms else 0
-    largest = max((n for n, _ in shape.block_atoms), default=shape.block_params) if parts else shape.block_params
+    atoms = cut_atoms(shape, s) if s.offload else ()
+    parts = len(large_atoms([n for n, _ in atoms])) if atoms else 0
+    largest = max((n for n, _ in atoms), default=shape.block_params) if parts else shape.block_params
     extra = {} if plan is None else {"slots": plan.weight_slots, "grad_buffers": max(1, plan.device_grad_buffers)}
     if plan is not None:
         extra["swap_arena"] = arenas(s, plan.host_budget, kept_inputs(shape, s, c))[1]

@@ -86,8 +86,11 @@ def _fastest(estimates: list[Estimate]) -> Estimate:
 
 
 def _granularities(shape: ModelShape, offload) -> tuple[str, ...]:
-    """Whole blocks, and (offloaded, where the shape's modules are known) sub-blocks."""
-    return ("block", "module") if offload and shape.block_atoms else ("block",)
+    """Whole blocks, and (offloaded, where the shape's modules are known) sub-blocks, and
+    (a mixture of experts with fused experts) expert parts."""
+    if not (offload and shape.block_atoms):
+        return ("block",)
+    return ("block", "module", "expert") if shape.expert_atoms else ("block", "module")
 
 
 def _candidates(shape: ModelShape, host: Host, seq: int, tokens: int, dtype: str, micro: int | None,

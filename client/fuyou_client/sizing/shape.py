@@ -104,6 +104,9 @@ class ModelShape:
     experts_per_token: int = 0
     block_active_matmul: float | None = None
     block_active_params: float | None = None
+    # A block's atoms with its fused experts cut into parts (model/experts.py: what
+    # granularity="expert" cuts); () where it has none.
+    expert_atoms: tuple = ()
 
     @property
     def params(self) -> int:
@@ -285,10 +288,12 @@ def from_model(model) -> ModelShape:
         routing = None  # (a config that names experts, a model without them)
     width, vocab, attn, max_seq, kv, mlp, activation = _dims(model, blocks, cfg)
     widest = max(range(len(blocks)), key=lambda i: sizes[i])
+    atoms = tuple(atom_sizes(model, blocks[widest], blocks))
+    cut = tuple(atom_sizes(model, blocks[widest], blocks, experts=True))
     return ModelShape(cfg.get("model_type") or type(model).__name__, len(blocks), width, sizes[widest],
                       total - sum(sizes), vocab, attn, matrices, max_seq, type(model).__name__,
-                      tuple(atom_sizes(model, blocks[widest], blocks)), tuple(atom_sizes(model, None, blocks)), kv,
-                      None if routing else mlp, activation,
+                      atoms, tuple(atom_sizes(model, None, blocks)), kv,
+                      None if routing else mlp, activation, expert_atoms=cut if cut != atoms else (),
                       blocks_params=sum(sizes) if len(set(sizes)) > 1 else None,
                       experts=routing.experts if routing else 0, experts_per_token=routing.per_token if routing else 0,
                       block_active_matmul=sum(moe.active_matmul(b, routing) for b in blocks) / len(blocks) if routing
