@@ -153,6 +153,7 @@ def test_short_kernels_wait_for_their_launches():
     assert wide.idle < 1e-3 * wide.busy
 
 
+@pytest.mark.slow  # (10-13 s: the default suite's 10 minutes)
 def test_the_planner_now_depends_on_the_batch_and_the_ssds():
     """The issue's complaint: 27 model TFLOPS whatever the batch and the SSD count."""
     got = {(ssds, seqs): sizing.plan(GPT3_13B, on=papers_host(ssds), seq=1024, tokens_per_step=seqs * 1024).best
@@ -201,6 +202,7 @@ def test_every_profile_prices_fp16_gemms_at_its_fp16_peak_with_its_source():
     assert given.gemms("bf16").efficiency == given.gemms("fp16").efficiency == hardware.Rate(0.6, "given")
 
 
+@pytest.mark.slow  # (10-13 s: the default suite's 10 minutes)
 def test_an_fp16_plan_prices_its_gemms_at_the_fp16_rate():
     """The planner's compute dtype: bf16 by default, fp16 where asked (fuyouctl plan
     --compute fp16); the same bytes and memory, the GEMMs at the fp16 share, which on the
@@ -260,6 +262,7 @@ def test_hardware_flops_count_the_recomputation():
 PAPERS_13B = 156  # model TFLOPS (as the issue quotes it) of GPT-3 13B on the 4090, 12 SSDs
 
 
+@pytest.mark.slow  # (10-13 s: the default suite's 10 minutes)
 def test_13b_at_64_sequences_and_12_ssds_against_the_papers_156():
     """The issue's check: GPT-3 13B on the paper's box at 64 sequences of 1024 a step, within
     25% of the paper's 156 TFLOPS (117 to 195). Not met, and this is what the planner says:
