@@ -56,7 +56,7 @@ def test_fused_tensors_load_into_the_parts_and_come_back_whole():
     source, target = build("gpt-oss"), build("gpt-oss")
     cut_experts(target, 3)
     target.load_state_dict(source.state_dict())
-    uncut_experts(target)
+    uncut_experts(target, values=True)
     assert not any(isinstance(m, ExpertPart) for m in target.modules())
     names = [n for n, _ in source.named_parameters()]
     assert [n for n, _ in target.named_parameters()] == names
@@ -103,13 +103,45 @@ def test_an_engine_fetches_each_part_around_its_use(daemon):
     assert not any(isinstance(m, ExpertPart) for m in model.modules())
 
 
-def test_a_meta_model_is_refused_by_name(daemon):
-    config = build("qwen3-moe").config
+def _steps(model, engine, steps=2):
+    gen, losses = torch.Generator().manual_seed(1), []
+    for _ in range(steps):
+        x = torch.randint(0, 256, (2, 16), generator=gen)
+        loss = model(x, labels=x).loss
+        loss.backward()
+        losses.append(loss.item())
+        engine.step()
+        engine.zero_grad()
+    engine.close()
+    return losses
+
+
+@pytest.mark.parametrize("weights", ["init", "dir"])
+def test_a_meta_model_is_made_real_whole_and_trained_in_parts(daemon, tmp_path, weights):
+    """From the meta device, by the model's init (bitwise the values of a CPU build) or from
+    a safetensors checkpoint: the fused experts are made real whole, by their own names, the
+    parts view their rows; training is bitwise the CPU-built model's by whole blocks."""
+    torch.manual_seed(0)
+    cpu = build("gpt-oss")
+    if weights == "dir":
+        cpu.save_pretrained(tmp_path / "ckpt")
+    torch.manual_seed(0)
     with torch.device("meta"):
-        model = transformers.Qwen3MoeForCausalLM(config)
-    with pytest.raises(ExpertsNotCut, match="meta device"):
-        fuyou_client.attach(model, socket=daemon.socket, offload=True, granularity="expert", weights="init")
-    assert not any(isinstance(m, ExpertPart) for m in model.modules())
+        meta = type(cpu)(cpu.config).float().train()
+    meta.config._experts_implementation = cpu.config._experts_implementation
+    source = "init" if weights == "init" else str(tmp_path / "ckpt")
+    engine = fuyou_client.attach(meta, fuyou_client.AdamW(lr=3e-3), socket=daemon.socket, offload=True,
+                                 granularity="expert", weights=source)
+    assert any(isinstance(m, ExpertPart) for m in meta.modules())
+    losses = _steps(meta, engine)
+    ref = copy.deepcopy(cpu) if weights == "dir" else cpu
+    ref_losses = _steps(ref, fuyou_client.attach(ref, fuyou_client.AdamW(lr=3e-3), socket=daemon.socket,
+                                                 offload=True, granularity="block"))
+    assert losses == ref_losses
+    mine, theirs = meta.state_dict(), ref.state_dict()
+    assert list(mine) == list(theirs)
+    for k in theirs:
+        assert torch.equal(mine[k], theirs[k]), k
 
 
 def test_auto_cuts_the_experts_where_their_module_does_not_fit_the_device(daemon):
@@ -145,3 +177,47 @@ def test_auto_cuts_the_experts_where_their_module_does_not_fit_the_device(daemon
     assert cut_losses == whole_losses
     for (name, a), b in zip(cut.state_dict().items(), whole.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_an_export_writes_the_fused_tensors_by_their_names(daemon, tmp_path):
+    """engine.export of a model trained in expert parts: the fused tensors under the
+    model's own names, loadable by from_pretrained into the uncut model, equal to what
+    close gives back."""
+    torch.manual_seed(0)
+    model = build("qwen3-moe")
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=3e-3), socket=daemon.socket, offload=True,
+                                 granularity="expert")
+    x = torch.randint(0, 256, (2, 16))
+    model(x, labels=x).loss.backward()
+    engine.step()
+    engine.export(tmp_path / "out")
+    engine.close()
+    loaded = type(model).from_pretrained(tmp_path / "out")
+    mine, theirs = loaded.state_dict(), model.state_dict()
+    assert list(mine) == list(theirs)
+    for k in theirs:
+        assert torch.equal(mine[k], theirs[k]), k
+
+
+def test_auto_takes_expert_parts_where_whole_blocks_give_up_their_read_ahead():
+    """A pinned budget that holds whole blocks only without read-ahead (each weight slot one
+    block, most of it its experts): "auto" takes expert parts, whose plan keeps it; with
+    room for whole blocks' read-ahead, whole blocks (tests the rule both ways)."""
+    from conftest import SMALL, merge, private_daemon
+
+    seen = {}
+    for budget in ("170MiB", "260MiB"):
+        config = merge(SMALL, {"storage": {"capacity_per_device": "1GiB"},
+                               "memory": {"pinned_budget": budget, "segment_size": "2MiB", "staging_size": "1MiB"}})
+        with private_daemon(config, "fy-ra-") as d:
+            for granularity in ("block", "auto"):
+                model = build("gpt-oss-wide")
+                engine = fuyou_client.attach(model, socket=d.socket, offload=True, granularity=granularity)
+                plan = engine.memory_plan()
+                parts = any(isinstance(m, ExpertPart) for m in model.modules())
+                seen[budget, granularity] = (parts, plan.prefetch, "prefetch" in plan.shrunk)
+                engine.close()
+    assert seen["170MiB", "block"] == (False, 0, True)
+    parts, prefetch, gave_up = seen["170MiB", "auto"]
+    assert parts and prefetch >= 1 and not gave_up
+    assert seen["260MiB", "block"][2] is False and seen["260MiB", "auto"] == seen["260MiB", "block"]

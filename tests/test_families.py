@@ -72,7 +72,10 @@ FAMILIES = {
 # an expert's down-projection bias of 60 elements: not a multiple of torch's vector width
 # (test_expert_parts.py; the grouped GEMM wants rows of 16 bytes, so the weights are)
 FAMILIES["gpt-oss-60"] = ("GptOssConfig", "GptOssForCausalLM", dict(GPT_OSS, hidden_size=60))
-EXACT = [f for f in FAMILIES if f not in ("gpt-oss-4x4", "gpt-oss-60")]  # (that one below, with the reason)
+# a block of 32 experts of 128 x 512, 25 MB: its experts most of a block's weight slot (test_expert_parts.py)
+FAMILIES["gpt-oss-wide"] = ("GptOssConfig", "GptOssForCausalLM",
+                            dict(GPT_OSS, num_local_experts=32, intermediate_size=512, hidden_size=128))
+EXACT = [f for f in FAMILIES if f not in ("gpt-oss-4x4", "gpt-oss-60", "gpt-oss-wide")]  # (that one below, with the reason)
 # the cheapest mode of each family in the default tier (3 s offloaded, under 1 s resident)
 DEFAULT_TIER = ("qwen3-moe", "deepseek-v3", "gpt-oss")  # (the rest in the slow tier: the default suite's 10 minutes)
 CASES = [pytest.param(f, False, id=f"{f}-resident", marks=() if f in DEFAULT_TIER else pytest.mark.slow)

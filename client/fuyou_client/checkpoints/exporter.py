@@ -35,6 +35,7 @@ from torch import nn
 from fuyou_client.connection.session import Session
 from fuyou_client.errors import ResourceExhausted
 from fuyou_client.checkpoints.values import group_params, group_shapes, read_group
+from fuyou_client.model.experts import fused_names
 from fuyou_client.model.weights_file import INDEX_FILE
 
 
@@ -89,8 +90,9 @@ def _write_shards(trained: "Trained", out: Path, names: dict[int, str], dtype: t
     buffers = {n: b.detach().cpu().clone() for n, b in model.named_buffers() if n in keys}
     count = len(trained.groups)
     weight_map, total, done = {}, 0, set()
+    fused = FusedRows(model, names)
     for i, g in enumerate(trained.groups):
-        tensors = _group_tensors(trained.session, g, names, dtype, masters)
+        tensors = fused.join(_group_tensors(trained.session, g, names, dtype, masters))
         done.update(id(p) for p in group_params(g))
         if i == count - 1:  # the parameters no group holds (frozen, resident) and the buffers
             tensors.update({names[id(p)]: p.detach().to("cpu", dtype or p.dtype, copy=True)
@@ -316,6 +318,26 @@ def _rank0_outcome(world, error: Exception | None, what: str) -> None:
         if room:
             raise NotEnoughRoom(errno.ENOSPC, message)
         raise RuntimeError(f"{what} failed on rank 0 ({message})")
+
+
+class FusedRows:
+    """A mixture of experts cut in parts (model/experts.py) exported by the model's own
+    names: each part's rows held until the last part of its fused tensor comes, then the
+    fused tensor in that shard (the parts of one fused tensor are consecutive groups)."""
+
+    def __init__(self, model: nn.Module, names: dict[int, str]):
+        self._rows = {names[i]: r for i, r in fused_names(model).items() if i in names}
+        self._pending: dict[str, list] = {}
+
+    def join(self, tensors: dict) -> dict:
+        for key in [k for k in tensors if k in self._rows]:
+            r = self._rows[key]
+            got = self._pending.setdefault(r.name, [])
+            got.append((r.start, tensors.pop(key)))
+            if sum(t.shape[0] for _, t in got) == r.experts:
+                tensors[r.name] = torch.cat([t for _, t in sorted(got, key=lambda x: x[0])])
+                del self._pending[r.name]
+        return tensors
 
 
 def _group_tensors(session: "Session", g, names: dict[int, str], dtype: torch.dtype | None, masters) -> dict:

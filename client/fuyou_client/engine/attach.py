@@ -97,7 +97,7 @@ def _attached(model: nn.Module, optimizer, opts: AttachOptions, plan, frozen: bo
         par.check_options(opts)
         materializer = prepare(model, opts.weights, opts.resume is not None)  # (a meta model: CPU stand-ins now)
         if opts.granularity == "expert":
-            _cut_experts(model, opts, materializer, par)
+            _cut_experts(model, opts, par)
         prepared = _prepare(model, optimizer, opts, materializer, par, frozen)
     except BaseException as exc:  # noqa: BLE001 - agreed below (one process: raised there)
         if materializer is not None:
@@ -114,14 +114,15 @@ def _attached(model: nn.Module, optimizer, opts: AttachOptions, plan, frozen: bo
     except BaseException as exc:  # noqa: BLE001 - agreed below
         if materializer is not None:
             materializer.undo()
+        uncut_experts(model)
         error = exc
     par.agree(error, "connecting to fuyoud")
     try:
         state = par.restore(session, model, groups, opts)
         def recut():  # (granularity="auto", where neither whole blocks nor their modules fit)
-            _cut_experts(model, opts, materializer, par, state is not None)
-            cut_torch_groups, cut_groups, _ = _prepare(model, optimizer, opts, materializer, par, frozen)
-            return cut_groups, cut_torch_groups
+            _cut_experts(model, opts, par, state is not None)
+            cut_torch_groups = resolve_groups(model, optimizer or AdamW(), opts.param_groups, opts.no_decay)
+            return split(model, opts.blocks, cut_torch_groups.index), cut_torch_groups
         engine = build(model, session, torch_groups, groups, opts, device, owns, state is not None, materializer,
                        par, recut)
     except BaseException as exc:  # noqa: BLE001 - agreed below
@@ -145,16 +146,13 @@ def _attached(model: nn.Module, optimizer, opts: AttachOptions, plan, frozen: bo
         raise
 
 
-def _cut_experts(model: nn.Module, opts: AttachOptions, materializer, par, resume: bool = False) -> None:
+def _cut_experts(model: nn.Module, opts: AttachOptions, par, resume: bool = False) -> None:
     """The model's fused experts cut into parts (model/experts.py), or ExpertsNotCut saying
-    why they cannot be here."""
+    why they cannot be here. (A model on the meta device is cut after its materializer has
+    put its stand-ins in: it makes the fused parameters real, and the parts view them.)"""
     why = None
     if not opts.offload:
         why = "granularity='expert' is what comes to the device at a time with offload; offload=False keeps all"
-    elif materializer is not None:
-        why = ("the model is on the meta device, and making expert parts real from a checkpoint or the model's "
-               "init is not built yet: build the model with its values (from_pretrained on the CPU), or "
-               "granularity='module'")
     elif par.strategy_kind is not None:
         why = "several processes (data parallelism, an optimizer host) step whole blocks only"
     elif resume or opts.resume is not None:

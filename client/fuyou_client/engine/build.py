@@ -31,7 +31,8 @@ from fuyou_client.gradients import HostAccumulated, Pooled, Resident
 from fuyou_client.groups import LayerGroup, Scratch, create
 from fuyou_client.groups.placement import hands_over, placement, weights_rewritten
 from fuyou_client.model import GroupSpec, TorchGroups, cut, mlp_layout
-from fuyou_client.model.experts import ExpertsNotCut, cuttable
+from fuyou_client.model.experts import ExpertsNotCut, cuttable, uncut_experts
+from fuyou_client.model.experts import release as release_fused
 from fuyou_client.offload import Offloader
 from fuyou_client.steps import StepCoordinator
 
@@ -65,7 +66,7 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
     if parallel.strategy_kind is not None:  # (its parameters' memory: the seam's; the engine is built last)
         strategies[parallel.strategy_kind] = parallel.gradient_strategy(options, device,
                                                                         lambda: engine.optimizer.param_groups)
-    groups = _create_groups(session, device, layout, torch_groups, strategies, resume, materializer, parallel)
+    groups = _create_groups(session, device, layout, torch_groups, strategies, resume, materializer, parallel, model)
     by_spec = {g.spec.name: g.spec for g in groups}
     # The order fetches follow: the rest's embeddings before the blocks (they are made after them)
     offloaded = sorted((g.offloaded for g in groups if g.offloaded is not None),
@@ -120,7 +121,7 @@ def build(model: nn.Module, session: Session, torch_groups: TorchGroups, specs: 
     return engine
 
 
-def _create_groups(session, device, layout, torch_groups, strategies, resume, materializer, parallel):
+def _create_groups(session, device, layout, torch_groups, strategies, resume, materializer, parallel, model=None):
     """Every layer group's state in the daemon and its parameters pointed at their memory,
     in forward order; on failure the parameters are put back as they came."""
     groups: list[LayerGroup] = []
@@ -160,25 +161,20 @@ def _create_groups(session, device, layout, torch_groups, strategies, resume, ma
                 p.data = data
                 p.grad = grad
         raise
+    if model is not None:
+        release_fused(model)  # (a mixture of experts cut in parts: the parts hold the values now)
     return groups
 
 
 def _planned(model, session, specs, torch_groups, options, device, parallel, resume, sharers, recut):
     """(specs, layout, memory plan, torch groups), the plan held (hold_plan): the specs and
     torch groups are the model's cut into expert parts where "auto" came to that."""
-    made = {"specs": specs, "torch_groups": torch_groups}
-
-    def recut_once():
-        made["specs"], made["torch_groups"] = recut()
-        return made["specs"], made["torch_groups"]
-    specs, layout, plan = hold_plan(session, lambda: plan_granularity(
-        model, session, made["specs"], made["torch_groups"], options, device, parallel, resume, sharers,
-        recut_once if recut is not None else None))
-    return specs, layout, plan, made["torch_groups"]
+    return hold_plan(session, lambda: plan_granularity(model, session, specs, torch_groups, options, device,
+                                                       parallel, resume, sharers, recut))
 
 
 def hold_plan(session, make_plan):
-    """``make_plan()``'s (specs, layout, memory plan), the plan reserved in the daemon: a
+    """``make_plan()``'s (specs, layout, memory plan, ...), the plan reserved in the daemon: a
     plan admitted is a plan held, so that no session admitted later takes what this one's
     plan counts on. Another session admitted between the plan and its reservation, or
     gone between a refusal and the daemon's account of it: planned again, once, against
@@ -186,7 +182,8 @@ def hold_plan(session, make_plan):
     daemon's own account of them."""
     for attempt in range(2):
         try:
-            specs, layout, plan = make_plan()
+            made = make_plan()
+            plan = made[2]
         except memory.DoesNotFit as exc:
             if exc.smallest is None or not exc.smallest.limits.others:
                 raise
@@ -200,7 +197,7 @@ def hold_plan(session, make_plan):
             continue
         try:
             session.reserve(plan.limits.held + plan.total)
-            return specs, layout, plan
+            return made
         except errors.ResourceExhausted as exc:
             if attempt:
                 raise memory.DoesNotFit(f"the memory plan could not be reserved: {exc}\n{plan.describe()}",
@@ -211,14 +208,18 @@ def hold_plan(session, make_plan):
 def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_groups: TorchGroups,
                      options: AttachOptions, device: Device, parallel, resume: bool = False, sharers: int = 1,
                      recut=None):
-    """(specs, layout, memory plan): the layer groups by whole blocks, or cut into sub-blocks
-    (model/cuts.py), or those with a mixture of experts' fused experts cut into parts too
-    (model/experts.py), where ``granularity`` asks or ("auto") where the coarser cut does
-    not fit the pinned or the device plan (``resume``: as the checkpoint's groups are);
-    the memory plan holds the device plan (``plan.device``). Raises memory.DoesNotFit or
-    memory.DeviceDoesNotFit, naming the bytes, before any allocation. ``sharers``: the
-    job's processes sharing the daemon (memory.limits_of). ``recut()``: the experts cut,
-    (specs, torch groups) again ("auto"'s last try; None: not tried)."""
+    """(specs, layout, memory plan, torch groups): the layer groups by whole blocks, or cut
+    into sub-blocks (model/cuts.py), or those with a mixture of experts' fused experts cut
+    into parts too (model/experts.py), where ``granularity`` asks or ("auto") where the
+    coarser cut does not fit the pinned or the device plan (``resume``: as the checkpoint's
+    groups are); the memory plan holds the device plan (``plan.device``). Raises
+    memory.DoesNotFit or memory.DeviceDoesNotFit, naming the bytes, before any allocation.
+    ``sharers``: the job's processes sharing the daemon (memory.limits_of). ``recut()``:
+    the experts cut, (specs, torch groups) again ("auto"'s last try; None: not tried).
+
+    "auto" with fused experts also takes expert parts where a coarser plan fits only by
+    giving up its read-ahead (every pinned buffer one whole block's experts) and the parts'
+    plan keeps it; where the parts' plan gives it up too, the coarser one (experts uncut)."""
     wanted = options.granularity if options.offload else "block"
     if parallel.strategy_kind is not None:  # (data parallelism, an optimizer host's worker)
         if wanted in ("module", "expert"):
@@ -230,18 +231,8 @@ def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_gr
     tries = ["block", "module"] if wanted == "auto" else [wanted]
     if wanted == "auto" and recut is not None and cuttable(model):
         tries.append("expert")
-    limits = memory.limits_of(session, sharers)
-    budget, available = options.device_memory, device.memory_available()
-    if budget is None and available is not None:
-        budget = max(0, available - device.memory_reserve())
-    elif budget is not None and available is not None and budget > available:
-        raise memory.DeviceDoesNotFit(f"device_memory={budget} ({format_size(budget)}) is more than the compute "
-                                      f"device has for this process ({format_size(available)} free, with what its "
-                                      "allocator holds): leave device_memory to attach, or free the device's memory")
-    elif budget is not None and device.shares_host_memory:
-        raise ValueError(f"device_memory={budget}: the model computes on the CPU, whose memory is the host's (the "
-                         "daemon's pinned budget plans it); leave device_memory out")
-    error, last = None, None
+    limits, budget = memory.limits_of(session, sharers), device_budget(options, device)
+    error, last, coarser = None, None, None
     for granularity in tries:
         if granularity == "expert" and recut is not None and wanted == "auto":
             try:
@@ -272,10 +263,35 @@ def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_gr
                 error = memory.DeviceDoesNotFit(memory.device_refusal(dplan, None), dplan)
                 last = last or dplan
                 continue
-        return cut_specs, layout, dataclasses.replace(plan, device=dplan)
+        made = (cut_specs, layout, dataclasses.replace(plan, device=dplan), torch_groups)
+        if "expert" in tries[tries.index(granularity) + 1:] and "prefetch" in plan.shrunk:
+            coarser = coarser or made  # (expert parts may keep the read-ahead: tried first)
+            continue
+        if granularity == "expert" and coarser is not None and "prefetch" in plan.shrunk:
+            break
+        return made
+    if coarser is not None:
+        uncut_experts(model)  # (the same Parameter objects again: the coarser specs hold them)
+        return coarser
     if isinstance(error, memory.DeviceDoesNotFit) and last is not None and last is not error.plan:
         raise memory.DeviceDoesNotFit(memory.device_refusal(error.plan, last), error.plan)
     raise error
+
+
+def device_budget(options: AttachOptions, device: Device) -> int | None:
+    """What the device plan may take: ``device_memory``, else what the device has free less
+    its reserve (None: a device without memory of its own to count)."""
+    budget, available = options.device_memory, device.memory_available()
+    if budget is None and available is not None:
+        budget = max(0, available - device.memory_reserve())
+    elif budget is not None and available is not None and budget > available:
+        raise memory.DeviceDoesNotFit(f"device_memory={budget} ({format_size(budget)}) is more than the compute "
+                                      f"device has for this process ({format_size(available)} free, with what its "
+                                      "allocator holds): leave device_memory to attach, or free the device's memory")
+    elif budget is not None and device.shares_host_memory:
+        raise ValueError(f"device_memory={budget}: the model computes on the CPU, whose memory is the host's (the "
+                         "daemon's pinned budget plans it); leave device_memory out")
+    return budget
 
 
 def restored_granularity(session, specs: list[GroupSpec], wanted: str) -> str:

@@ -454,7 +454,7 @@ class Engine:
             self.session.use_device(None)
             self.device.close()
         if materialize and not lost:
-            uncut_experts(self.model)  # (expert parts joined: the model's own fused parameters again)
+            uncut_experts(self.model, values=True)  # (expert parts joined: the model's own fused parameters)
         if lost:
             raise closing.lost_weights(lost)
 

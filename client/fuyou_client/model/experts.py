@@ -177,8 +177,14 @@ def part_bounds(experts: int, parts: int = PARTS) -> list[tuple[int, int]]:
 def cut_experts(model: nn.Module, parts: int = PARTS) -> list[str]:
     """Cut every fused experts module of ``model`` into ``parts`` parts (fewer where it has
     fewer experts; sizes as equal as they can be), in place; the names of those cut.
-    Raises ExpertsNotCut (naming the module and why) before changing anything."""
-    found = [(n, m) for n, m in fused_experts(model) if not hasattr(m, "parts")]
+    Raises ExpertsNotCut (naming the module and why) before changing anything.
+
+    A part's parameters are views of the fused ones' rows. The fused Parameter objects stay
+    the module's attributes (``module.gate_up_proj``, not registered: ``parameters()``
+    gives the parts), so that what holds them (a user's reference, a meta model's
+    materializer, its init writing ``module.gate_up_proj``) keeps working, and
+    ``uncut_experts`` registers those same objects again."""
+    found = [(n, m) for n, m in fused_experts(model) if not is_cut(m)]
     for name, m in found:
         reason = why_not(m)
         if reason is not None:
@@ -187,41 +193,100 @@ def cut_experts(model: nn.Module, parts: int = PARTS) -> list[str]:
         names = [k for k, p in m._parameters.items() if p is not None]
         part_modules = nn.ModuleList(ExpertPart(m, a, b - a) for a, b in part_bounds(m.num_experts, parts))
         for k in names:
-            del m._parameters[k]
+            m.__dict__[k] = m._parameters.pop(k)  # (an attribute still; no longer a parameter)
         m.parts = part_modules
         m.fused_names = names
         m.forward = types.MethodType(parts_forward, m)
         m.fuyou_hooks = (m.register_state_dict_post_hook(_fuse_state),
-                          m.register_load_state_dict_pre_hook(_split_state))
+                         m.register_load_state_dict_pre_hook(_split_state))
     return [n for n, _ in found]
 
 
-def uncut_experts(model: nn.Module) -> None:
-    """Give every cut experts module its fused parameters back (the parts' values joined),
-    its own forward and no parts."""
-    for _, m in list(model.named_modules()):
-        if not isinstance(getattr(m, "parts", None), nn.ModuleList) or not hasattr(m, "fused_names"):
+def is_cut(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "parts", None), nn.ModuleList) and hasattr(module, "fused_names")
+
+
+def _cut_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if is_cut(m)]
+
+
+def uncut_experts(model: nn.Module, values: bool = False) -> None:
+    """Register every cut module's fused Parameter objects again, give it its own forward
+    and drop its parts. ``values``: the fused parameters take the parts' values (joined;
+    a part left empty, as by an engine closed without its weights, leaves that module
+    cut); else they keep the data they hold (attach failed: what it was given)."""
+    for _, m in _cut_modules(model):
+        got = {name: [getattr(part, name) for part in m.parts] for name in m.fused_names}
+        if values and any(v.shape[0] != part.count for vs in got.values() for v, part in zip(vs, m.parts)):
             continue
-        values = {name: [getattr(part, name) for part in m.parts] for name in m.fused_names}
-        if any(v.shape[0] != part.count for vs in values.values() for v, part in zip(vs, m.parts)):
-            continue  # (parts left empty: an engine closed without its weights)
         for name in m.fused_names:
-            values = [getattr(part, name) for part in m.parts]
-            joined = torch.cat([v.detach() for v in values])
-            m.register_parameter(name, nn.Parameter(joined, requires_grad=values[0].requires_grad))
+            fused = m.__dict__.pop(name)
+            if values:
+                with torch.no_grad():
+                    fused.data = joined(got[name])
+            m.register_parameter(name, fused)
         for h in m.fuyou_hooks:
             h.remove()
         del m.parts, m.fused_names, m.fuyou_hooks
         m.__dict__.pop("forward", None)
 
 
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts' rows as one tensor: their common base where they are its consecutive rows
+    in order (no copy), else a copy."""
+    base = parts[0].data._base
+    if base is not None and base.is_contiguous() and all(p.data._base is base for p in parts):
+        at, whole = 0, True
+        for p in parts:
+            whole = whole and p.data.storage_offset() == base.storage_offset() + at and p.data.is_contiguous()
+            at += p.numel()
+        if whole and at == base.numel():
+            return base
+    return torch.cat([p.detach() for p in parts])
+
+
+def repoint(module: nn.Module) -> None:
+    """Each part under ``module`` a view of its fused parameters' rows again (a meta
+    model's materializer has just given the fused ones their values)."""
+    for _, m in _cut_modules(module):
+        for name in m.fused_names:
+            fused = m.__dict__[name]
+            for part in m.parts:
+                getattr(part, name).data = fused.data[part.first:part.first + part.count]
+
+
+def release(model: nn.Module) -> None:
+    """The fused parameters' data dropped (an empty stand-in of their shape, no memory):
+    the parts hold the values now (attach has uploaded them)."""
+    for _, m in _cut_modules(model):
+        for name in m.fused_names:
+            fused = m.__dict__[name]
+            fused.data = torch.zeros((), dtype=fused.dtype, device=fused.device).expand(fused.shape)
+
+
+def whole_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``module.named_parameters()`` as if uncut: a cut module's fused parameters, by their
+    names, in place of its parts' (what a meta model is made real by)."""
+    out, seen = [], set()
+    owners = {id(getattr(part, name)): (prefix, m, name) for prefix, m in _cut_modules(module)
+              for part in m.parts for name in m.fused_names}
+    for n, p in module.named_parameters():
+        if id(p) not in owners:
+            out.append((n, p))
+            continue
+        prefix, m, name = owners[id(p)]
+        if (id(m), name) not in seen:
+            seen.add((id(m), name))
+            out.append((f"{prefix}.{name}" if prefix else name, m.__dict__[name]))
+    return out
+
+
 def fused_names(model: nn.Module) -> dict[int, Rows]:
     """id(part parameter) -> its rows in the model's own naming, for every cut module."""
     out = {}
-    for name, m in model.named_modules():
-        if isinstance(getattr(m, "parts", None), nn.ModuleList) and hasattr(m, "fused_names"):
-            for k in m.fused_names:
-                for part in m.parts:
-                    out[id(getattr(part, k))] = Rows(f"{name}.{k}" if name else k, part.first,
-                                                     part.first + part.count, m.num_experts)
+    for name, m in _cut_modules(model):
+        for k in m.fused_names:
+            for part in m.parts:
+                out[id(getattr(part, k))] = Rows(f"{name}.{k}" if name else k, part.first, part.first + part.count,
+                                                 m.num_experts)
     return out

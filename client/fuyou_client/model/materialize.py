@@ -75,6 +75,7 @@ import torch
 from torch import nn
 
 from fuyou_client.model.init_record import Draw, InitCall, TensorRef, hf_guard, pretrained_class, record_hf
+from fuyou_client.model.experts import repoint, whole_parameters
 from fuyou_client.model.weights_file import Checkpoint, ReusedMaps, own_memory_empty
 
 INIT = "init"
@@ -213,14 +214,14 @@ class Materializer:
         for i, block in enumerate(blocks):
             unit = _Unit(f"block{i:04d}", block)
             base = prefix.get(id(block), "")
-            for name, p in block.named_parameters():
+            for name, p in whole_parameters(block):  # (a mixture of experts cut in parts: made real whole)
                 if id(p) not in claimed:
                     claimed.add(id(p))
                     unit.params.append((self._names.get(id(p), [f"{base}.{name}"])[0], p))
             self._collect_buffers(unit, block, base, claimed)
             self._units.append(unit)
         rest = _Unit("rest", None)
-        for name, p in self.model.named_parameters():
+        for name, p in whole_parameters(self.model):
             if id(p) not in claimed:
                 claimed.add(id(p))
                 rest.params.append((name, p))
@@ -374,6 +375,8 @@ class Materializer:
                 if moved is not b:
                     for module, attr in owners:
                         module._buffers[attr] = moved
+        if unit.module is not None:
+            repoint(unit.module)  # (a mixture of experts' parts: rows of the fused values, model/experts.py)
         unit.done = True
 
     # -- checkpoints: names, buffers -----------------------------------------------------------
@@ -486,7 +489,7 @@ class Materializer:
 
     def _recording(self) -> list:
         events, rebuilt, final, keep = record_hf(self.model)
-        mine = [(n, tuple(t.shape)) for n, t in self.model.named_parameters()]
+        mine = [(n, tuple(t.shape)) for n, t in whole_parameters(self.model)]
         if mine != [(n, tuple(t.shape)) for n, t in rebuilt.named_parameters()]:
             raise RuntimeError("its parameters differ from this model's")
         if [n for n, _ in self.model.named_buffers()] != [n for n, _ in rebuilt.named_buffers()]:
@@ -588,7 +591,10 @@ class Materializer:
     def _tensor(self, name: str) -> torch.Tensor:
         module, _, attr = name.rpartition(".")
         owner = self._modules[module]
-        t = owner._parameters.get(attr) if attr in owner._parameters else owner._buffers[attr]
+        if attr in owner._parameters:
+            t = owner._parameters[attr]
+        else:  # (a buffer, or a cut experts module's fused parameter: an attribute, model/experts.py)
+            t = owner._buffers[attr] if attr in owner._buffers else owner.__dict__[attr]
         return t.data if isinstance(t, nn.Parameter) else t
 
     def _replay_init(self, ev: InitCall) -> None:
