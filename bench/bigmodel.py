@@ -86,6 +86,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from bigmodel_shapes import default_mlp, group_sizes, model_params  # noqa: E402
 from common import BareLoop, gbps, host_info  # noqa: E402
 
 from fuyou_proto.contract import state_object_bytes  # noqa: E402
@@ -101,26 +102,12 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def model_params(family: str, width: int, layers: int, vocab: int, seq: int, mlp: int, tied: bool = False) -> int:
-    """Parameters of the model the worker builds (an untied head, unless ``tied``)."""
-    head = 0 if tied else vocab * width
-    if family == "llama":  # attention 4 w^2, MLP 3 w m, two RMS norms; embeddings, final norm, head
-        return layers * (4 * width * width + 3 * width * mlp + 2 * width) + vocab * width + head + width
-    block = 4 * width * width + 4 * width + 2 * width * mlp + mlp + width + 4 * width  # attention, MLP, two norms
-    return layers * block + vocab * width + seq * width + 2 * width + head  # wte, wpe, ln_f, lm_head
-
-
-def default_mlp(family: str, width: int) -> int:
-    """GPT-2's 4 w; Llama's 8/3 w rounded up to 256 (11008 at width 4096)."""
-    return 4 * width if family == "gpt2" else -(-(8 * width // 3) // 256) * 256
-
-
 def size_model(args, memory: int) -> tuple[int, int]:
     """The layers needed for state > --over x memory (at least --layers)."""
     layers = args.layers
 
     def count(n: int) -> int:
-        return model_params(args.family, args.width, n, args.vocab, args.seq, args.mlp, args.tied)
+        return model_params(args.family, args.width, n, args.vocab, args.seq, args.mlp, args.tied, args)
     while STATE_BYTES_PER_PARAM * count(layers) < args.over * memory:
         layers += 1
     return layers, count(layers)
@@ -198,7 +185,12 @@ def bare_bandwidth(directory: Path, size: int) -> dict:
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", required=True)
-    p.add_argument("--family", choices=["gpt2", "llama"], default="gpt2")
+    p.add_argument("--family", choices=["gpt2", "llama", "qwen3-moe"], default="gpt2")
+    p.add_argument("--experts", type=int, default=128, help="qwen3-moe: routed experts per block")
+    p.add_argument("--experts-per-token", type=int, default=8, help="qwen3-moe: experts a token takes")
+    p.add_argument("--moe-mlp", type=int, default=768, help="qwen3-moe: an expert's MLP width")
+    p.add_argument("--kv-heads", type=int, help="qwen3-moe: key-value heads (default: --heads)")
+    p.add_argument("--head-dim", type=int, help="qwen3-moe: a head's width (default: width / heads)")
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--layers", type=int, default=1, help="at least this many blocks (more to reach --over)")
@@ -229,7 +221,8 @@ def parse(argv):
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the model's compute dtype")
     p.add_argument("--tied", action="store_true", help="the head tied to the token embeddings (GPT-3's)")
     p.add_argument("--cap", help="the compute device's memory (the stand-in's capacity; CUDA: a per-process cap)")
-    p.add_argument("--granularity", choices=["auto", "block", "module"], help="attach's (default: its own, auto)")
+    p.add_argument("--granularity", choices=["auto", "block", "module", "expert"],
+                   help="attach's (default: its own, auto)")
     p.add_argument("--swap-blocks", type=int, default=0,
                    help="attach(swap_blocks=...): blocks train_step swaps instead of recomputing (block-major)")
     p.add_argument("--check-uncapped", action="store_true",
@@ -272,6 +265,8 @@ def train(args, layers: int, work: Path, sampler: "RssSampler", schedule: str, t
         sampler.pids["daemon"] = daemon.pid
         child = {"family": args.family, "width": args.width, "layers": layers, "heads": args.heads,
                  "mlp": args.mlp, "vocab": args.vocab, "seq": args.seq, "batch": args.batch, "steps": args.steps,
+                 "experts": args.experts, "experts_per_token": args.experts_per_token, "moe_mlp": args.moe_mlp,
+                 "kv_heads": args.kv_heads or args.heads, "head_dim": args.head_dim or args.width // args.heads,
                  "lr": args.lr, "prefetch": args.prefetch, "activations": args.activations,
                  "state_dtype": args.state_dtype, "schedule": schedule, "micro_batches": args.micro_batches,
                  "host_budget": parse_size(args.host_budget) if args.host_budget else None,
@@ -477,14 +472,6 @@ def gpu_name() -> str:
     import torch
     p = torch.cuda.get_device_properties(0)
     return f"{p.name}, {p.total_memory >> 20} MiB, torch {torch.__version__}"
-
-
-def group_sizes(args, layers: int) -> list[int]:
-    """The parameters of each layer group: the blocks, then the rest."""
-    block = model_params(args.family, args.width, 1, 0, 0, args.mlp) - (args.width if args.family == "llama" else
-                                                                        2 * args.width)
-    return [block] * layers + [model_params(args.family, args.width, layers, args.vocab, args.seq, args.mlp, args.tied)
-                               - layers * block]
 
 
 if __name__ == "__main__":

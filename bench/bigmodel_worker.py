@@ -27,7 +27,15 @@ from gpu_cases import Busy  # (NVML utilisation sampled every 50 ms)
 def build(args: dict):
     """The model on the meta device, its parameters counted."""
     torch.manual_seed(0)
-    if args["family"] == "llama":
+    if args["family"] == "qwen3-moe":  # (every block a mixture of experts, as Qwen3-30B-A3B's)
+        cfg = transformers.Qwen3MoeConfig(
+            hidden_size=args["width"], intermediate_size=args["mlp"], num_hidden_layers=args["layers"],
+            num_attention_heads=args["heads"], num_key_value_heads=args["kv_heads"], head_dim=args["head_dim"],
+            moe_intermediate_size=args["moe_mlp"], num_experts=args["experts"],
+            num_experts_per_tok=args["experts_per_token"], norm_topk_prob=True, vocab_size=args["vocab"],
+            max_position_embeddings=args["seq"], tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+        cls = transformers.Qwen3MoeForCausalLM
+    elif args["family"] == "llama":
         cfg = transformers.LlamaConfig(
             hidden_size=args["width"], intermediate_size=args["mlp"], num_hidden_layers=args["layers"],
             num_attention_heads=args["heads"], num_key_value_heads=args["heads"], vocab_size=args["vocab"],
@@ -134,6 +142,8 @@ def draw_seconds(model) -> float:
         first = "uniform" if isinstance(module, torch.nn.Linear) else "normal"
         if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
             seconds += module.weight.numel() * (per[first] + per["normal"])
+        elif hasattr(module, "num_experts"):  # (fused experts: the HF init's normal draw)
+            seconds += sum(p.numel() for p in module.parameters(recurse=False) if p.dim() == 3) * per["normal"]
     return seconds
 
 
@@ -144,7 +154,7 @@ def main() -> None:
     init_floor = draw_seconds(model)
     options = {k: args[k] for k in ("prefetch", "host_budget", "granularity", "swap_blocks") if args.get(k) is not None}
     if args["layers"] == 1:  # (one block is no repeated list: name it, or it would be the rest's)
-        options["blocks"] = list(model.model.layers if args["family"] == "llama" else model.transformer.h)
+        options["blocks"] = list(model.model.layers if args["family"] != "gpt2" else model.transformer.h)
     k = args["micro_batches"]
     t0 = time.perf_counter()
     engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=args["lr"], weight_decay=0.01,

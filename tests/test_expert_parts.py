@@ -221,3 +221,31 @@ def test_auto_takes_expert_parts_where_whole_blocks_give_up_their_read_ahead():
     parts, prefetch, gave_up = seen["170MiB", "auto"]
     assert parts and prefetch >= 1 and not gave_up
     assert seen["260MiB", "block"][2] is False and seen["260MiB", "auto"] == seen["260MiB", "block"]
+
+
+def test_the_planners_expert_parts_are_attachs(daemon):
+    """The planner (sizing/) cuts a block's experts by attach's rule: for a model and a device
+    it only describes, its device plan by expert parts holds the bytes attach's does."""
+    import dataclasses
+
+    from discrete_device import LateCopyDevice
+    from fuyou_client.sizing import estimate as E, hardware, shape as S
+
+    torch.manual_seed(0)
+    model = build("gpt-oss-wide").to(torch.bfloat16)  # (the planner plans bf16 on a GPU)
+    shape = S.from_model(model)
+    assert len(shape.expert_atoms) == len(shape.block_atoms) - 1 + 16
+    engine = fuyou_client.attach(model, socket=daemon.socket, device=LateCopyDevice(capacity=1 << 30),
+                                 granularity="expert")
+    st = engine.session.status()
+    gpu = dataclasses.replace(hardware.gpu_profile("h100"), memory=1 << 30)
+    host = hardware.Host(gpu, 24 << 30, hardware.Disks(1, 1 << 40, hardware.Rate(1, "x"), hardware.Rate(1, "x")), 2,
+                         pinned_budget=st.session_budget_bytes or st.pinned_budget_bytes,
+                         buffer_budget=st.optimizer_buffer_budget_bytes, buffers=st.optimizer_buffers,
+                         segment=st.segment_bytes)
+    est = E.estimate(shape, E.Settings(seq=16, micro_batch=2, granularity="expert", offload=True,
+                                       state_dtype="fp32"), host, simulate_time=False)
+    ours = engine.memory_plan().device
+    theirs = E.device_plan(shape, est.settings, host, E.groups(shape, est.settings, host), est.plan)
+    engine.close()
+    assert (theirs.fixed_bytes, theirs.granularity) == (ours.fixed_bytes, ours.granularity), f"{theirs}\n{ours}"

@@ -217,9 +217,9 @@ def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_gr
     ``sharers``: the job's processes sharing the daemon (memory.limits_of). ``recut()``:
     the experts cut, (specs, torch groups) again ("auto"'s last try; None: not tried).
 
-    "auto" with fused experts also takes expert parts where a coarser plan fits only by
-    giving up its read-ahead (every pinned buffer one whole block's experts) and the parts'
-    plan keeps it; where the parts' plan gives it up too, the coarser one (experts uncut)."""
+    "auto" with fused experts weighs expert parts against the coarser plan that fits (every
+    pinned buffer one whole block's, or one experts module's): the parts where they pay
+    (``finer_pays``), else the coarser (the experts uncut again)."""
     wanted = options.granularity if options.offload else "block"
     if parallel.strategy_kind is not None:  # (data parallelism, an optimizer host's worker)
         if wanted in ("module", "expert"):
@@ -264,10 +264,10 @@ def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_gr
                 last = last or dplan
                 continue
         made = (cut_specs, layout, dataclasses.replace(plan, device=dplan), torch_groups)
-        if "expert" in tries[tries.index(granularity) + 1:] and "prefetch" in plan.shrunk:
-            coarser = coarser or made  # (expert parts may keep the read-ahead: tried first)
+        if "expert" in tries[tries.index(granularity) + 1:]:
+            coarser = coarser or made  # (expert parts are weighed against it: model/experts.py)
             continue
-        if granularity == "expert" and coarser is not None and "prefetch" in plan.shrunk:
+        if granularity == "expert" and coarser is not None and not finer_pays(coarser[2], plan):
             break
         return made
     if coarser is not None:
@@ -276,6 +276,14 @@ def plan_granularity(model: nn.Module, session, specs: list[GroupSpec], torch_gr
     if isinstance(error, memory.DeviceDoesNotFit) and last is not None and last is not error.plan:
         raise memory.DeviceDoesNotFit(memory.device_refusal(error.plan, last), error.plan)
     raise error
+
+
+def finer_pays(coarser: "memory.MemoryPlan", finer: "memory.MemoryPlan") -> bool:
+    """Whether a plan by expert parts is worth its more, smaller groups over a coarser one:
+    more read-ahead, or as much in at most half the shared memory (a mixture of experts'
+    block is mostly its experts, so every coarser buffer is about one experts module)."""
+    return finer.prefetch > coarser.prefetch or (finer.prefetch == coarser.prefetch
+                                                 and 2 * finer.total <= coarser.total)
 
 
 def device_budget(options: AttachOptions, device: Device) -> int | None:
