@@ -249,3 +249,23 @@ def test_the_planners_expert_parts_are_attachs(daemon):
     theirs = E.device_plan(shape, est.settings, host, E.groups(shape, est.settings, host), est.plan)
     engine.close()
     assert (theirs.fixed_bytes, theirs.granularity) == (ours.fixed_bytes, ours.granularity), f"{theirs}\n{ours}"
+
+
+def test_a_head_larger_than_the_parts_gets_buffers_of_its_own_size(daemon):
+    """Experts cut in parts leave the vocabulary-sized embeddings and head the largest
+    groups: they get a slot and gradient buffers of their own size, every other slot and
+    buffer a part's (not a head's); trained bitwise as torch's fused AdamW."""
+    torch.manual_seed(0)
+    model = build("gpt-oss-vocab")
+    engine = fuyou_client.attach(model, socket=daemon.socket, offload=True, granularity="expert")
+    plan = engine.memory_plan()
+    part = max(og.nbytes for og in engine.offloader.groups if any(isinstance(m, ExpertPart) for m in og.uses))
+    head = max(og.nbytes for og in engine.offloader.groups)
+    engine.close()
+    assert head > 4 * part
+    assert plan.slot_bytes == part and plan.rest_slot_bytes == head and plan.rest_slots >= 1
+    assert plan.grad_bytes == part and plan.rest_grad_bytes == head
+    ours, ref, losses, ref_losses, _ = train_pair("gpt-oss-vocab", daemon, True, granularity="expert")
+    assert losses == ref_losses
+    for (name, a), b in zip(ours.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -178,20 +178,30 @@ class MemoryPlan:
     own_grad_buffers: int = 0
     own_grad_bytes: int = 0
     device_grad_buffers: int = 0  # of the gradient buffers, how many on a device with its own memory
+    # The rest's sub-blocks (embeddings, head) where they are larger than any block's: a slot
+    # and gradient buffers of their own size, so that a block's (or an expert part's) need not be
+    rest_slots: int = 0
+    rest_slot_bytes: int = 0
+    rest_grad_buffers: int = 0
+    rest_grad_bytes: int = 0
 
     DEVICE_GRAD_BUFFERS = 2  # at most: the group in backward, the one whose gradients go down
 
     @property
     def slot_sizes(self) -> list[int]:
         """Each weight slot's bytes (offload/offloader.py)."""
-        return [self.slot_bytes] * self.weight_slots + [self.own_slot_bytes] * self.own_slots
+        return ([self.slot_bytes] * self.weight_slots + [self.own_slot_bytes] * self.own_slots
+                + [self.rest_slot_bytes] * self.rest_slots)
 
     @property
     def grad_classes(self) -> list[tuple[int, int, int]]:
         """The gradient buffers, (host count, device count, bytes) per size (gradients/pool.py)."""
         return [(n, d, b) for n, d, b in ((self.grad_buffers, self.device_grad_buffers, self.grad_bytes),
                                           (self.own_grad_buffers, min(self.own_grad_buffers, self.DEVICE_GRAD_BUFFERS),
-                                           self.own_grad_bytes)) if n and b]
+                                           self.own_grad_bytes),
+                                          (self.rest_grad_buffers,
+                                           min(self.rest_grad_buffers, self.DEVICE_GRAD_BUFFERS), self.rest_grad_bytes))
+                if n and b]
 
     def _at(self, *phases: str) -> int:
         return pinned_bytes([i for i in self.items if i.phase in phases], self.segment)
@@ -264,8 +274,9 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted(), de
     from_ssd = [g for g in offloaded if g.offload is True]
     pooled = [g for g in groups if g.strategy == "pooled"]
     hosted = [g for g in groups if g.strategy == "host"]
-    slot = max((g.fetched_bytes for g in offloaded if not g.held), default=0)
-    grad = max((g.weight_bytes for g in pooled if not g.held), default=0)
+    slot, rest_slot = _classes([g for g in offloaded if not g.held], lambda g: g.fetched_bytes)
+    grad, rest_grad = _classes([g for g in pooled if not g.held], lambda g: g.weight_bytes)
+    rest_subs = sum(1 for g in pooled if not g.held and g.unit == "rest")
     own_slot, own_grad, summed = _sub_block_sizes(offloaded, pooled)
     n_own_slots, n_own_grads = (OWN_SLOTS if own_slot else 0), (OWN_SLOTS if own_grad else 0)
     staging = max((g.numel * 4 for g in hosted), default=0)
@@ -281,6 +292,8 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted(), de
         extra = max(k.prefetch, held_by_steps) if shared else k.prefetch + (held_by_steps or k.spare)
         n_slots = (1 + extra + wanted.keep) if offloaded else 0
         n_grads = max(1 + k.inflight, summed) if pooled else 0
+        n_rest_slots = (1 if k.prefetch else 0) + 1 if rest_slot and from_ssd else 0
+        n_rest_grads = max(1 + k.inflight, rest_subs) if rest_grad else 0
         n_staging = k.staging if hosted else 0
         items = list(fixed)
         items.append(Item("weight slots", n_slots if from_ssd else 0, slot,  # (offload="host": device memory only)
@@ -291,11 +304,16 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted(), de
                              ", a spare" if k.spare else ""), "train"))
         items.append(Item("weight slots, blocks' own groups", n_own_slots if from_ssd else 0, own_slot,
                           "a cut block's small modules: the block computing, the next one's ahead", "train"))
+        items.append(Item("weight slots, the rest's sub-blocks", n_rest_slots, rest_slot,
+                          "the embeddings or the head computing" + (", the other one ahead" if k.prefetch else ""),
+                          "train"))
         items.append(Item("gradient buffers", n_grads, grad, f"the block in backward, {k.inflight} step(s) in flight"
                           + (f" (or a cut block's {summed} sums over train_step's micro-batches)" if summed > 1 else ""),
                           "train"))
         items.append(Item("gradient buffers, blocks' own groups", n_own_grads, own_grad,
                           "a cut block's small modules: the block in backward, the one before in flight", "train"))
+        items.append(Item("gradient buffers, the rest's sub-blocks", n_rest_grads, rest_grad,
+                          f"the head's and the embeddings', {k.inflight} step(s) in flight", "train"))
         items.append(Item("host accumulation staging", n_staging, staging, "gradients added on the host", "train"))
         if wanted.arenas:
             items.append(Item("host arena (host_budget)", wanted.arenas, k.arena,
@@ -310,7 +328,8 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted(), de
         return MemoryPlan(k.prefetch, wanted.keep, n_slots, slot, bool(from_ssd), n_grads, grad, n_staging, staging,
                           k.arena, k.handoff, tuple(i for i in items if i.count and i.each), limits, shrunk,
                           limits.segment, own_slots=n_own_slots, own_slot_bytes=own_slot, own_grad_buffers=n_own_grads,
-                          own_grad_bytes=own_grad,
+                          own_grad_bytes=own_grad, rest_slots=n_rest_slots, rest_slot_bytes=rest_slot,
+                          rest_grad_buffers=n_rest_grads, rest_grad_bytes=rest_grad,
                           device_grad_buffers=min(1 + k.inflight, MemoryPlan.DEVICE_GRAD_BUFFERS) if pooled else 0)
 
     p0 = wanted.prefetch if wanted.prefetch is not None else depth(slot, MAX_PREFETCH)
@@ -341,6 +360,21 @@ def _shrink(knobs: _Knobs, build, limits: Limits, wanted: Wanted, device_ok) -> 
                 shrunk.append(what)
             best = build(knobs, tuple(shrunk))
     return best
+
+
+REST_CLASS = 4  # the rest's sub-blocks get buffers of their own size past this many times a block's
+
+
+def _classes(groups: list[GroupShape], size) -> tuple[int, int]:
+    """(the largest ``size`` of the groups but the rest's sub-blocks, theirs where more than
+    REST_CLASS times larger, else 0): a model cut in sub-blocks whose vocabulary-sized
+    embeddings and head are several times any block's sub-block (a mixture of experts cut in
+    parts, model/experts.py: Qwen3-30B-A3B's head is 8 of its parts) gets slots and gradient
+    buffers of each size, rather than every one the head's; where they are about as large
+    (a dense model's modules) one size serves all."""
+    rest = max((size(g) for g in groups if g.unit == "rest"), default=0)
+    others = max((size(g) for g in groups if g.unit != "rest"), default=0)
+    return (others, rest) if others and rest > REST_CLASS * others else (max(others, rest), 0)
 
 
 def _sub_block_sizes(offloaded: list[GroupShape], pooled: list[GroupShape]) -> tuple[int, int, int]:

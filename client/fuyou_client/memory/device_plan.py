@@ -171,7 +171,11 @@ def plan_device(groups: list[GroupShape], pinned: MemoryPlan, work: Work | None,
              DeviceItem("gradient buffers", pinned.device_grad_buffers, pinned.grad_bytes,
                         f"the {granularity} in backward, the one whose gradients go down"),
              DeviceItem("gradient buffers, blocks' own groups", min(pinned.own_grad_buffers, DEVICE_GRAD_BUFFERS),
-                        pinned.own_grad_bytes, "a cut block's small modules")]
+                        pinned.own_grad_bytes, "a cut block's small modules"),
+             DeviceItem("weight slots, the rest's sub-blocks", pinned.rest_slots, pinned.rest_slot_bytes,
+                        "the embeddings or the head, larger than any block's sub-block"),
+             DeviceItem("gradient buffers, the rest's sub-blocks", min(pinned.rest_grad_buffers, DEVICE_GRAD_BUFFERS),
+                        pinned.rest_grad_bytes, "the head's and the embeddings'")]
     hosted = [g for g in groups if g.strategy == "host" and g.numel]
     if hosted:  # (each backward's .grad, queued for its download to the host: gradients/host.py)
         n = max(g.numel for g in hosted)
