@@ -130,9 +130,13 @@ def _create_groups(session, device, layout, torch_groups, strategies, resume, ma
     # reused buffer: groups/creation.py Scratch); resume and data parallelism read or shard instead.
     biggest = max((spec.numel for spec, _, _ in layout), default=0)
     scratch = Scratch(session, biggest * 4) if biggest and not resume and not parallel.data_parallel else None
+    done_block = None  # (the block whose groups were made last)
     try:
         for spec, mode, kind in layout:
             index = sum(1 for g in groups if g.offloaded is not None)  # position in forward order
+            if model is not None and done_block is not None and spec.block is not done_block:
+                release_fused(done_block)  # (its expert parts are made: the fused values go, memory with them)
+            done_block = spec.block or done_block
             if materializer is not None:  # a model on the meta device: this group's values, now
                 materializer.fill(spec, device.torch_device)
             optimizers = [torch_groups.spec(part.index) for part in spec.parts]

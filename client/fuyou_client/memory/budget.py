@@ -293,7 +293,8 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted(), de
         n_slots = (1 + extra + wanted.keep) if offloaded else 0
         n_grads = max(1 + k.inflight, summed) if pooled else 0
         n_rest_slots = (1 if k.prefetch else 0) + 1 if rest_slot and from_ssd else 0
-        n_rest_grads = max(1 + k.inflight, rest_subs) if rest_grad else 0
+        # (the rest's: the head's and the embeddings', one of them in backward, the other's step in flight)
+        n_rest_grads = max(2, rest_subs) if rest_grad else 0
         n_staging = k.staging if hosted else 0
         items = list(fixed)
         items.append(Item("weight slots", n_slots if from_ssd else 0, slot,  # (offload="host": device memory only)
@@ -313,7 +314,7 @@ def plan(groups: list[GroupShape], limits: Limits, wanted: Wanted = Wanted(), de
         items.append(Item("gradient buffers, blocks' own groups", n_own_grads, own_grad,
                           "a cut block's small modules: the block in backward, the one before in flight", "train"))
         items.append(Item("gradient buffers, the rest's sub-blocks", n_rest_grads, rest_grad,
-                          f"the head's and the embeddings', {k.inflight} step(s) in flight", "train"))
+                          "the head's and the embeddings': one in backward, the other's step in flight", "train"))
         items.append(Item("host accumulation staging", n_staging, staging, "gradients added on the host", "train"))
         if wanted.arenas:
             items.append(Item("host arena (host_budget)", wanted.arenas, k.arena,

@@ -221,14 +221,19 @@ def uncut_experts(model: nn.Module, values: bool = False) -> None:
             continue
         for name in m.fused_names:
             fused = m.__dict__.pop(name)
-            if values:
-                with torch.no_grad():
+            if values or (_released(fused) and not any(_released(v) or not v.numel() for v in got[name])):
+                with torch.no_grad():  # (released after the parts' upload, attach failing later: the parts')
                     fused.data = joined(got[name])
             m.register_parameter(name, fused)
         for h in m.fuyou_hooks:
             h.remove()
         del m.parts, m.fused_names, m.fuyou_hooks
         m.__dict__.pop("forward", None)
+
+
+def _released(t: torch.Tensor) -> bool:
+    """An empty stand-in (``release``): every stride 0, not the meta device."""
+    return not t.is_meta and t.dim() > 0 and t.numel() > 1 and all(s == 0 for s in t.stride())
 
 
 def joined(parts: list[torch.Tensor]) -> torch.Tensor:
