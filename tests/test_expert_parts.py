@@ -269,3 +269,36 @@ def test_a_head_larger_than_the_parts_gets_buffers_of_its_own_size(daemon):
     assert losses == ref_losses
     for (name, a), b in zip(ours.state_dict().items(), ref.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_each_byte_of_expert_parts_on_each_link_has_its_cause(daemon):
+    """Expert parts on the stand-in, train_step over three micro-batches: every weight byte
+    uploaded was fetched from the SSD array or served from a step's read-ahead, every
+    gradient leaves once at its step and once more for each time its sum waited on the host
+    between micro-batches (coming back up as often), and the resident rest's new weights go
+    up once: nothing moves that no cause names (as tests/test_subblocks.py for modules)."""
+    from discrete_device import LateCopyDevice
+    torch.manual_seed(0)
+    model = build("qwen3-moe")
+    layers, k, shape = 2, 3, (1, 8)
+    hidden = shape[0] * shape[1] * 64 * 4
+    all_bytes = sum(p.numel() * 4 for p in model.parameters())
+    device = LateCopyDevice(seed=9)
+    engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=1e-3), socket=daemon.socket, device=device,
+                                 granularity="expert")
+    off, pool = engine.offloader, engine.gradients
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        micro_batches = [torch.randint(0, 256, shape, generator=gen) for _ in range(k)]
+        up, down = device.bytes_up, device.bytes_down
+        fetched, served, parked = off.fetched_bytes, off.served_bytes, pool.parked_bytes
+        engine.train_step(micro_batches, lambda x: model(x, labels=x).loss / k)
+        weights_up = (off.fetched_bytes - fetched) + (off.served_bytes - served)
+        parked = pool.parked_bytes - parked
+        assert parked > 0  # (each part's sum waited between the micro-batches)
+        checkpoints_down = ((layers + 1) + 1 + layers) * k * hidden
+        checkpoints_up = (layers + 2 * layers + 2) * k * hidden
+        assert device.bytes_down - down == all_bytes + parked + checkpoints_down
+        resident = sum(g.numel * 4 for g in engine.groups if g.offloaded is None)
+        assert device.bytes_up - up == weights_up + resident + parked + checkpoints_up
+    engine.close()
