@@ -17,7 +17,7 @@ def moe_sizes(args, layers: int) -> tuple[int, int]:
     """(a block's parameters, the rest's) of the qwen3-moe model, as the planner counts them
     on the model transformers builds on the meta device."""
     from fuyou_client.sizing.shape import from_config
-    shape = from_config(moe_config(args, layers))
+    shape = from_config(moe_config(args, max(2, layers)))  # (one block is no repeated list: counted on two)
     return shape.block_params, shape.rest_params
 
 
@@ -40,10 +40,15 @@ def default_mlp(family: str, width: int) -> int:
 
 
 def group_sizes(args, layers: int) -> list[int]:
-    """The parameters of each layer group: the blocks, then the rest."""
+    """The parameters of each layer group: the blocks, then the rest (with
+    ``--granularity expert``: each block's experts as their 16 parts, model/experts.py)."""
     if args.family == "qwen3-moe":
         block, rest = moe_sizes(args, layers)
-        return [block] * layers + [rest]
+        if args.granularity != "expert":
+            return [block] * layers + [rest]
+        from fuyou_client.model.experts import PARTS
+        experts = args.experts * 3 * args.width * args.moe_mlp
+        return [block - experts, *[experts // PARTS] * PARTS] * layers + [rest]
     block = model_params(args.family, args.width, 1, 0, 0, args.mlp) - (args.width if args.family == "llama" else
                                                                         2 * args.width)
     return [block] * layers + [model_params(args.family, args.width, layers, args.vocab, args.seq, args.mlp, args.tied)

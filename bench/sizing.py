@@ -3,7 +3,7 @@
     python bench/sizing.py            # print the examples' Markdown
     python bench/sizing.py --write    # and replace them in docs/guide/sizing.md
 
-7B, 13B, 70B, a 175B-class model and Llama-3.1-405B on a workstation (one 24 GB GPU, 128 GiB,
+7B, 13B, 70B, a 175B-class model and Llama-3.1-405B (and three mixtures of experts) on a workstation (one 24 GB GPU, 128 GiB,
 two NVMe) and a server (one 80 GB GPU, 512 GiB, four NVMe), sequences of 2048 tokens, half a
 million tokens per step; GPT-3 175B and Llama-3.1-405B on the Fuyou paper's box (one RTX 4090,
 768 GB, twelve NVMe) as the paper trains 175B there (16 sequences of 1024 a step); beside them,
@@ -38,6 +38,21 @@ MODELS = {  # the published configs' shapes
                        "num_attention_heads": 128, "num_key_value_heads": 8, "intermediate_size": 53248,
                        "vocab_size": 128256, "tie_word_embeddings": False},
 }
+MIXTURES = {  # mixtures of experts, the published configs' shapes (tests/test_planner_experts.py reads them too)
+    "Qwen3-235B-A22B": {"model_type": "qwen3_moe", "hidden_size": 4096, "num_hidden_layers": 94,
+                        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+                        "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_experts": 128,
+                        "num_experts_per_tok": 8, "vocab_size": 151936},
+    "gpt-oss-120b": {"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
+                     "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880, "num_local_experts": 128,
+                     "num_experts_per_tok": 4, "vocab_size": 201088},
+    "DeepSeek-V3": {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+                    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "intermediate_size": 18432,
+                    "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
+                    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "vocab_size": 129280, "n_group": 8,
+                    "topk_group": 4},
+}
 PAPER_BOX = dict(gpu="rtx4090", ram="768GiB", ssd="12x6.5/3.4GB/s", ssd_size="3.84TB", cores=32)
 PAPER_SEQ, PAPER_TOKENS = 1024, 16 * 1024  # (the paper's 175B runs: 16 sequences of 1024 a step)
 HOSTS = {
@@ -61,7 +76,8 @@ def row(model_name: str, host_name: str, plan) -> str:
     s, m = e.settings, e.memory
     wear = 1000 * e.written_per_step / host.disks.count / 1e12
     return (f"| {model_name} ({e.shape.params / 1e9:.1f}B) | {host_name} | {s.micro_batch} x {s.micro_batches}, "
-            f"{s.state_dtype}, weights: {_where(s.offload)}{', by module' if s.granularity == 'module' else ''}"
+            f"{s.state_dtype}, weights: {_where(s.offload)}"
+            f"{', by module' if s.granularity == 'module' else ', by expert parts' if s.granularity == 'expert' else ''}"
             f"{f', {s.swap_blocks} swapped' if s.swap_blocks else ''} | "
             f"{format_size(m['gpu'])} | {format_size(m['pinned_plan'])} / {format_size(m['host_total'])} | "
             f"{format_size(m['ssd_capacity'])} | {wear:,.0f} TB | {e.tokens_per_second:,.0f} | "
@@ -88,6 +104,13 @@ def paper_rows() -> list[str]:
     return [row(name, "the paper's box", sizing.plan(MODELS[name], on=host, seq=PAPER_SEQ,
                                                      tokens_per_step=PAPER_TOKENS))
             for name in ("GPT-3 175B shape", "Llama-3.1-405B")]
+
+
+def mixture_rows() -> list[str]:
+    """The mixtures of experts on the workstation: a block of each is past its GPU by its
+    modules; by expert parts (model/experts.py) it fits."""
+    host = sizing.host(**HOSTS["workstation"])
+    return [row(name, "workstation", sizing.plan(cfg, on=host, seq=SEQ)) for name, cfg in MIXTURES.items()]
 
 
 def trained() -> list[str]:
@@ -126,6 +149,14 @@ def render() -> str:
         "SSD capacity | written per device per 1,000 steps | tokens/s | model / hardware TFLOPS | binds (busy share) |",
         "|---|---|---|---|---|---|---|---|---|---|",
         *paper_rows(), "",
+        "Mixtures of experts on the workstation (model TFLOPS count the parameters a token passes through: "
+        "6 x active parameters x tokens); a block of each is past its 24 GB GPU by its modules, its experts "
+        "cut into 16 parts of consecutive experts it fits (`granularity=\"expert\"`):", "",
+        "| model | host | micro-batch x micro-batches, state, blocks' weights, blocks swapped | GPU | "
+        "pinned / host memory | "
+        "SSD capacity | written per device per 1,000 steps | tokens/s | model / hardware TFLOPS | binds (busy share) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *mixture_rows(), "",
         "The largest models trained so far, for comparison (measured, not planned):", "",
         "| model | host | figures | result |", "|---|---|---|---|", *trained(),
         END])

@@ -51,6 +51,7 @@ CHECKPOINT_BUFFERS = 8  # block-major's kept inputs on the device at once: uploa
 # kernels', not these blocks'.
 SAVED_ACTIVATIONS = {"gpt2": (18.04, 10.02), "gpt2-fused": (18.04, 4.02), "llama": (26.04, 8.02)}
 LOGIT_BYTES = 10  # per token and vocabulary entry: 16-bit logits, an fp32 copy, its gradient
+UNIT_WORDS = {"expert": "expert part"}  # what comes to the device at a time, by granularity, where not its name
 
 
 def activation_bytes(layout: str, width: int, mlp: int, compute_bytes: int) -> int:
@@ -134,7 +135,7 @@ class DevicePlan:
                 + (f" + {format_size(self.token_bytes)} per token of a micro-batch" if self.token_bytes else "")
                 + (f" (budget {format_size(self.budget)}, {format_size(self.reserve)} kept for the device)"
                    if self.budget is not None else "")
-                + f"; weights come to it by {self.granularity}")
+                + f"; weights come to it by {UNIT_WORDS.get(self.granularity, self.granularity)}")
         rows = [f"  {i.what:<34} {i.count:>3} x {format_size(i.each):>10} = {format_size(i.nbytes):>10}  {i.why}"
                 for i in self.fixed if i.count and i.each]
         rows += [f"  {i.what:<34} {i.count:>3} x {i.each:>7} B/token = {format_size(i.nbytes):>8}/token  {i.why}"
@@ -164,12 +165,12 @@ def plan_device(groups: list[GroupShape], pinned: MemoryPlan, work: Work | None,
     """The device's share of a training process with these groups and this pinned plan
     (its weight slots and gradient buffers are the device's too)."""
     fixed = [DeviceItem("weight slots", pinned.weight_slots, pinned.slot_bytes,
-                        f"the {granularity} computing, {pinned.prefetch} ahead"
+                        f"the {UNIT_WORDS.get(granularity, granularity)} computing, {pinned.prefetch} ahead"
                         + (f", {pinned.keep} kept" if pinned.keep else "") + ", spare or held"),
              DeviceItem("weight slots, blocks' own groups", pinned.own_slots, pinned.own_slot_bytes,
                         "a cut block's small modules, held while its sub-blocks come"),
              DeviceItem("gradient buffers", pinned.device_grad_buffers, pinned.grad_bytes,
-                        f"the {granularity} in backward, the one whose gradients go down"),
+                        f"the {UNIT_WORDS.get(granularity, granularity)} in backward, the one whose gradients go down"),
              DeviceItem("gradient buffers, blocks' own groups", min(pinned.own_grad_buffers, DEVICE_GRAD_BUFFERS),
                         pinned.own_grad_bytes, "a cut block's small modules"),
              DeviceItem("weight slots, the rest's sub-blocks", pinned.rest_slots, pinned.rest_slot_bytes,
