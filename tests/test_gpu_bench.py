@@ -260,6 +260,7 @@ def test_swapped_blocks_add_their_activations_to_the_arena_and_drop_their_inputs
     assert gpu.arena_bytes(21, 16, 32, 1024, 2048, swap=5) == max(kept + acts, 2 * kept) == kept + acts
 
 
+@pytest.mark.slow  # (6-11 s: the default suite's 10 minutes)
 def test_the_gpu_benchmark_swaps_blocks_on_the_cpu(short_tmp):
     """--swap-blocks on the stand-in: attach gets swap_blocks, and each round reports the
     swapped activations' bytes (down, back, and what went past the arena to the SSD array);

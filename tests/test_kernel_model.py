@@ -230,6 +230,7 @@ def test_an_fp16_plan_prices_its_gemms_at_the_fp16_rate():
     assert options == fp16.attach_options()
 
 
+@pytest.mark.slow  # (6-11 s: the default suite's 10 minutes)
 def test_hardware_flops_count_the_recomputation():
     """Hardware TFLOPS (what the GPU executes) beside model TFLOPS (6 N tokens): block-major
     runs each block's forward twice (once more before its backward) and the tail's forward

@@ -131,7 +131,8 @@ def test_no_plan_predicts_more_than_the_gpus_peak(gpu):
     assert checked == set(shapes), checked  # (every one fits: the widest by expert parts, model/experts.py)
 
 
-@pytest.mark.parametrize("name", ["gpt-oss-120b", "Qwen3-235B-A22B", "DeepSeek-V3"])
+@pytest.mark.parametrize("name", ["gpt-oss-120b", pytest.param("Qwen3-235B-A22B", marks=pytest.mark.slow),
+                                  pytest.param("DeepSeek-V3", marks=pytest.mark.slow)])
 def test_experts_cut_below_one_block_fit_a_24_gb_gpu(name):
     """A block of these is past a 24 GB GPU by its modules (one fused experts tensor of
     gpt-oss-120b's is 3.2B parameters, DeepSeek-V3's 11.3B); cut into 16 parts of experts

@@ -146,6 +146,7 @@ def test_no_swapping_where_it_does_not_pay_or_there_is_no_gpu():
         Settings(seq=32, swap_blocks=2, schedule="loop")
 
 
+@pytest.mark.slow  # (6-11 s: the default suite's 10 minutes)
 def test_the_planner_names_the_pinned_budget_where_it_binds():
     """On the paper's box the daemon's default pinned budget (half of 768 GiB) holds none of
     GPT-3 175B's blocks' activations beside its weights; the advice names the budget that
@@ -168,6 +169,7 @@ def test_the_planner_names_the_pinned_budget_where_it_binds():
     assert not [w for w, _ in ssd_bound.advice if w.startswith("a pinned budget")]
 
 
+@pytest.mark.slow  # (6-11 s: the default suite's 10 minutes)
 def test_a_gelu_written_out_is_counted_and_the_planner_names_the_one_operator_gelu():
     """GPT-2 configs train with HF's gelu_new, six elementwise operators each saving a tensor
     of the MLP's width: the planner reads the config's activation_function (GPT-2's default
