@@ -173,8 +173,19 @@ def _create_groups(session, device, layout, torch_groups, strategies, resume, ma
 def _planned(model, session, specs, torch_groups, options, device, parallel, resume, sharers, recut):
     """(specs, layout, memory plan, torch groups), the plan held (hold_plan): the specs and
     torch groups are the model's cut into expert parts where "auto" came to that."""
-    return hold_plan(session, lambda: plan_granularity(model, session, specs, torch_groups, options, device,
-                                                       parallel, resume, sharers, recut))
+    cut_here = []  # (the experts cut by a try of "auto": a second try plans from the model as it came)
+
+    def recut_once():
+        cut_here.append(True)
+        return recut()
+
+    def make():
+        if cut_here:
+            uncut_experts(model)
+            cut_here.clear()
+        return plan_granularity(model, session, specs, torch_groups, options, device, parallel, resume, sharers,
+                                recut_once if recut is not None else None)
+    return hold_plan(session, make)
 
 
 def hold_plan(session, make_plan):

@@ -2,11 +2,12 @@
 a device (or a pinned budget) that cannot hold one block's experts at once.
 
 Hugging Face's mixture-of-experts blocks (transformers 5: Qwen3-MoE, Qwen2-MoE, OLMoE,
-DeepSeek-V3, GLM-4-MoE, Llama 4, gpt-oss, ...) hold all of a block's experts in one
+DeepSeek-V3, GLM-4-MoE, Qwen3-Next, gpt-oss, ...) hold all of a block's experts in one
 module of fused parameters, ``gate_up_proj`` (or ``up_proj``) and ``down_proj`` of shape
 ``(experts, ., .)``, biases ``(experts, .)`` where the family has them: one atom, most of
-the block (a Qwen3-30B-A3B block's experts are 97% of it, gpt-oss-120b's 2.1B
-parameters). ``cut_experts`` cuts each such module into ``PARTS`` parts of consecutive
+the block (a Qwen3-30B-A3B block's experts are 97% of it; gpt-oss-120b's are 3.2B
+parameters a block). Llama 4's experts (every expert over every token in one batched
+matmul, not transformers' experts interface) are not found here, and not cut. ``cut_experts`` cuts each such module into ``PARTS`` parts of consecutive
 experts, ``ExpertPart`` modules registered under it (``experts.parts.<k>``) that hold
 parameters of their own, the rows of the fused ones; model/cuts.py then makes each part
 a sub-block (``block0003.m<k>``), fetched around its own forward as a projection is.
@@ -26,8 +27,12 @@ steps it as torch does.
 Names stay the model's: ``state_dict()`` gives the fused tensors under their own keys
 (the parts' rows joined, after an engine's hooks have put its trained values in), and
 ``load_state_dict`` takes them (split into the parts); ``uncut_experts`` gives the module
-its fused parameters back. ``fused_names`` maps each part's parameter to the fused
-parameter's name and its rows, for what writes by name (the exporter).
+its fused parameters back (the same Parameter objects, which the cut module keeps as
+attributes). ``fused_names`` maps each part's parameter to the fused parameter's name and
+its rows, for what writes by name (the exporter, the clipping norm). A model on the meta
+device is made real by its fused parameters (``whole_parameters``: by their names, from a
+checkpoint or the model's init), the parts then viewing their rows (``repoint``); once a
+block's parts are made, the fused values are let go (``release``).
 """
 from __future__ import annotations
 
