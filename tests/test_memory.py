@@ -13,6 +13,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import fuyou_client
 from conftest import SMALL, merge
 
@@ -52,6 +54,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # (12 s: the default suite's 10 minutes)
 def test_peak_memory_stays_below_weights_plus_moments(short_tmp):
     cfg = merge(SMALL, {"storage": {"capacity_per_device": "3GiB"},
                         "memory": {"pinned_budget": "1GiB", "segment_size": "64MiB"},

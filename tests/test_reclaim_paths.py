@@ -99,7 +99,7 @@ def nothing_held(d) -> None:
 
 @pytest.mark.parametrize("method, point, request_", [
     ("Allocate", "allocate.looked_up", pb.AllocateRequest(size=8 * MiB)),
-    ("Reserve", "reserve.looked_up", pb.ReserveRequest(bytes=64 * MiB)),
+    pytest.param("Reserve", "reserve.looked_up", pb.ReserveRequest(bytes=64 * MiB), marks=pytest.mark.slow),
 ])
 def test_a_session_closed_between_its_lookup_and_the_pool_keeps_nothing(method, point, request_):
     """The session is looked up, then closed (its memory released) before the pool is

@@ -262,6 +262,7 @@ def _ctl_here(capsys, *args):
     return subprocess.CompletedProcess(["fuyouctl", "plan", *args], code, out, err)
 
 
+@pytest.mark.slow  # (9 s: the default suite's 10 minutes; test_fuyouctl_plan_refuses_clearly stays)
 def test_fuyouctl_plan_answers_for_a_described_host(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(LLAMA2_7B))
