@@ -174,3 +174,25 @@ def test_gpt_oss_with_4_element_tensors_trains_bitwise(daemon, offload):
     ours, ref, losses, ref_losses, _ = train_pair("gpt-oss-4x4", daemon, offload)
     assert losses == ref_losses
     assert_same(ours, ref)
+
+
+def test_gpt_oss_trains_by_train_step_on_a_device_with_its_own_memory(daemon):
+    """gpt-oss's layers take two attention masks (sliding and full); train_step on a device
+    with its own memory empties what the model's forward holds before block 0 (blockmajor/
+    schedule.py ``_park``) but no mask a later block takes: the stand-in's losses and
+    weights are the CPU's, bit for bit (before, block 1 got an emptied mask and failed)."""
+    from discrete_device import LateCopyDevice
+    runs = []
+    for device in (None, LateCopyDevice(seed=9)):
+        torch.manual_seed(0)
+        model = build("gpt-oss")
+        engine = fuyou_client.attach(model, fuyou_client.AdamW(**HYPER), socket=daemon.socket, offload=True,
+                                     granularity="block", device=device)
+        gen = torch.Generator().manual_seed(1)
+        losses = [engine.train_step([torch.randint(0, VOCAB, (1, 8), generator=gen) for _ in range(3)],
+                                    lambda x: model(x, labels=x).loss / 3) for _ in range(2)]
+        engine.close()
+        runs.append((model, torch.cat(losses)))
+    (cpu, cpu_losses), (standin, standin_losses) = runs
+    assert torch.equal(cpu_losses, standin_losses)
+    assert_same(standin, cpu)

@@ -300,9 +300,10 @@ class BlockMajor:
         them until its forward returns, a step's tokens x width several times over. Emptied
         in place (the model's references stay; a copy in flight holds its memory until
         done): floating tensors on the device, not parameters, buffers or views of them, not
-        block 0's other arguments (masks, rotary tables), not the micro-batch itself and
-        nothing of ``loss_fn``'s own. A model that reads one of them after its blocks fails
-        on its empty shape."""
+        block 0's other arguments (masks, rotary tables), no 4-D tensor (another layer
+        type's attention mask, which later blocks take: gpt-oss's full-attention mask beside
+        block 0's sliding one), not the micro-batch itself and nothing of ``loss_fn``'s own.
+        A model that reads one of them after its blocks fails on its empty shape."""
         keep = {id(t) for t in arguments if isinstance(t, torch.Tensor)} - {id(t) for t in carried}
         keep |= {id(t) for t in tree_flatten(self._micro_batches[i])[0] if isinstance(t, torch.Tensor)}
         for t in carried:
@@ -315,7 +316,8 @@ class BlockMajor:
             for value in list(frame.f_locals.values()):
                 for t in tree_flatten(value)[0] if isinstance(value, (tuple, list, dict)) else [value]:
                     if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and id(t) not in keep \
-                            and t.is_floating_point() and t.device == self.device.torch_device and t.numel() \
+                            and t.is_floating_point() and t.dim() < 4 and t.device == self.device.torch_device \
+                            and t.numel() \
                             and t.untyped_storage().data_ptr() not in self._resident:
                         t.data = torch.empty(0, dtype=t.dtype, device=t.device)
             frame = frame.f_back
