@@ -103,16 +103,16 @@ def test_an_engine_fetches_each_part_around_its_use(daemon):
     assert not any(isinstance(m, ExpertPart) for m in model.modules())
 
 
-def _steps(model, engine, steps=2):
+def _steps(model, engine, steps=2, shape=(2, 16)):
+    """``steps`` steps of one seeded micro-batch each: their losses (the engine left open)."""
     gen, losses = torch.Generator().manual_seed(1), []
     for _ in range(steps):
-        x = torch.randint(0, 256, (2, 16), generator=gen)
+        x = torch.randint(0, 256, shape, generator=gen)
         loss = model(x, labels=x).loss
         loss.backward()
         losses.append(loss.item())
         engine.step()
         engine.zero_grad()
-    engine.close()
     return losses
 
 
@@ -134,9 +134,12 @@ def test_a_meta_model_is_made_real_whole_and_trained_in_parts(daemon, tmp_path, 
                                  granularity="expert", weights=source)
     assert any(isinstance(m, ExpertPart) for m in meta.modules())
     losses = _steps(meta, engine)
+    engine.close()
     ref = copy.deepcopy(cpu) if weights == "dir" else cpu
-    ref_losses = _steps(ref, fuyou_client.attach(ref, fuyou_client.AdamW(lr=3e-3), socket=daemon.socket,
-                                                 offload=True, granularity="block"))
+    ref_engine = fuyou_client.attach(ref, fuyou_client.AdamW(lr=3e-3), socket=daemon.socket, offload=True,
+                                     granularity="block")
+    ref_losses = _steps(ref, ref_engine)
+    ref_engine.close()
     assert losses == ref_losses
     mine, theirs = meta.state_dict(), ref.state_dict()
     assert list(mine) == list(theirs)
@@ -158,15 +161,7 @@ def test_auto_cuts_the_experts_where_their_module_does_not_fit_the_device(daemon
         model = build("gpt-oss")
         engine = fuyou_client.attach(model, fuyou_client.AdamW(lr=3e-3, weight_decay=0.1), socket=daemon.socket,
                                      device=device, max_grad_norm=0.05, grad_accumulation="host", **options)
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(2):
-            x = torch.randint(0, 256, (1, 8), generator=gen)
-            loss = model(x, labels=x).loss
-            loss.backward()
-            losses.append(loss.item())
-            engine.step()
-            engine.zero_grad()
+        losses = _steps(model, engine, shape=(1, 8))
         plan = engine.memory_plan().device
         engine.close()
         runs.append((model, losses, plan, device))

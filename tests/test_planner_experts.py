@@ -4,6 +4,9 @@ those of the model), compute is priced by the parameters a token passes through,
 plan for any family on any GPU predicts more than that GPU's peak."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -11,6 +14,9 @@ import transformers
 import fuyou_client
 from fuyou_client.sizing import experts as moe
 from fuyou_client.sizing import shape as S
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from sizing import MIXTURES  # noqa: E402 - bench/sizing.py: the sizing page's mixtures of experts
 
 # Tiny configs of the families people fine-tune as mixtures of experts (2026).
 TINY = {
@@ -35,25 +41,14 @@ TINY = {
     "gpt_oss": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, vocab_size=256),
 }
-# Their real shapes (config.json's fields), for the planner at width.
+# Their real shapes (config.json's fields), for the planner at width: Qwen3-30B-A3B here, the
+# three the sizing page plans on the workstation from bench/sizing.py.
 REAL = {
     "Qwen3-30B-A3B": {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
                       "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
                       "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
                       "vocab_size": 151936},
-    "gpt-oss-120b": {"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
-                     "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880, "num_local_experts": 128,
-                     "num_experts_per_tok": 4, "vocab_size": 201088},
-    "Qwen3-235B-A22B": {"model_type": "qwen3_moe", "hidden_size": 4096, "num_hidden_layers": 94,
-                        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
-                        "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_experts": 128,
-                        "num_experts_per_tok": 8, "vocab_size": 151936},
-    "DeepSeek-V3": {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
-                    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
-                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "intermediate_size": 18432,
-                    "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
-                    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "vocab_size": 129280, "n_group": 8,
-                    "topk_group": 4},
+    **MIXTURES,
 }
 
 
